@@ -1,0 +1,26 @@
+//! The Sealpost protocol core: envelopes, canonical digests, the state table and every
+//! outbox decision as a pure function of a row snapshot, an input and an injected `now`.
+//!
+//! Nothing in this crate performs IO or reads a clock. The Postgres store, the broker
+//! adapters and the deterministic simulator are shells that load a snapshot, call one of the
+//! `decide_*` functions here and persist what it returns. One decision, one place: the
+//! simulator proves exactly the code that production runs.
+
+pub mod cleanup;
+pub mod claim;
+pub mod delivery_set;
+pub mod encoding;
+pub mod envelope;
+pub mod inbox;
+pub mod migration;
+pub mod receipt;
+pub mod reconcile;
+pub mod row;
+pub mod state;
+
+pub use claim::{ClaimDecision, ClaimToken, SendOutcome, SendOutcomeDecision};
+pub use encoding::{Digest, DIGEST_LEN};
+pub use envelope::{Destination, EventId, RoutePolicy, SealedEnvelope};
+pub use receipt::{DuplicateKind, QuarantineReason, Receipt, ReceiptVerdict, RejectReason};
+pub use row::{Attempt, AttemptStatus, Claim, EventRow};
+pub use state::{State, TransitionError};

@@ -1,0 +1,184 @@
+//! The sole acceptance point (R10–R12): the decision of `acceptDispatchReceipt`. The store
+//! runs it inside one transaction holding the event row's lock; nothing else may fill the
+//! publish slot or set `PUBLISHED`.
+
+use crate::encoding::Digest;
+use crate::envelope::EventId;
+use crate::row::{AttemptStatus, EventRow};
+use crate::state::{transition, State, TransitionError};
+
+/// How a receipt reached the acceptance point.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ReceiptSource {
+    /// The broker's publish acknowledgement, reported by the sender.
+    Ack,
+    /// The reconciler found the message at the frozen destination (R13).
+    Lookup,
+}
+
+/// A broker receipt, as reported to the acceptance point.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Receipt {
+    /// Event id carried by the stored message.
+    pub event_id: EventId,
+    /// Delivery-set member (0 for plain events).
+    pub member: u16,
+    /// Envelope generation carried by the message.
+    pub envelope_generation: u32,
+    /// Attempt id carried by the message headers.
+    pub attempt_id: u64,
+    /// Payload digest carried by the message.
+    pub payload_digest: Digest,
+    /// Destination digest carried by the message.
+    pub destination_digest: Digest,
+    /// Cluster that acknowledged.
+    pub cluster: String,
+    /// Stream or topic that stored it.
+    pub stream: String,
+    /// Partition, for partitioned brokers.
+    pub partition: Option<u32>,
+    /// Broker position (JetStream stream sequence, Kafka offset). 0 is never a position.
+    pub sequence: u64,
+    /// The broker reported this as a duplicate of an earlier publish (NATS `duplicate`).
+    pub broker_duplicate: bool,
+    /// Where the receipt came from.
+    pub source: ReceiptSource,
+}
+
+/// Why a receipt was quarantined: it contradicts the sealed envelope under the same id.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum QuarantineReason {
+    /// Payload digest differs from the sealed one.
+    PayloadDigestMismatch,
+    /// Destination digest differs from the attempt's frozen one.
+    DestinationDigestMismatch,
+    /// Broker coordinates (cluster/stream/partition) differ from the frozen destination.
+    ReceiptOutsideDestination,
+    /// A receipt from a destination that a migration declared "not accepted" (R15): the
+    /// absence proof was wrong. Alert.
+    MigrationConflict,
+}
+
+/// Why a receipt was rejected (audited, not an error of the event).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RejectReason {
+    /// The receipt names another event.
+    WrongEvent,
+    /// No broker position (e.g. a NATS duplicate ack with sequence 0): not proof of anything.
+    NoPosition,
+    /// The attempt id was never registered (possible forgery or a bug).
+    UnregisteredAttempt,
+    /// The receipt's envelope generation is not the attempt's.
+    EnvelopeGenerationMismatch,
+    /// The row is not in a state that has an attempt in flight (e.g. `PENDING`, `PURGED`).
+    NotInFlight(State),
+}
+
+/// How a duplicate transport receipt relates to the primary.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DuplicateKind {
+    /// Same broker position as the primary (the broker deduplicated the publish).
+    SamePosition,
+    /// A second stored copy at another position; consumers' inboxes absorb it. A finding.
+    SecondCopy,
+}
+
+/// The verdict of the acceptance point.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReceiptVerdict {
+    /// Fill the empty slot with this receipt and set `PUBLISHED`.
+    Primary,
+    /// The slot is taken: keep as a duplicate transport receipt.
+    Duplicate(DuplicateKind),
+    /// Contradicts the sealed envelope: quarantine the receipt, leave the slot untouched.
+    Quarantine(QuarantineReason),
+    /// Not a valid receipt for this row: audit it.
+    Reject(RejectReason),
+}
+
+/// `acceptDispatchReceipt`'s decision. It does not look at the current claim: a late,
+/// genuine ACK from an expired attempt competes for the same slot (R11).
+pub fn decide_receipt(row: &EventRow, r: &Receipt) -> ReceiptVerdict {
+    use ReceiptVerdict::{Duplicate, Primary, Quarantine, Reject};
+    if r.event_id != row.event_id || r.member != row.member {
+        return Reject(RejectReason::WrongEvent);
+    }
+    if r.payload_digest != row.payload_digest {
+        return Quarantine(QuarantineReason::PayloadDigestMismatch);
+    }
+    if row.superseded.iter().any(|s| s.destination_digest == r.destination_digest) {
+        return Quarantine(QuarantineReason::MigrationConflict);
+    }
+    let Some(attempt) = row.attempt(r.attempt_id) else {
+        if r.destination_digest != row.destination_digest {
+            return Quarantine(QuarantineReason::DestinationDigestMismatch);
+        }
+        return Reject(RejectReason::UnregisteredAttempt);
+    };
+    if r.destination_digest != attempt.destination_digest
+        || r.destination_digest != row.destination_digest
+    {
+        return Quarantine(QuarantineReason::DestinationDigestMismatch);
+    }
+    if r.envelope_generation != attempt.envelope_generation {
+        return Reject(RejectReason::EnvelopeGenerationMismatch);
+    }
+    if r.cluster != row.destination.cluster
+        || r.stream != row.destination.topic
+        || r.partition != row.destination.partition()
+    {
+        return Quarantine(QuarantineReason::ReceiptOutsideDestination);
+    }
+    if r.sequence == 0 {
+        return Reject(RejectReason::NoPosition);
+    }
+    if attempt.status == AttemptStatus::Failed {
+        // We declared this attempt "provably not stored"; a receipt says otherwise. The
+        // row may already have re-entered the main path, so the receipt is not accepted
+        // here; it is audited for an operator.
+        return Reject(RejectReason::NotInFlight(row.state));
+    }
+    match (&row.primary, row.state) {
+        (Some(p), _) => {
+            if p.stream == r.stream && p.partition == r.partition && p.sequence == r.sequence {
+                Duplicate(DuplicateKind::SamePosition)
+            } else {
+                Duplicate(DuplicateKind::SecondCopy)
+            }
+        }
+        (
+            None,
+            State::Sending | State::DispatchUnknown | State::Reconciling | State::RetryClaimed,
+        ) => Primary,
+        (None, s) => Reject(RejectReason::NotInFlight(s)),
+    }
+}
+
+/// Applies a verdict to the in-memory row (the simulator's persistence; the Postgres store
+/// writes the same changes in SQL). Quarantine and reject change nothing on the row.
+pub fn apply_receipt(
+    row: &mut EventRow,
+    r: &Receipt,
+    verdict: ReceiptVerdict,
+    now_ms: u64,
+) -> Result<(), TransitionError> {
+    match verdict {
+        ReceiptVerdict::Primary => {
+            row.state = transition(row.state, State::Published)?;
+            row.primary = Some(r.clone());
+            row.claim = None;
+            row.published_at_ms = Some(now_ms);
+            row.unknown_since_ms = None;
+            if let Some(a) = row.attempt_mut(r.attempt_id) {
+                a.status = AttemptStatus::Acked;
+            }
+        }
+        ReceiptVerdict::Duplicate(_) => {
+            if let Some(a) = row.attempt_mut(r.attempt_id) {
+                a.status = AttemptStatus::Acked;
+            }
+        }
+        ReceiptVerdict::Quarantine(_) | ReceiptVerdict::Reject(_) => {}
+    }
+    Ok(())
+}

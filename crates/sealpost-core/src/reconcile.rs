@@ -1,0 +1,123 @@
+//! Reconciling unknown outcomes (R13–R14). The reconciler holds a `RECONCILING` claim, asks
+//! the broker whether the event is stored at its *frozen* destination, and either turns the
+//! answer into a receipt through the acceptance point or grants a retry to the same
+//! destination. It never picks another destination.
+
+use crate::claim::{check_fence, ClaimToken, Fenced};
+use crate::encoding::Digest;
+use crate::receipt::{decide_receipt, QuarantineReason, Receipt, ReceiptVerdict, RejectReason};
+use crate::row::{AttemptStatus, EventRow};
+use crate::state::{transition, State, TransitionError};
+
+/// What the broker said when asked "did you store event X at destination D?".
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Lookup {
+    /// A stored message for the event at the frozen destination, as a receipt.
+    Found(Receipt),
+    /// Proven absent: the broker answered and holds no such message.
+    Absent,
+    /// This broker cannot be asked (no lookup by event id).
+    Unqueryable,
+    /// The broker could not be reached; nothing was learned.
+    Unavailable,
+}
+
+/// Reconciler policy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ReconcilePolicy {
+    /// Where the broker cannot be asked, may the reconciler redeliver to the same frozen
+    /// destination (consumers deduplicate)? (R14)
+    pub redeliver_when_unqueryable: bool,
+}
+
+impl Default for ReconcilePolicy {
+    fn default() -> Self {
+        ReconcilePolicy { redeliver_when_unqueryable: true }
+    }
+}
+
+/// The reconciler's verdict for one `RECONCILING` row.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ReconcileDecision {
+    /// The lookup found the message: submit the receipt to the acceptance point.
+    Accept(Receipt),
+    /// Grant a redelivery to the same frozen destination: `RETRY_CLAIMED`, attempt
+    /// generation + 1.
+    RetrySameDestination {
+        /// The only destination the retry may use.
+        destination_digest: Digest,
+        /// Quarantine the found receipt first (it contradicted the envelope).
+        quarantine: Option<QuarantineReason>,
+    },
+    /// Acceptance neither proven nor disproven: back to `DISPATCH_UNKNOWN`.
+    StayUnknown,
+    /// The reconciler's claim is gone (an ACK was accepted meanwhile, or another
+    /// reconciler took over): its write fails harmlessly.
+    Fenced(Fenced),
+}
+
+/// Decides what to do with a lookup result (R13–R14).
+pub fn decide_reconcile(
+    row: &EventRow,
+    token: ClaimToken,
+    lookup: &Lookup,
+    policy: ReconcilePolicy,
+    now_ms: u64,
+) -> ReconcileDecision {
+    if row.state != State::Reconciling {
+        return ReconcileDecision::Fenced(Fenced::WrongState(row.state));
+    }
+    if let Err(f) = check_fence(row, token, now_ms) {
+        return ReconcileDecision::Fenced(f);
+    }
+    let retry = |quarantine| ReconcileDecision::RetrySameDestination {
+        destination_digest: row.destination_digest,
+        quarantine,
+    };
+    match lookup {
+        Lookup::Found(r) => match decide_receipt(row, r) {
+            ReceiptVerdict::Primary | ReceiptVerdict::Duplicate(_) => {
+                ReconcileDecision::Accept(r.clone())
+            }
+            // The broker holds a copy we cannot tie to a registered attempt (the row was
+            // restored from a backup, say). Redeliver to the same destination under the
+            // same event id: the broker deduplicates or consumers do.
+            ReceiptVerdict::Reject(RejectReason::UnregisteredAttempt) => retry(None),
+            ReceiptVerdict::Reject(RejectReason::NoPosition) => ReconcileDecision::StayUnknown,
+            ReceiptVerdict::Reject(_) => retry(None),
+            ReceiptVerdict::Quarantine(q) => retry(Some(q)),
+        },
+        Lookup::Absent => retry(None),
+        Lookup::Unqueryable if policy.redeliver_when_unqueryable => retry(None),
+        Lookup::Unqueryable | Lookup::Unavailable => ReconcileDecision::StayUnknown,
+    }
+}
+
+/// Applies a reconcile verdict other than `Accept` (which goes through
+/// [`crate::receipt::apply_receipt`]).
+pub fn apply_reconcile(
+    row: &mut EventRow,
+    decision: &ReconcileDecision,
+    now_ms: u64,
+) -> Result<(), TransitionError> {
+    let _ = now_ms;
+    match decision {
+        ReconcileDecision::RetrySameDestination { .. } => {
+            row.state = transition(row.state, State::RetryClaimed)?;
+            row.attempt_generation += 1;
+            row.claim = None;
+            for a in &mut row.attempts {
+                // Still registered: a late ACK from it competes for the slot (R11).
+                if a.status == AttemptStatus::Sending {
+                    a.status = AttemptStatus::Unknown;
+                }
+            }
+        }
+        ReconcileDecision::StayUnknown => {
+            row.state = transition(row.state, State::DispatchUnknown)?;
+            row.claim = None;
+        }
+        ReconcileDecision::Accept(_) | ReconcileDecision::Fenced(_) => {}
+    }
+    Ok(())
+}
