@@ -59,7 +59,10 @@ pub enum ClaimDecision {
 /// The dispatcher's claim decision for one row (R7). `lease_ms` is added to the database's
 /// `now_ms`; a worker's clock is never consulted.
 pub fn decide_dispatch_claim(row: &EventRow, now_ms: u64, lease_ms: u64) -> ClaimDecision {
-    let expired = row.claim.as_ref().is_none_or(|c| c.lease_until_ms <= now_ms);
+    let expired = row
+        .claim
+        .as_ref()
+        .is_none_or(|c| c.lease_until_ms <= now_ms);
     let grant = |next: State, superseding: bool| ClaimDecision::Grant {
         next,
         generation: row.claim_generation + 1,
@@ -78,7 +81,10 @@ pub fn decide_dispatch_claim(row: &EventRow, now_ms: u64, lease_ms: u64) -> Clai
 /// The reconciler's claim decision: `DISPATCH_UNKNOWN` (or a `RECONCILING` row whose
 /// reconciler lease ran out) moves to `RECONCILING` under a new claim generation.
 pub fn decide_reconcile_claim(row: &EventRow, now_ms: u64, lease_ms: u64) -> ClaimDecision {
-    let expired = row.claim.as_ref().is_none_or(|c| c.lease_until_ms <= now_ms);
+    let expired = row
+        .claim
+        .as_ref()
+        .is_none_or(|c| c.lease_until_ms <= now_ms);
     match row.state {
         State::DispatchUnknown | State::Reconciling if expired => ClaimDecision::Grant {
             next: State::Reconciling,
@@ -99,7 +105,12 @@ pub fn apply_claim(
     now_ms: u64,
 ) -> Result<Option<ClaimToken>, TransitionError> {
     match *decision {
-        ClaimDecision::Grant { next, generation, lease_until_ms, .. } => {
+        ClaimDecision::Grant {
+            next,
+            generation,
+            lease_until_ms,
+            ..
+        } => {
             let prev = row.state;
             row.state = transition(prev, next)?;
             if prev == State::Pending {
@@ -107,7 +118,11 @@ pub fn apply_claim(
                 row.attempt_generation += 1;
             }
             row.claim_generation = generation;
-            row.claim = Some(Claim { owner, generation, lease_until_ms });
+            row.claim = Some(Claim {
+                owner,
+                generation,
+                lease_until_ms,
+            });
             Ok(Some(ClaimToken { owner, generation }))
         }
         ClaimDecision::ExpireToUnknown => {
@@ -134,18 +149,24 @@ pub fn check_fence(row: &EventRow, token: ClaimToken, now_ms: u64) -> Result<(),
     match &row.claim {
         Some(c) if c.generation == token.generation && c.owner == token.owner => {
             if c.lease_until_ms <= now_ms {
-                Err(Fenced::LeaseExpired { lease_until_ms: c.lease_until_ms })
+                Err(Fenced::LeaseExpired {
+                    lease_until_ms: c.lease_until_ms,
+                })
             } else {
                 Ok(())
             }
         }
-        other => Err(Fenced::Superseded { current: other.as_ref().map(|c| c.generation) }),
+        other => Err(Fenced::Superseded {
+            current: other.as_ref().map(|c| c.generation),
+        }),
     }
 }
 
 /// What a send must carry: the frozen destination of the current envelope generation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BeginSend {
+    /// The event id the message carries: always the row's own (R3).
+    pub event_id: crate::envelope::EventId,
     /// Attempt generation the new attempt is registered under.
     pub attempt_generation: u32,
     /// Envelope generation sent.
@@ -156,12 +177,17 @@ pub struct BeginSend {
 
 /// May this claim holder register an attempt and send? (R8–R9). The caller registers the
 /// attempt (in the same CAS) *before* the request leaves the process.
-pub fn decide_begin_send(row: &EventRow, token: ClaimToken, now_ms: u64) -> Result<BeginSend, Fenced> {
+pub fn decide_begin_send(
+    row: &EventRow,
+    token: ClaimToken,
+    now_ms: u64,
+) -> Result<BeginSend, Fenced> {
     if !matches!(row.state, State::Claimed | State::RetryClaimed) {
         return Err(Fenced::WrongState(row.state));
     }
     check_fence(row, token, now_ms)?;
     Ok(BeginSend {
+        event_id: row.event_id,
         attempt_generation: row.attempt_generation,
         envelope_generation: row.envelope_generation,
         destination_digest: row.destination_digest,
@@ -208,6 +234,9 @@ pub enum SendOutcomeDecision {
     ToUnknown,
     /// `SENDING -> PENDING`, attempt `Failed` (definite "not stored").
     ToPending,
+    /// This attempt is definitely not stored, but an older attempt's outcome is still
+    /// unknown: `SENDING -> DISPATCH_UNKNOWN` so that its late ACK can still win (R11).
+    BackToUnknown,
     /// `SENDING -> QUARANTINED`: refused `rejection_limit` times (poison).
     ToQuarantine,
     /// The reporter's claim is no longer current: keep the report as audit only.
@@ -230,11 +259,19 @@ pub fn decide_send_outcome(
         return SendOutcomeDecision::Audit(f);
     }
     match row.attempt(attempt_id) {
-        Some(a) if a.status == AttemptStatus::Sending && a.claim_generation == token.generation => {}
+        Some(a) if a.status == AttemptStatus::Sending && a.claim_generation == token.generation => {
+        }
         _ => return SendOutcomeDecision::Audit(Fenced::NotCurrentAttempt),
     }
+    let older_unknown = row
+        .attempts
+        .iter()
+        .any(|a| a.id != attempt_id && a.status == AttemptStatus::Unknown);
     match outcome {
         SendOutcome::AckTimeout => SendOutcomeDecision::ToUnknown,
+        SendOutcome::NeverSent | SendOutcome::Rejected if older_unknown => {
+            SendOutcomeDecision::BackToUnknown
+        }
         SendOutcome::NeverSent => SendOutcomeDecision::ToPending,
         SendOutcome::Rejected if row.rejections + 1 >= rejection_limit => {
             SendOutcomeDecision::ToQuarantine
@@ -255,6 +292,7 @@ pub fn apply_send_outcome(
         SendOutcomeDecision::Audit(_) => return Ok(()),
         SendOutcomeDecision::ToUnknown => (State::DispatchUnknown, AttemptStatus::Unknown),
         SendOutcomeDecision::ToPending => (State::Pending, AttemptStatus::Failed),
+        SendOutcomeDecision::BackToUnknown => (State::DispatchUnknown, AttemptStatus::Failed),
         SendOutcomeDecision::ToQuarantine => (State::Quarantined, AttemptStatus::Failed),
     };
     row.state = transition(row.state, next)?;
@@ -282,7 +320,22 @@ pub fn decide_release(row: &EventRow, token: ClaimToken, now_ms: u64) -> Result<
     }
 }
 
-/// Operator exit path for poison: `QUARANTINED -> PENDING`, rejection counter reset.
+/// Operator exit path for poison: `QUARANTINED -> PENDING`. Refused for any other state
+/// (a `SENDING` row must never be sent back to `PENDING` by hand, R9).
 pub fn decide_release_quarantine(row: &EventRow) -> Result<State, TransitionError> {
+    if row.state != State::Quarantined {
+        return Err(TransitionError {
+            from: row.state,
+            to: State::Pending,
+        });
+    }
     transition(row.state, State::Pending)
+}
+
+/// Applies an operator release: back to `PENDING` with the poison counter reset.
+pub fn apply_release_quarantine(row: &mut EventRow) -> Result<(), TransitionError> {
+    row.state = decide_release_quarantine(row)?;
+    row.rejections = 0;
+    row.claim = None;
+    Ok(())
 }

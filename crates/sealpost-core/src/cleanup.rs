@@ -46,7 +46,9 @@ pub enum PurgeRefusal {
     },
 }
 
-/// Decides whether a row may be purged now.
+/// Decides whether a row may be purged now. Consumers are checked before the replay window,
+/// so a `ReplayWindow` refusal means every required consumer has passed the event (the
+/// row may move to `RETAINED`).
 pub fn decide_purge(
     row: &EventRow,
     now_ms: u64,
@@ -59,10 +61,6 @@ pub fn decide_purge(
     if !matches!(row.state, State::Published | State::Retained) {
         return Err(PurgeRefusal::NotPublished(row.state));
     }
-    let until = published_at + policy.replay_window_ms;
-    if now_ms < until {
-        return Err(PurgeRefusal::ReplayWindow { remaining_ms: until - now_ms });
-    }
     for w in required {
         if w.watermark.is_none_or(|m| m < primary.sequence) {
             return Err(PurgeRefusal::ConsumerBehind {
@@ -71,6 +69,12 @@ pub fn decide_purge(
                 watermark: w.watermark,
             });
         }
+    }
+    let until = published_at + policy.replay_window_ms;
+    if now_ms < until {
+        return Err(PurgeRefusal::ReplayWindow {
+            remaining_ms: until - now_ms,
+        });
     }
     Ok(())
 }

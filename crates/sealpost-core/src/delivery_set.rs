@@ -43,7 +43,10 @@ pub fn set_status(members: &[State], rule: CompletionRule) -> SetStatus {
     } else if n - quarantined < needed {
         SetStatus::Blocked
     } else {
-        SetStatus::InProgress { published, members: n }
+        SetStatus::InProgress {
+            published,
+            members: n,
+        }
     }
 }
 
@@ -54,12 +57,24 @@ mod tests {
     #[test]
     fn rules() {
         use State::*;
-        assert_eq!(set_status(&[Published, Retained], CompletionRule::All), SetStatus::Complete);
+        assert_eq!(
+            set_status(&[Published, Retained], CompletionRule::All),
+            SetStatus::Complete
+        );
         assert_eq!(
             set_status(&[Published, DispatchUnknown], CompletionRule::All),
-            SetStatus::InProgress { published: 1, members: 2 }
+            SetStatus::InProgress {
+                published: 1,
+                members: 2
+            }
         );
-        assert_eq!(set_status(&[Published, Pending], CompletionRule::AtLeast(1)), SetStatus::Complete);
-        assert_eq!(set_status(&[Quarantined, Pending], CompletionRule::All), SetStatus::Blocked);
+        assert_eq!(
+            set_status(&[Published, Pending], CompletionRule::AtLeast(1)),
+            SetStatus::Complete
+        );
+        assert_eq!(
+            set_status(&[Quarantined, Pending], CompletionRule::All),
+            SetStatus::Blocked
+        );
     }
 }

@@ -81,12 +81,19 @@ impl Canonical {
         let mut hasher = Sha256::new();
         hasher.update(domain.as_bytes());
         hasher.update([0u8]);
-        Canonical { hasher, last_tag: 0 }
+        Canonical {
+            hasher,
+            last_tag: 0,
+        }
     }
 
     /// Adds a raw byte field.
     pub fn bytes(&mut self, tag: u8, value: &[u8]) -> &mut Self {
-        assert!(tag > self.last_tag, "canonical tags must ascend: {tag} after {}", self.last_tag);
+        assert!(
+            tag > self.last_tag,
+            "canonical tags must ascend: {tag} after {}",
+            self.last_tag
+        );
         self.last_tag = tag;
         let len = u32::try_from(value.len()).expect("canonical field longer than 4 GiB");
         self.hasher.update([tag]);

@@ -327,7 +327,10 @@ mod tests {
             "241e7b3c7b76aaf65e38527c2752e987527d12e5940669268e4e4f1b63e26bb0"
         );
         let p = Digest::of_bytes(PAYLOAD_DOMAIN, br#"{"order":"o-42","total_cents":1999}"#);
-        assert_eq!(p.to_hex(), "1b8ce4c58cb6085411913889c682cb9920d0d78e7a5966c049b7a50ea727b690");
+        assert_eq!(
+            p.to_hex(),
+            "1b8ce4c58cb6085411913889c682cb9920d0d78e7a5966c049b7a50ea727b690"
+        );
         let ev = NewEvent {
             aggregate_type: "order",
             aggregate_id: "o-42",
@@ -341,7 +344,10 @@ mod tests {
         };
         let id = EventId::parse("01900000-0000-7fff-bfff-ffffffffffff").unwrap();
         let env = SealedEnvelope::seal(id, &ev, &policy(19), "tenant-7.order.o-42");
-        assert_eq!(env.digest().to_hex(), "4678711fcd7f0b05dcb9bf79c9dc329dc74a6686baa5f3d22b36c5c9025fe2d3");
+        assert_eq!(
+            env.digest().to_hex(),
+            "4678711fcd7f0b05dcb9bf79c9dc329dc74a6686baa5f3d22b36c5c9025fe2d3"
+        );
     }
 
     #[test]

@@ -32,9 +32,9 @@ pub enum InboxDecision {
 pub fn decide_inbox(existing: Option<InboxRecord>, payload_digest: Digest) -> InboxDecision {
     match existing {
         None => InboxDecision::Apply,
-        Some(rec) if rec.payload_digest == payload_digest => {
-            InboxDecision::Duplicate { receipt_id: rec.receipt_id }
-        }
+        Some(rec) if rec.payload_digest == payload_digest => InboxDecision::Duplicate {
+            receipt_id: rec.receipt_id,
+        },
         Some(_) => InboxDecision::Quarantine,
     }
 }
@@ -59,16 +59,31 @@ mod tests {
         let a = Digest([1; 32]);
         let b = Digest([2; 32]);
         assert_eq!(decide_inbox(None, a), InboxDecision::Apply);
-        let rec = InboxRecord { payload_digest: a, receipt_id: 7 };
-        assert_eq!(decide_inbox(Some(rec), a), InboxDecision::Duplicate { receipt_id: 7 });
+        let rec = InboxRecord {
+            payload_digest: a,
+            receipt_id: 7,
+        };
+        assert_eq!(
+            decide_inbox(Some(rec), a),
+            InboxDecision::Duplicate { receipt_id: 7 }
+        );
         assert_eq!(decide_inbox(Some(rec), b), InboxDecision::Quarantine);
     }
 
     #[test]
     fn idempotency_key_is_stable_and_distinct() {
         let e = EventId([3; 16]);
-        assert_eq!(idempotency_key(e, "billing", "charge"), idempotency_key(e, "billing", "charge"));
-        assert_ne!(idempotency_key(e, "billing", "charge"), idempotency_key(e, "mail", "charge"));
-        assert_ne!(idempotency_key(e, "billing", "charge"), idempotency_key(EventId([4; 16]), "billing", "charge"));
+        assert_eq!(
+            idempotency_key(e, "billing", "charge"),
+            idempotency_key(e, "billing", "charge")
+        );
+        assert_ne!(
+            idempotency_key(e, "billing", "charge"),
+            idempotency_key(e, "mail", "charge")
+        );
+        assert_ne!(
+            idempotency_key(e, "billing", "charge"),
+            idempotency_key(EventId([4; 16]), "billing", "charge")
+        );
     }
 }

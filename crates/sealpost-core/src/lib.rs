@@ -6,8 +6,8 @@
 //! `decide_*` functions here and persist what it returns. One decision, one place: the
 //! simulator proves exactly the code that production runs.
 
-pub mod cleanup;
 pub mod claim;
+pub mod cleanup;
 pub mod delivery_set;
 pub mod encoding;
 pub mod envelope;

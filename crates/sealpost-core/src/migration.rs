@@ -15,7 +15,9 @@ pub enum MigrationRefusal {
     #[error("an attempt at the old destination is still unknown or in flight; reconcile it first")]
     OldDestinationUnknown,
     /// The event is already published at its destination.
-    #[error("the event is already published; a second destination is a delivery set, not a migration")]
+    #[error(
+        "the event is already published; a second destination is a delivery set, not a migration"
+    )]
     AlreadyPublished,
     /// The row is claimed or otherwise busy.
     #[error("the row is {0}; migrate only PENDING or QUARANTINED rows")]
@@ -40,7 +42,10 @@ pub struct MigrationGrant {
 
 /// Decides whether `row` may move to `to`. The proof of absence is the row itself: every
 /// attempt at the old destination ended `Failed` (a definite "not stored").
-pub fn decide_migration(row: &EventRow, to: &Destination) -> Result<MigrationGrant, MigrationRefusal> {
+pub fn decide_migration(
+    row: &EventRow,
+    to: &Destination,
+) -> Result<MigrationGrant, MigrationRefusal> {
     if row.state.is_published() || row.primary.is_some() {
         return Err(MigrationRefusal::AlreadyPublished);
     }
@@ -54,7 +59,10 @@ pub fn decide_migration(row: &EventRow, to: &Destination) -> Result<MigrationGra
     if to_digest == row.destination_digest {
         return Err(MigrationRefusal::SameDestination);
     }
-    debug_assert!(row.attempts.iter().all(|a| a.status == AttemptStatus::Failed));
+    debug_assert!(row
+        .attempts
+        .iter()
+        .all(|a| a.status == AttemptStatus::Failed));
     Ok(MigrationGrant {
         envelope_generation: row.envelope_generation + 1,
         from_digest: row.destination_digest,

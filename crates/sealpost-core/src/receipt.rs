@@ -103,10 +103,18 @@ pub fn decide_receipt(row: &EventRow, r: &Receipt) -> ReceiptVerdict {
     if r.event_id != row.event_id || r.member != row.member {
         return Reject(RejectReason::WrongEvent);
     }
+    if row.state == State::Purged {
+        // The evidence is gone by design (R20); nothing may be written to a purged row.
+        return Reject(RejectReason::NotInFlight(State::Purged));
+    }
     if r.payload_digest != row.payload_digest {
         return Quarantine(QuarantineReason::PayloadDigestMismatch);
     }
-    if row.superseded.iter().any(|s| s.destination_digest == r.destination_digest) {
+    if row
+        .superseded
+        .iter()
+        .any(|s| s.destination_digest == r.destination_digest)
+    {
         return Quarantine(QuarantineReason::MigrationConflict);
     }
     let Some(attempt) = row.attempt(r.attempt_id) else {

@@ -32,7 +32,9 @@ pub struct ReconcilePolicy {
 
 impl Default for ReconcilePolicy {
     fn default() -> Self {
-        ReconcilePolicy { redeliver_when_unqueryable: true }
+        ReconcilePolicy {
+            redeliver_when_unqueryable: true,
+        }
     }
 }
 

@@ -109,6 +109,8 @@ pub const TRANSITIONS: &[(State, State)] = &[
     (State::Reconciling, State::Published),
     (State::Reconciling, State::RetryClaimed),
     (State::Reconciling, State::DispatchUnknown),
+    // a reconciler whose lease ran out is superseded by another
+    (State::Reconciling, State::Reconciling),
     (State::RetryClaimed, State::RetryClaimed),
     (State::RetryClaimed, State::Sending),
     (State::RetryClaimed, State::Published),
@@ -161,7 +163,10 @@ mod tests {
         for to in State::ALL {
             assert!(transition(State::Purged, to).is_err(), "PURGED -> {to}");
             if !matches!(to, State::Retained | State::Purged) {
-                assert!(transition(State::Published, to).is_err(), "PUBLISHED -> {to}");
+                assert!(
+                    transition(State::Published, to).is_err(),
+                    "PUBLISHED -> {to}"
+                );
             }
         }
     }

@@ -1,1 +1,1 @@
-//! placeholder
+//! Sealpost: the Postgres store, broker adapters and operator tools around sealpost-core.

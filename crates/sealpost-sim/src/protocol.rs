@@ -1,0 +1,221 @@
+//! The simulator's only door to the protocol: every decision goes through [`Protocol`],
+//! which calls `sealpost-core` and, when a mutant is switched on, alters exactly one
+//! decision. Mutants exist only here, never in production code paths (G4).
+
+use sealpost_core::claim::{self, BeginSend, ClaimToken};
+use sealpost_core::cleanup::{self, PurgeRefusal, RetentionPolicy, Watermark};
+use sealpost_core::encoding::Digest;
+use sealpost_core::envelope::EventId;
+use sealpost_core::inbox::{self, InboxDecision, InboxRecord};
+use sealpost_core::receipt::{self, Receipt, ReceiptVerdict, RejectReason};
+use sealpost_core::row::EventRow;
+use sealpost_core::state::State;
+use sealpost_core::QuarantineReason;
+
+/// A deliberate protocol bug the checker must catch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Mutant {
+    /// The acceptance point skips the payload and destination digest checks.
+    AcceptWithoutDigestCheck,
+    /// A retry after `UNKNOWN` goes to the current route policy's destination.
+    RetryToOtherDestination,
+    /// The acceptance point accepts an ACK for an attempt it never registered.
+    AcceptUnregisteredAttempt,
+    /// The acceptance point drops an ACK whose claim has expired or been superseded.
+    DropLateAck,
+    /// An ACK from a stale claim overwrites the primary receipt.
+    StaleClaimOverwritesPrimary,
+    /// Every retry mints a new event id.
+    NewEventIdOnRetry,
+    /// The consumer records its inbox row in a second transaction after the effect.
+    ConsumerDedupOutsideTx,
+    /// Cleanup purges as soon as the event is published.
+    PurgeAtAck,
+}
+
+impl Mutant {
+    /// Every mutant, in `--list-mutants` order.
+    pub const ALL: [Mutant; 8] = [
+        Mutant::AcceptWithoutDigestCheck,
+        Mutant::RetryToOtherDestination,
+        Mutant::AcceptUnregisteredAttempt,
+        Mutant::DropLateAck,
+        Mutant::StaleClaimOverwritesPrimary,
+        Mutant::NewEventIdOnRetry,
+        Mutant::ConsumerDedupOutsideTx,
+        Mutant::PurgeAtAck,
+    ];
+
+    /// The CLI name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Mutant::AcceptWithoutDigestCheck => "accept-without-digest-check",
+            Mutant::RetryToOtherDestination => "retry-to-other-destination",
+            Mutant::AcceptUnregisteredAttempt => "accept-unregistered-attempt",
+            Mutant::DropLateAck => "drop-late-ack",
+            Mutant::StaleClaimOverwritesPrimary => "stale-claim-overwrites-primary",
+            Mutant::NewEventIdOnRetry => "new-event-id-on-retry",
+            Mutant::ConsumerDedupOutsideTx => "consumer-dedup-outside-tx",
+            Mutant::PurgeAtAck => "purge-at-ack",
+        }
+    }
+
+    /// Parses [`Mutant::name`].
+    pub fn parse(s: &str) -> Option<Mutant> {
+        Mutant::ALL.into_iter().find(|m| m.name() == s)
+    }
+}
+
+/// Calls the core, possibly through one mutant.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Protocol {
+    /// The switched-on mutant, if any.
+    pub mutant: Option<Mutant>,
+}
+
+/// A receipt verdict plus whether the (mutated) verdict overwrites a filled slot.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Verdict {
+    /// The verdict.
+    pub verdict: ReceiptVerdict,
+    /// Only a mutant sets this: replace the primary receipt.
+    pub overwrite_primary: bool,
+}
+
+impl Protocol {
+    fn is(&self, m: Mutant) -> bool {
+        self.mutant == Some(m)
+    }
+
+    /// `acceptDispatchReceipt`'s decision.
+    pub fn decide_receipt(&self, row: &EventRow, r: &Receipt, now_ms: u64) -> Verdict {
+        let v = receipt::decide_receipt(row, r);
+        let plain = Verdict {
+            verdict: v,
+            overwrite_primary: false,
+        };
+        let slot_verdict = || {
+            if row.primary.is_some() {
+                ReceiptVerdict::Duplicate(sealpost_core::DuplicateKind::SecondCopy)
+            } else {
+                ReceiptVerdict::Primary
+            }
+        };
+        match self.mutant {
+            Some(Mutant::AcceptWithoutDigestCheck)
+                if matches!(
+                    v,
+                    ReceiptVerdict::Quarantine(
+                        QuarantineReason::PayloadDigestMismatch
+                            | QuarantineReason::DestinationDigestMismatch
+                    )
+                ) && !row.state.is_published()
+                    && row.state != State::Pending =>
+            {
+                Verdict {
+                    verdict: slot_verdict(),
+                    overwrite_primary: false,
+                }
+            }
+            Some(Mutant::AcceptUnregisteredAttempt)
+                if v == ReceiptVerdict::Reject(RejectReason::UnregisteredAttempt)
+                    && row.state != State::Pending
+                    && row.state != State::Claimed =>
+            {
+                Verdict {
+                    verdict: slot_verdict(),
+                    overwrite_primary: false,
+                }
+            }
+            Some(Mutant::DropLateAck)
+                if matches!(v, ReceiptVerdict::Primary | ReceiptVerdict::Duplicate(_)) =>
+            {
+                let current = row
+                    .claim
+                    .as_ref()
+                    .filter(|c| c.lease_until_ms > now_ms)
+                    .map(|c| c.generation);
+                let claim_gen = row.attempt(r.attempt_id).map(|a| a.claim_generation);
+                if claim_gen.is_some() && claim_gen != current {
+                    Verdict {
+                        verdict: ReceiptVerdict::Reject(RejectReason::NotInFlight(row.state)),
+                        overwrite_primary: false,
+                    }
+                } else {
+                    plain
+                }
+            }
+            Some(Mutant::StaleClaimOverwritesPrimary)
+                if matches!(v, ReceiptVerdict::Duplicate(_)) =>
+            {
+                let current = row.claim.as_ref().map(|c| c.generation);
+                let stale = row
+                    .attempt(r.attempt_id)
+                    .map(|a| Some(a.claim_generation) != current);
+                if stale == Some(true) {
+                    Verdict {
+                        verdict: ReceiptVerdict::Primary,
+                        overwrite_primary: true,
+                    }
+                } else {
+                    plain
+                }
+            }
+            _ => plain,
+        }
+    }
+
+    /// The send authorisation. `policy_destination` is what the *current* route policy
+    /// would pick; only the retry-to-other-destination mutant ever uses it.
+    pub fn decide_begin_send(
+        &self,
+        row: &EventRow,
+        token: ClaimToken,
+        now_ms: u64,
+        policy_destination: Digest,
+        fresh_id: EventId,
+    ) -> Result<BeginSend, claim::Fenced> {
+        let mut b = claim::decide_begin_send(row, token, now_ms)?;
+        let is_retry = row.state == State::RetryClaimed;
+        if is_retry && self.is(Mutant::RetryToOtherDestination) {
+            b.destination_digest = policy_destination;
+        }
+        if is_retry && self.is(Mutant::NewEventIdOnRetry) {
+            b.event_id = fresh_id;
+        }
+        Ok(b)
+    }
+
+    /// The cleanup decision.
+    pub fn decide_purge(
+        &self,
+        row: &EventRow,
+        now_ms: u64,
+        policy: RetentionPolicy,
+        required: &[Watermark],
+    ) -> Result<(), PurgeRefusal> {
+        if self.is(Mutant::PurgeAtAck) && row.primary.is_some() && row.state != State::Purged {
+            return Ok(());
+        }
+        cleanup::decide_purge(row, now_ms, policy, required)
+    }
+
+    /// True when the consumer must record the inbox row in the effect's own transaction.
+    pub fn inbox_in_effect_tx(&self) -> bool {
+        !self.is(Mutant::ConsumerDedupOutsideTx)
+    }
+
+    /// The inbox decision.
+    pub fn decide_inbox(
+        &self,
+        existing: Option<InboxRecord>,
+        payload_digest: Digest,
+    ) -> InboxDecision {
+        inbox::decide_inbox(existing, payload_digest)
+    }
+
+    /// True when cleanup should also run right at acceptance (only the purge-at-ack mutant).
+    pub fn purge_on_accept(&self) -> bool {
+        self.is(Mutant::PurgeAtAck)
+    }
+}

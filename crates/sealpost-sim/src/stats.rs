@@ -1,0 +1,344 @@
+//! What a run counts: violations per class (G1), late-ACK convergence (G2), unknown
+//! resolution times (G3) and how often each fault was injected. Everything merges, so
+//! threads can count separately.
+
+/// A checked property class. The names are the JSON keys of `violations`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Violation {
+    /// A committed fact without its envelope, a published row whose receipt names a position
+    /// that does not hold it, or an accepted receipt that vanished from the store.
+    LostEvents,
+    /// The broker stored an event id that no committed fact owns.
+    SecondEventIds,
+    /// A send to anything but the frozen destination, or elsewhere while unknown.
+    CrossDestinationRetries,
+    /// An accepted receipt or an applied effect whose digests differ from the envelope.
+    DivergentPayloads,
+    /// A consumer applied one event's effect twice.
+    DuplicateEffects,
+    /// An `UNKNOWN` row without an open attempt to trace it to.
+    UntraceableUnknowns,
+    /// A purge before the replay window and every required consumer.
+    EarlyPurges,
+    /// After faults stop, an event not published, or not applied exactly once per consumer.
+    Liveness,
+}
+
+impl Violation {
+    /// Every class, in JSON order.
+    pub const ALL: [Violation; 8] = [
+        Violation::LostEvents,
+        Violation::SecondEventIds,
+        Violation::CrossDestinationRetries,
+        Violation::DivergentPayloads,
+        Violation::DuplicateEffects,
+        Violation::UntraceableUnknowns,
+        Violation::EarlyPurges,
+        Violation::Liveness,
+    ];
+
+    /// JSON key.
+    pub fn key(self) -> &'static str {
+        match self {
+            Violation::LostEvents => "lost_events",
+            Violation::SecondEventIds => "second_event_ids",
+            Violation::CrossDestinationRetries => "cross_destination_retries",
+            Violation::DivergentPayloads => "divergent_payloads",
+            Violation::DuplicateEffects => "duplicate_effects",
+            Violation::UntraceableUnknowns => "untraceable_unknowns",
+            Violation::EarlyPurges => "early_purges",
+            Violation::Liveness => "liveness",
+        }
+    }
+}
+
+/// Counts per violation class.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Violations(pub [u64; 8]);
+
+impl Violations {
+    /// Adds one.
+    pub fn add(&mut self, v: Violation) {
+        self.0[v as usize] += 1;
+    }
+    /// Count of one class.
+    pub fn get(&self, v: Violation) -> u64 {
+        self.0[v as usize]
+    }
+    /// Sum over classes.
+    pub fn total(&self) -> u64 {
+        self.0.iter().sum()
+    }
+    fn merge(&mut self, o: &Violations) {
+        for (a, b) in self.0.iter_mut().zip(o.0) {
+            *a += b;
+        }
+    }
+}
+
+/// An injected fault, counted so a run shows each was exercised.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Fault {
+    /// F1: writer killed before its commit.
+    CrashBeforeCommit,
+    /// F1: writer killed after its commit, before the response.
+    CrashAfterCommit,
+    /// F2: an ACK delayed past the claim's lease.
+    AckLate,
+    /// An ACK lost on the way back.
+    AckLost,
+    /// F4/F8: an ACK delivered twice.
+    AckDuplicated,
+    /// Broker answered a duplicate with sequence 0.
+    DuplicateSeqZero,
+    /// Network partition mid-send: the request never arrived.
+    PartitionMidSend,
+    /// F3: a claim superseded over an expired lease.
+    ClaimSuperseded,
+    /// F5: a migration requested while unknown at an unqueryable broker.
+    MigrationWhileUnknownUnqueryable,
+    /// F6: route policy revised.
+    RoutePolicyRevision,
+    /// F7: the receipt transaction rolled back.
+    ReceiptRollback,
+    /// F8: consumer deliveries reordered and duplicated.
+    ReorderedDuplicated,
+    /// F9: consumer committed, then crashed before acking.
+    ConsumerCrashAfterCommit,
+    /// Consumer crashed before its commit.
+    ConsumerCrashBeforeCommit,
+    /// F10: a purge attempted early.
+    EarlyPurgeAttempt,
+    /// F11: database restored from a backup.
+    DatabaseRestored,
+    /// Broker outage.
+    BrokerDown,
+    /// Dispatcher paused (possibly past its lease).
+    DispatcherPaused,
+    /// Dispatcher killed.
+    DispatcherKilled,
+    /// An ACK for an unregistered attempt.
+    ForgedAck,
+    /// An ACK whose payload digest was altered.
+    CorruptAck,
+    /// A poison message refused by the broker.
+    PoisonRejected,
+}
+
+impl Fault {
+    /// Every fault, in report order.
+    pub const ALL: [Fault; 22] = [
+        Fault::CrashBeforeCommit,
+        Fault::CrashAfterCommit,
+        Fault::AckLate,
+        Fault::AckLost,
+        Fault::AckDuplicated,
+        Fault::DuplicateSeqZero,
+        Fault::PartitionMidSend,
+        Fault::ClaimSuperseded,
+        Fault::MigrationWhileUnknownUnqueryable,
+        Fault::RoutePolicyRevision,
+        Fault::ReceiptRollback,
+        Fault::ReorderedDuplicated,
+        Fault::ConsumerCrashAfterCommit,
+        Fault::ConsumerCrashBeforeCommit,
+        Fault::EarlyPurgeAttempt,
+        Fault::DatabaseRestored,
+        Fault::BrokerDown,
+        Fault::DispatcherPaused,
+        Fault::DispatcherKilled,
+        Fault::ForgedAck,
+        Fault::CorruptAck,
+        Fault::PoisonRejected,
+    ];
+
+    /// Label for the report, with the SPEC number where there is one.
+    pub fn label(self) -> &'static str {
+        match self {
+            Fault::CrashBeforeCommit => "F1 writer killed before commit",
+            Fault::CrashAfterCommit => "F1 writer killed after commit",
+            Fault::AckLate => "F2 ACK after its claim expired",
+            Fault::ClaimSuperseded => "F3 claim superseded (UNKNOWN vs retry race)",
+            Fault::AckDuplicated => "F4 ACK delivered twice",
+            Fault::MigrationWhileUnknownUnqueryable => "F5 migration while unknown, unqueryable",
+            Fault::RoutePolicyRevision => "F6 route policy revised",
+            Fault::ReceiptRollback => "F7 receipt transaction rolled back",
+            Fault::ReorderedDuplicated => "F8 deliveries reordered and duplicated",
+            Fault::ConsumerCrashAfterCommit => "F9 consumer crashed after commit",
+            Fault::EarlyPurgeAttempt => "F10 early purge attempt",
+            Fault::DatabaseRestored => "F11 database restored from backup",
+            Fault::AckLost => "ACK lost",
+            Fault::DuplicateSeqZero => "duplicate ACK with sequence 0",
+            Fault::PartitionMidSend => "network partition mid-send",
+            Fault::ConsumerCrashBeforeCommit => "consumer crashed before commit",
+            Fault::BrokerDown => "broker down (up to 10 min)",
+            Fault::DispatcherPaused => "dispatcher paused",
+            Fault::DispatcherKilled => "dispatcher killed",
+            Fault::ForgedAck => "ACK for unregistered attempt",
+            Fault::CorruptAck => "ACK with altered payload digest",
+            Fault::PoisonRejected => "poison refused by broker",
+        }
+    }
+}
+
+/// Counts per fault.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Faults(pub [u64; 22]);
+
+impl Faults {
+    /// Adds one.
+    pub fn add(&mut self, f: Fault) {
+        self.0[f as usize] += 1;
+    }
+    /// Count of one fault.
+    pub fn get(&self, f: Fault) -> u64 {
+        self.0[f as usize]
+    }
+}
+
+/// Histogram of unknown-episode durations in whole seconds.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct UnknownTimes {
+    /// `buckets[s]` counts episodes resolved in `s` seconds (last bucket: longer).
+    pub buckets: Vec<u64>,
+    /// Episodes still unknown when the trace ended.
+    pub unresolved: u64,
+}
+
+const UNKNOWN_BUCKETS: usize = 7_201;
+
+impl UnknownTimes {
+    /// Records one resolved episode.
+    pub fn record_ms(&mut self, ms: u64) {
+        if self.buckets.is_empty() {
+            self.buckets = vec![0; UNKNOWN_BUCKETS];
+        }
+        let s = ms.div_ceil(1000).min(UNKNOWN_BUCKETS as u64 - 1) as usize;
+        self.buckets[s] += 1;
+    }
+    /// Resolved episodes.
+    pub fn resolved(&self) -> u64 {
+        self.buckets.iter().sum()
+    }
+    /// The q-quantile in seconds, counting unresolved episodes as never resolved
+    /// (`f64::INFINITY` when the quantile falls among them).
+    pub fn quantile_s(&self, q: f64) -> f64 {
+        let total = self.resolved() + self.unresolved;
+        if total == 0 {
+            return 0.0;
+        }
+        let rank = ((q * total as f64).ceil() as u64).max(1);
+        let mut seen = 0;
+        for (s, n) in self.buckets.iter().enumerate() {
+            seen += n;
+            if seen >= rank {
+                return s as f64;
+            }
+        }
+        f64::INFINITY
+    }
+    fn merge(&mut self, o: &UnknownTimes) {
+        if !o.buckets.is_empty() {
+            if self.buckets.is_empty() {
+                self.buckets = vec![0; UNKNOWN_BUCKETS];
+            }
+            for (a, b) in self.buckets.iter_mut().zip(&o.buckets) {
+                *a += b;
+            }
+        }
+        self.unresolved += o.unresolved;
+    }
+}
+
+/// Everything one trace (or a merged run) counted.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TraceStats {
+    /// Traces merged in.
+    pub traces: u64,
+    /// Simulation steps.
+    pub steps: u64,
+    /// Violations per class.
+    pub violations: Violations,
+    /// Genuine ACKs of registered attempts that reached acceptance after their claim ended.
+    pub late_acks: u64,
+    /// Of those, accepted as primary or duplicate transport receipt.
+    pub late_acks_converged: u64,
+    /// Unknown episodes.
+    pub unknown: UnknownTimes,
+    /// Faults injected.
+    pub faults: Faults,
+    /// Duplicate transport receipts kept.
+    pub duplicate_receipts: u64,
+    /// Receipts quarantined.
+    pub quarantined_receipts: u64,
+    /// Receipts rejected (audited).
+    pub rejected_receipts: u64,
+    /// Writes refused by a fence (stale claims).
+    pub fenced_writes: u64,
+    /// Second stored copies of one event at the broker (absorbed by inboxes).
+    pub second_copies: u64,
+    /// Inbox duplicates absorbed.
+    pub inbox_duplicates: u64,
+    /// Inbox quarantines.
+    pub inbox_quarantined: u64,
+    /// Migrations granted.
+    pub migrations_granted: u64,
+    /// Migrations refused.
+    pub migrations_refused: u64,
+    /// Rows purged.
+    pub purged: u64,
+    /// Early purge attempts refused.
+    pub purges_refused: u64,
+    /// Quarantined rows released by the operator path.
+    pub quarantine_released: u64,
+}
+
+impl TraceStats {
+    /// Adds another run's counts.
+    pub fn merge(&mut self, o: &TraceStats) {
+        self.traces += o.traces;
+        self.steps += o.steps;
+        self.violations.merge(&o.violations);
+        self.late_acks += o.late_acks;
+        self.late_acks_converged += o.late_acks_converged;
+        self.unknown.merge(&o.unknown);
+        for (a, b) in self.faults.0.iter_mut().zip(o.faults.0) {
+            *a += b;
+        }
+        self.duplicate_receipts += o.duplicate_receipts;
+        self.quarantined_receipts += o.quarantined_receipts;
+        self.rejected_receipts += o.rejected_receipts;
+        self.fenced_writes += o.fenced_writes;
+        self.second_copies += o.second_copies;
+        self.inbox_duplicates += o.inbox_duplicates;
+        self.inbox_quarantined += o.inbox_quarantined;
+        self.migrations_granted += o.migrations_granted;
+        self.migrations_refused += o.migrations_refused;
+        self.purged += o.purged;
+        self.purges_refused += o.purges_refused;
+        self.quarantine_released += o.quarantine_released;
+    }
+
+    /// True when this trace or run broke a gate: any violation, or a late ACK that did not
+    /// converge (G2).
+    pub fn failed(&self) -> bool {
+        self.violations.total() > 0 || self.late_acks_converged != self.late_acks
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quantiles_count_unresolved_as_never() {
+        let mut u = UnknownTimes::default();
+        for s in 1..=99 {
+            u.record_ms(s * 1000);
+        }
+        assert_eq!(u.quantile_s(0.5), 50.0);
+        assert_eq!(u.quantile_s(0.99), 99.0);
+        u.unresolved = 2;
+        assert!(u.quantile_s(0.99).is_infinite());
+    }
+}

@@ -1,0 +1,1766 @@
+//! One simulated trace: a seeded world of business writers, dispatchers, a broker, a
+//! reconciler, consumers and cleanup, driven through virtual time that jumps to the next
+//! wake-up. Every protocol decision is a call into `sealpost-core` through
+//! [`crate::protocol::Protocol`]; this file only models the IO around it (network, broker,
+//! crashes) and the ghost knowledge the checkers compare against.
+
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+
+use rand_chacha::ChaCha8Rng;
+use rand_core::{Rng, SeedableRng};
+
+use sealpost_core::claim::{
+    apply_begin_send, apply_claim, apply_release_quarantine, apply_send_outcome,
+    decide_dispatch_claim, decide_reconcile_claim, decide_send_outcome, ClaimDecision, ClaimToken,
+    SendOutcome,
+};
+use sealpost_core::cleanup::{PurgeRefusal, RetentionPolicy, Watermark};
+use sealpost_core::encoding::Digest;
+use sealpost_core::envelope::{
+    Destination, EventId, PartitionAlgorithm, RoutePolicy, PAYLOAD_DOMAIN,
+};
+use sealpost_core::inbox::{InboxDecision, InboxRecord};
+use sealpost_core::migration::{apply_migration, decide_migration};
+use sealpost_core::receipt::{apply_receipt, Receipt, ReceiptSource, ReceiptVerdict};
+use sealpost_core::reconcile::{
+    apply_reconcile, decide_reconcile, Lookup, ReconcileDecision, ReconcilePolicy,
+};
+use sealpost_core::row::{AttemptStatus, EventRow};
+use sealpost_core::state::{transition, State};
+
+use crate::protocol::Protocol;
+use crate::stats::{Fault, TraceStats, Violation};
+
+const CLUSTERS: [&str; 2] = ["nats-a", "nats-b"];
+const TOPICS: [&str; 3] = ["ORDERS", "ORDERS_V2", "BILLING"];
+
+const LEASE_MS: u64 = 10_000;
+const ACK_TIMEOUT_MS: u64 = 3_000;
+const DISPATCH_IDLE_POLL_MS: u64 = 10_000;
+const DISPATCH_BUSY_POLL_MS: u64 = 1_000;
+const CLAIM_BATCH_MAX: usize = 3;
+const RECONCILE_EVERY_MS: u64 = 15_000;
+const RECONCILE_LEASE_MS: u64 = 5_000;
+const CONSUMER_IDLE_POLL_MS: u64 = 20_000;
+const CONSUMER_BATCH_MAX: usize = 4;
+const CLEANUP_EVERY_MS: u64 = 30_000;
+const DEDUP_WINDOW_MS: u64 = 120_000;
+const REPLAY_WINDOW_MS: u64 = 60_000;
+const REJECTION_LIMIT: u32 = 3;
+const DRAIN_MAX_MS: u64 = 3_600_000;
+const STEPS_MAX: u32 = 60_000;
+const BROKER_OUTAGE_MAX_MS: u64 = 600_000;
+
+/// Knobs of one trace, drawn from its seed.
+#[derive(Clone, Debug)]
+struct Config {
+    facts: usize,
+    dispatchers: usize,
+    consumers: usize,
+    queryable: bool,
+    fault_end_ms: u64,
+    p_ack_loss: u32,
+    p_ack_dup: u32,
+    p_ack_late: u32,
+    p_req_loss: u32,
+    p_receipt_rollback: u32,
+    p_writer_crash: u32,
+    p_consumer_crash: u32,
+    p_redeliver: u32,
+    p_seq0: u32,
+    p_forge: u32,
+}
+
+/// A publish request on the wire.
+#[derive(Clone, Debug)]
+struct PubReq {
+    d: u8,
+    inc: u32,
+    row: u32,
+    token: ClaimToken,
+    event_id: EventId,
+    member: u16,
+    envelope_generation: u32,
+    attempt_id: u64,
+    payload_digest: Digest,
+    destination_digest: Digest,
+    stream: u8,
+}
+
+#[derive(Clone, Debug)]
+enum Ev {
+    WriterCommit {
+        fact: u32,
+    },
+    DispatchTick {
+        d: u8,
+        inc: u32,
+    },
+    BeginSend {
+        d: u8,
+        inc: u32,
+        row: u32,
+        token: ClaimToken,
+    },
+    BrokerReceive {
+        req: PubReq,
+    },
+    AckArrive {
+        d: u8,
+        inc: u32,
+        row: u32,
+        receipt: Box<Receipt>,
+        genuine: bool,
+    },
+    AckTimeout {
+        d: u8,
+        inc: u32,
+        row: u32,
+        token: ClaimToken,
+        attempt: u64,
+    },
+    DispatcherRestart {
+        d: u8,
+    },
+    ReconcileTick,
+    ReconcileLookup {
+        epoch: u32,
+        row: u32,
+        token: ClaimToken,
+    },
+    ReconcileDecide {
+        epoch: u32,
+        row: u32,
+        token: ClaimToken,
+        lookup: Box<Lookup>,
+    },
+    ConsumerTick {
+        c: u8,
+        inc: u32,
+    },
+    ConsumerRestart {
+        c: u8,
+    },
+    CleanupTick,
+    PolicyRevision,
+    MigrationRequest,
+    EarlyPurgeAttempt,
+    BrokerDown {
+        cluster: u8,
+        until: u64,
+    },
+    PauseDispatcher {
+        d: u8,
+        until: u64,
+    },
+    KillDispatcher {
+        d: u8,
+    },
+    Snapshot,
+    Restore,
+    FaultsEnd,
+}
+
+#[derive(Clone, Debug)]
+struct Fact {
+    event_id: EventId,
+    members: u16,
+    poison: bool,
+    /// Committed at least once (a client got "ok").
+    committed: bool,
+}
+
+#[derive(Clone, Debug, Default)]
+struct Db {
+    rows: Vec<EventRow>,
+    row_fact: Vec<u32>,
+    business: Vec<u32>,
+    duplicates: Vec<(u32, Receipt)>,
+    next_attempt_id: u64,
+    policy: u64,
+}
+
+#[derive(Clone, Debug)]
+struct Msg {
+    event_id: EventId,
+    member: u16,
+    envelope_generation: u32,
+    attempt_id: u64,
+    payload_digest: Digest,
+    destination_digest: Digest,
+}
+
+#[derive(Clone, Debug)]
+struct Stream {
+    cluster: u8,
+    topic: u8,
+    msgs: Vec<Msg>,
+    dedup: Vec<(EventId, u16, u64, u64)>,
+}
+
+#[derive(Clone, Debug, Default)]
+struct Dispatcher {
+    inc: u32,
+    alive: bool,
+    paused_until: u64,
+    owner: u64,
+    /// Attempts this incarnation sent and has not yet seen an ACK for.
+    waiting: Vec<u64>,
+    tick_scheduled: bool,
+}
+
+#[derive(Clone, Debug, Default)]
+struct Consumer {
+    inc: u32,
+    alive: bool,
+    /// Per stream: contiguous consumed prefix (the committed broker position).
+    watermark: Vec<u64>,
+    /// Per stream: positions above the watermark already acked.
+    acked_above: Vec<Vec<u64>>,
+    /// The consumer's own database: inbox rows and effects, keyed by event id.
+    inbox: Vec<(EventId, InboxRecord)>,
+    effects: Vec<(EventId, u32)>,
+    next_receipt: u64,
+    tick_scheduled: bool,
+}
+
+/// Runs one trace.
+pub struct World {
+    rng: ChaCha8Rng,
+    cfg: Config,
+    proto: Protocol,
+    now: u64,
+    seq: u64,
+    queue: BinaryHeap<Reverse<(u64, u64, usize)>>,
+    evs: Vec<Option<Ev>>,
+    facts: Vec<Fact>,
+    db: Db,
+    snapshot: Option<Db>,
+    streams: Vec<Stream>,
+    broker_down_until: [u64; 2],
+    dispatchers: Vec<Dispatcher>,
+    consumers: Vec<Consumer>,
+    faults_on: bool,
+    /// Ghost: receipts the store accepted (row, stream, sequence), to check none vanish.
+    accepted: Vec<(u32, u8, u64, u64)>,
+    /// Ghost: when each row's current unknown episode began.
+    unknown_since: Vec<Option<u64>>,
+    /// Ghost: messages (index into the stream) that were genuinely published per row.
+    pub stats: TraceStats,
+    log: Option<Vec<String>>,
+    steps: u32,
+    /// Database incarnation: bumped by a restore.
+    epoch: u32,
+    /// (class, subject) pairs already counted in this trace.
+    reported: Vec<(Violation, u32)>,
+}
+
+fn chance(rng: &mut ChaCha8Rng, per_mille: u32) -> bool {
+    (rng.next_u32() % 1000) < per_mille
+}
+
+fn range(rng: &mut ChaCha8Rng, lo: u64, hi: u64) -> u64 {
+    lo + rng.next_u64() % (hi - lo + 1)
+}
+
+fn policy_for(generation: u64) -> RoutePolicy {
+    let g = generation as usize;
+    RoutePolicy {
+        generation,
+        cluster: CLUSTERS[g % 2].to_string(),
+        topic: TOPICS[g % 3].to_string(),
+        partition_algorithm: PartitionAlgorithm::None,
+        serializer: "json.v1".to_string(),
+        durability: "file".to_string(),
+        required_ack: "stream".to_string(),
+    }
+}
+
+fn member_destination(generation: u64, fact: u32, member: u16) -> Destination {
+    // Member 1 of a delivery set goes to the billing stream of the other cluster.
+    let mut p = policy_for(generation);
+    if member > 0 {
+        p.cluster = CLUSTERS[(generation as usize + 1) % 2].to_string();
+        p.topic = TOPICS[2].to_string();
+    }
+    p.resolve(&format!("tenant-1.order.o-{fact}"))
+}
+
+impl World {
+    /// Builds the world of one trace from its seed.
+    pub fn new(trace_seed: u64, proto: Protocol, log: bool) -> World {
+        let mut rng = ChaCha8Rng::seed_from_u64(trace_seed);
+        let cfg = Config {
+            facts: range(&mut rng, 1, 4) as usize,
+            dispatchers: range(&mut rng, 1, 3) as usize,
+            consumers: 2,
+            queryable: chance(&mut rng, 500),
+            fault_end_ms: range(&mut rng, 20_000, 240_000),
+            p_ack_loss: range(&mut rng, 0, 250) as u32,
+            p_ack_dup: range(&mut rng, 0, 200) as u32,
+            p_ack_late: range(&mut rng, 0, 300) as u32,
+            p_req_loss: range(&mut rng, 0, 150) as u32,
+            p_receipt_rollback: range(&mut rng, 0, 200) as u32,
+            p_writer_crash: range(&mut rng, 0, 300) as u32,
+            p_consumer_crash: range(&mut rng, 0, 250) as u32,
+            p_redeliver: range(&mut rng, 0, 300) as u32,
+            p_seq0: range(&mut rng, 0, 300) as u32,
+            p_forge: range(&mut rng, 0, 80) as u32,
+        };
+        let mut streams = Vec::new();
+        for cluster in 0..CLUSTERS.len() as u8 {
+            for topic in 0..TOPICS.len() as u8 {
+                streams.push(Stream {
+                    cluster,
+                    topic,
+                    msgs: Vec::new(),
+                    dedup: Vec::new(),
+                });
+            }
+        }
+        let dispatchers = (0..cfg.dispatchers)
+            .map(|i| Dispatcher {
+                alive: true,
+                owner: 100 + i as u64,
+                ..Dispatcher::default()
+            })
+            .collect();
+        let consumers = (0..cfg.consumers)
+            .map(|_| Consumer {
+                alive: true,
+                watermark: vec![0; streams.len()],
+                acked_above: vec![Vec::new(); streams.len()],
+                ..Consumer::default()
+            })
+            .collect();
+        let mut w = World {
+            rng,
+            cfg,
+            proto,
+            now: 0,
+            seq: 0,
+            queue: BinaryHeap::new(),
+            evs: Vec::new(),
+            facts: Vec::new(),
+            db: Db {
+                next_attempt_id: 1,
+                ..Db::default()
+            },
+            snapshot: None,
+            streams,
+            broker_down_until: [0; 2],
+            dispatchers,
+            consumers,
+            faults_on: true,
+            accepted: Vec::new(),
+            unknown_since: Vec::new(),
+            stats: TraceStats::default(),
+            log: if log { Some(Vec::new()) } else { None },
+            steps: 0,
+            epoch: 0,
+            reported: Vec::new(),
+        };
+        w.plan();
+        w
+    }
+
+    fn at(&mut self, t: u64, ev: Ev) {
+        self.seq += 1;
+        let idx = self.evs.len();
+        self.evs.push(Some(ev));
+        self.queue.push(Reverse((t, self.seq, idx)));
+    }
+
+    fn note(&mut self, f: impl FnOnce() -> String) {
+        if let Some(l) = self.log.as_mut() {
+            l.push(format!("t={:>9}ms {}", self.now, f()));
+        }
+    }
+
+    /// The step-by-step log, when built with `log = true`.
+    pub fn take_log(&mut self) -> Vec<String> {
+        self.log.take().unwrap_or_default()
+    }
+
+    fn plan(&mut self) {
+        let end = self.cfg.fault_end_ms;
+        for f in 0..self.cfg.facts {
+            let members = if chance(&mut self.rng, 150) { 2 } else { 1 };
+            let poison = chance(&mut self.rng, 40);
+            let mut random = [0u8; 10];
+            self.rng.fill_bytes(&mut random);
+            let t = range(&mut self.rng, 0, end * 3 / 4);
+            // R3: the id is minted once, when the command is first accepted; every retry
+            // of the command carries it.
+            self.facts.push(Fact {
+                event_id: EventId::mint(1_700_000_000_000 + t, random),
+                members,
+                poison,
+                committed: false,
+            });
+            self.at(t, Ev::WriterCommit { fact: f as u32 });
+        }
+        for d in 0..self.cfg.dispatchers as u8 {
+            let t = range(&mut self.rng, 0, DISPATCH_IDLE_POLL_MS);
+            self.at(t, Ev::DispatchTick { d, inc: 0 });
+            self.dispatchers[d as usize].tick_scheduled = true;
+        }
+        for c in 0..self.cfg.consumers as u8 {
+            let t = range(&mut self.rng, 0, 1000);
+            self.at(t, Ev::ConsumerTick { c, inc: 0 });
+            self.consumers[c as usize].tick_scheduled = true;
+        }
+        self.at(RECONCILE_EVERY_MS, Ev::ReconcileTick);
+        self.at(CLEANUP_EVERY_MS, Ev::CleanupTick);
+        self.at(end, Ev::FaultsEnd);
+        // Faults with a time of their own.
+        let n = range(&mut self.rng, 0, 2);
+        for _ in 0..n {
+            let t = range(&mut self.rng, 0, end);
+            self.at(t, Ev::PolicyRevision);
+        }
+        for _ in 0..range(&mut self.rng, 0, 2) {
+            let t = range(&mut self.rng, 0, end);
+            self.at(t, Ev::MigrationRequest);
+        }
+        for _ in 0..range(&mut self.rng, 0, 2) {
+            let t = range(&mut self.rng, 0, end + 120_000);
+            self.at(t, Ev::EarlyPurgeAttempt);
+        }
+        if chance(&mut self.rng, 350) {
+            let cluster = (self.rng.next_u32() % 2) as u8;
+            let t = range(&mut self.rng, 0, end);
+            let until = t + range(&mut self.rng, 1_000, BROKER_OUTAGE_MAX_MS);
+            self.at(t, Ev::BrokerDown { cluster, until });
+        }
+        for d in 0..self.cfg.dispatchers as u8 {
+            if chance(&mut self.rng, 450) {
+                let t = range(&mut self.rng, 0, end);
+                let until = t + range(&mut self.rng, 1_000, 3 * LEASE_MS);
+                self.at(t, Ev::PauseDispatcher { d, until });
+            }
+            if chance(&mut self.rng, 200) {
+                let t = range(&mut self.rng, 0, end);
+                self.at(t, Ev::KillDispatcher { d });
+            }
+        }
+        if chance(&mut self.rng, 150) {
+            let t1 = range(&mut self.rng, 0, end / 2);
+            let t2 = range(&mut self.rng, t1 + 1, end);
+            self.at(t1, Ev::Snapshot);
+            self.at(t2, Ev::Restore);
+        }
+    }
+
+    /// Runs the trace to quiescence (or its bound) and checks liveness.
+    pub fn run(mut self) -> (TraceStats, Vec<String>) {
+        while let Some(Reverse((t, _, idx))) = self.queue.pop() {
+            let Some(ev) = self.evs[idx].take() else {
+                continue;
+            };
+            self.now = t;
+            self.steps += 1;
+            self.step(ev);
+            self.check_rows();
+            if !self.faults_on
+                && (self.now > self.cfg.fault_end_ms + DRAIN_MAX_MS || self.quiescent())
+            {
+                break;
+            }
+            if self.steps >= STEPS_MAX {
+                break;
+            }
+        }
+        self.finish();
+        self.stats.steps = u64::from(self.steps);
+        let log = self.take_log();
+        (self.stats, log)
+    }
+
+    /// Records a violation of class `v` about `subject` (a row, consumer or message); each
+    /// (class, subject) pair counts once per trace however many steps it persists.
+    fn violation_of(&mut self, v: Violation, subject: u32, why: impl FnOnce() -> String) {
+        if self.reported.contains(&(v, subject)) {
+            return;
+        }
+        self.reported.push((v, subject));
+        self.stats.violations.add(v);
+        if let Some(l) = self.log.as_mut() {
+            l.push(format!("t={:>9}ms VIOLATION {:?}: {}", self.now, v, why()));
+        }
+    }
+
+    fn violation(&mut self, v: Violation, why: impl FnOnce() -> String) {
+        let subject = u32::MAX - self.reported.len() as u32;
+        self.violation_of(v, subject, why);
+    }
+
+    fn stream_of(&self, d: &Destination) -> Option<u8> {
+        let c = CLUSTERS.iter().position(|x| *x == d.cluster)?;
+        let t = TOPICS.iter().position(|x| *x == d.topic)?;
+        self.streams
+            .iter()
+            .position(|s| s.cluster as usize == c && s.topic as usize == t)
+            .map(|i| i as u8)
+    }
+
+    fn fault(&mut self, f: Fault) {
+        self.stats.faults.add(f);
+    }
+
+    fn step(&mut self, ev: Ev) {
+        match ev {
+            Ev::WriterCommit { fact } => self.writer_commit(fact),
+            Ev::DispatchTick { d, inc } => self.dispatch_tick(d, inc),
+            Ev::BeginSend { d, inc, row, token } => self.begin_send(d, inc, row, token),
+            Ev::BrokerReceive { req } => self.broker_receive(req),
+            Ev::AckArrive {
+                d,
+                inc,
+                row,
+                receipt,
+                genuine,
+            } => self.ack_arrive(d, inc, row, *receipt, genuine),
+            Ev::AckTimeout {
+                d,
+                inc,
+                row,
+                token,
+                attempt,
+            } => self.ack_timeout(d, inc, row, token, attempt),
+            Ev::DispatcherRestart { d } => {
+                let disp = &mut self.dispatchers[d as usize];
+                disp.alive = true;
+                disp.inc += 1;
+                disp.waiting.clear();
+                let inc = disp.inc;
+                disp.tick_scheduled = true;
+                self.at(self.now, Ev::DispatchTick { d, inc });
+            }
+            Ev::ReconcileTick => self.reconcile_tick(),
+            // The reconciler restarts with a restored database: older work is dropped.
+            Ev::ReconcileLookup { epoch, .. } | Ev::ReconcileDecide { epoch, .. }
+                if epoch != self.epoch => {}
+            Ev::ReconcileLookup { row, token, .. } => self.reconcile_lookup(row, token),
+            Ev::ReconcileDecide {
+                row, token, lookup, ..
+            } => self.reconcile_decide(row, token, *lookup),
+            Ev::ConsumerTick { c, inc } => self.consumer_tick(c, inc),
+            Ev::ConsumerRestart { c } => {
+                let con = &mut self.consumers[c as usize];
+                con.alive = true;
+                con.inc += 1;
+                let inc = con.inc;
+                con.tick_scheduled = true;
+                self.at(self.now, Ev::ConsumerTick { c, inc });
+            }
+            Ev::CleanupTick => {
+                self.cleanup(None);
+                self.at(self.now + CLEANUP_EVERY_MS, Ev::CleanupTick);
+            }
+            Ev::PolicyRevision => {
+                self.fault(Fault::RoutePolicyRevision);
+                self.db.policy += 1;
+                let p = self.db.policy;
+                self.note(|| format!("route policy -> generation {p}"));
+            }
+            Ev::MigrationRequest => self.migration_request(),
+            Ev::EarlyPurgeAttempt => {
+                if !self.db.rows.is_empty() {
+                    let r = (self.rng.next_u32() as usize % self.db.rows.len()) as u32;
+                    self.fault(Fault::EarlyPurgeAttempt);
+                    self.cleanup(Some(r));
+                }
+            }
+            Ev::BrokerDown { cluster, until } => {
+                self.fault(Fault::BrokerDown);
+                self.broker_down_until[cluster as usize] =
+                    until.min(self.cfg.fault_end_ms.max(until));
+                self.note(|| format!("broker {} down until {until}", CLUSTERS[cluster as usize]));
+            }
+            Ev::PauseDispatcher { d, until } => {
+                if self.faults_on {
+                    self.fault(Fault::DispatcherPaused);
+                    self.dispatchers[d as usize].paused_until = until;
+                    self.note(|| format!("dispatcher {d} paused until {until}"));
+                }
+            }
+            Ev::KillDispatcher { d } => {
+                let disp = &mut self.dispatchers[d as usize];
+                if disp.alive && self.faults_on {
+                    disp.alive = false;
+                    disp.inc += 1;
+                    self.fault(Fault::DispatcherKilled);
+                    let t = self.now + range(&mut self.rng, 1_000, 30_000);
+                    self.at(t, Ev::DispatcherRestart { d });
+                    self.note(|| format!("dispatcher {d} killed"));
+                }
+            }
+            Ev::Snapshot => {
+                self.snapshot = Some(self.db.clone());
+                self.note(|| "database backup taken".into());
+            }
+            Ev::Restore => self.restore(),
+            Ev::FaultsEnd => {
+                self.faults_on = false;
+                self.broker_down_until = [0; 2];
+                for d in &mut self.dispatchers {
+                    d.paused_until = 0;
+                }
+                // Operator exit path for poison (R6): release quarantined rows.
+                for i in 0..self.db.rows.len() {
+                    if self.db.rows[i].state == State::Quarantined {
+                        match apply_release_quarantine(&mut self.db.rows[i]) {
+                            Ok(()) => self.stats.quarantine_released += 1,
+                            Err(e) => self.violation(Violation::Liveness, || e.to_string()),
+                        }
+                    }
+                }
+                self.wake_dispatchers();
+                self.note(|| "faults end; draining".into());
+            }
+        }
+    }
+
+    // ---------------------------------------------------------------- business writers
+
+    fn writer_commit(&mut self, fact: u32) {
+        let f = fact as usize;
+        if self.db.business.contains(&fact) {
+            return; // a retried command finds its committed fact: no second id (R3)
+        }
+        if self.faults_on && chance(&mut self.rng, self.cfg.p_writer_crash) {
+            // F1: killed before the commit; the client retries with the same command.
+            self.fault(Fault::CrashBeforeCommit);
+            let t = self.now + range(&mut self.rng, 500, 5_000);
+            self.at(t, Ev::WriterCommit { fact });
+            return;
+        }
+        let facts = &self.facts[f];
+        let event_id = facts.event_id;
+        let payload = Digest::of_bytes(PAYLOAD_DOMAIN, &fact.to_be_bytes());
+        let members = facts.members;
+        // One transaction: business row and every member's PENDING envelope (R4).
+        self.db.business.push(fact);
+        for m in 0..members {
+            let dest = member_destination(self.db.policy, fact, m);
+            self.db
+                .rows
+                .push(EventRow::new_pending(event_id, m, payload, dest));
+            self.db.row_fact.push(fact);
+            self.unknown_since.push(None);
+        }
+        self.facts[f].committed = true;
+        self.note(|| format!("commit fact {fact} as {event_id} ({members} member(s))"));
+        if self.faults_on && chance(&mut self.rng, self.cfg.p_writer_crash) {
+            // F1: killed after the commit, before the response: the client retries.
+            self.fault(Fault::CrashAfterCommit);
+            let t = self.now + range(&mut self.rng, 500, 5_000);
+            self.at(t, Ev::WriterCommit { fact });
+        }
+        self.wake_dispatchers();
+    }
+
+    fn wake_dispatchers(&mut self) {
+        // LISTEN/NOTIFY: a commit wakes one idle dispatcher soon.
+        for d in 0..self.dispatchers.len() {
+            let disp = &self.dispatchers[d];
+            if disp.alive && !disp.tick_scheduled {
+                let inc = disp.inc;
+                self.dispatchers[d].tick_scheduled = true;
+                let t = self.now + 5;
+                self.at(t, Ev::DispatchTick { d: d as u8, inc });
+                return;
+            }
+        }
+    }
+
+    // ---------------------------------------------------------------- dispatchers
+
+    /// True if the event must wait (dispatcher paused), re-queued at the pause end.
+    fn deferred(&mut self, d: u8, ev: &Ev) -> bool {
+        let until = self.dispatchers[d as usize].paused_until;
+        if until > self.now {
+            self.at(until, ev.clone());
+            return true;
+        }
+        false
+    }
+
+    fn dispatch_tick(&mut self, d: u8, inc: u32) {
+        if self.dispatchers[d as usize].inc != inc || !self.dispatchers[d as usize].alive {
+            return;
+        }
+        if self.deferred(d, &Ev::DispatchTick { d, inc }) {
+            return;
+        }
+        self.dispatchers[d as usize].tick_scheduled = false;
+        let owner = self.dispatchers[d as usize].owner;
+        let mut granted = 0;
+        let n = self.db.rows.len();
+        let start = if n == 0 {
+            0
+        } else {
+            self.rng.next_u32() as usize % n
+        };
+        for k in 0..n {
+            let i = (start + k) % n;
+            let decision = decide_dispatch_claim(&self.db.rows[i], self.now, LEASE_MS);
+            if decision == ClaimDecision::Skip {
+                continue;
+            }
+            if let ClaimDecision::Grant {
+                superseding: true, ..
+            } = decision
+            {
+                self.fault(Fault::ClaimSuperseded);
+            }
+            let now = self.now;
+            match apply_claim(&mut self.db.rows[i], &decision, owner, now) {
+                Ok(Some(token)) => {
+                    granted += 1;
+                    let t = self.now + range(&mut self.rng, 0, 20);
+                    self.at(
+                        t,
+                        Ev::BeginSend {
+                            d,
+                            inc,
+                            row: i as u32,
+                            token,
+                        },
+                    );
+                    self.note(|| format!("d{d} claims row {i} gen {}", token.generation));
+                }
+                Ok(None) => {
+                    self.note(|| format!("d{d} expires SENDING row {i} -> DISPATCH_UNKNOWN"))
+                }
+                Err(e) => self.violation(Violation::Liveness, || format!("claim: {e}")),
+            }
+            if granted >= CLAIM_BATCH_MAX {
+                break;
+            }
+        }
+        let next = if granted > 0 {
+            DISPATCH_BUSY_POLL_MS
+        } else {
+            DISPATCH_IDLE_POLL_MS
+        };
+        self.dispatchers[d as usize].tick_scheduled = true;
+        let t = self.now + next;
+        self.at(t, Ev::DispatchTick { d, inc });
+    }
+
+    fn begin_send(&mut self, d: u8, inc: u32, row: u32, token: ClaimToken) {
+        if self.dispatchers[d as usize].inc != inc || !self.dispatchers[d as usize].alive {
+            return;
+        }
+        if self.deferred(d, &Ev::BeginSend { d, inc, row, token }) {
+            return;
+        }
+        let r = row as usize;
+        let fact = self.db.row_fact[r];
+        let policy_dest = member_destination(self.db.policy, fact, self.db.rows[r].member).digest();
+        let mut random = [0u8; 10];
+        self.rng.fill_bytes(&mut random);
+        let fresh = EventId::mint(1_800_000_000_000 + self.now, random);
+        let begin = match self.proto.decide_begin_send(
+            &self.db.rows[r],
+            token,
+            self.now,
+            policy_dest,
+            fresh,
+        ) {
+            Ok(b) => b,
+            Err(f) => {
+                self.stats.fenced_writes += 1;
+                self.note(|| format!("d{d} begin-send on row {r} fenced: {f:?}"));
+                return;
+            }
+        };
+        let attempt_id = self.db.next_attempt_id;
+        self.db.next_attempt_id += 1;
+        let now = self.now;
+        if let Err(e) = apply_begin_send(&mut self.db.rows[r], &begin, token, attempt_id, now) {
+            self.violation(Violation::Liveness, || format!("begin send: {e}"));
+            return;
+        }
+        // Checker: a send goes only to the row's frozen destination, and never elsewhere
+        // while another attempt's outcome is open (R14-R15).
+        let row_ref = &self.db.rows[r];
+        let elsewhere = begin.destination_digest != row_ref.destination_digest
+            || row_ref.attempts.iter().any(|a| {
+                a.id != attempt_id
+                    && matches!(a.status, AttemptStatus::Sending | AttemptStatus::Unknown)
+                    && a.destination_digest != begin.destination_digest
+            });
+        if elsewhere {
+            self.violation_of(
+                Violation::CrossDestinationRetries,
+                2_000_000 + attempt_id as u32,
+                || format!("row {r} attempt {attempt_id} sent off its frozen destination"),
+            );
+        }
+        // The stream the message is addressed to: resolved from the digest the send carries.
+        let stream = if begin.destination_digest == self.db.rows[r].destination_digest {
+            self.stream_of(&self.db.rows[r].destination.clone())
+        } else {
+            self.stream_of(&member_destination(
+                self.db.policy,
+                fact,
+                self.db.rows[r].member,
+            ))
+        };
+        let Some(stream) = stream else {
+            self.violation(Violation::Liveness, || "destination has no stream".into());
+            return;
+        };
+        let row_ref = &self.db.rows[r];
+        let req = PubReq {
+            d,
+            inc,
+            row,
+            token,
+            event_id: begin.event_id,
+            member: row_ref.member,
+            envelope_generation: begin.envelope_generation,
+            attempt_id,
+            payload_digest: row_ref.payload_digest,
+            destination_digest: begin.destination_digest,
+            stream,
+        };
+        self.note(|| {
+            format!(
+                "d{d} sends row {r} attempt {attempt_id} (gen {})",
+                begin.attempt_generation
+            )
+        });
+        let cluster = self.streams[stream as usize].cluster as usize;
+        if self.broker_down_until[cluster] > self.now {
+            // Connection refused before anything left: a definite "not stored".
+            self.report_outcome(d, row, token, attempt_id, SendOutcome::NeverSent);
+            return;
+        }
+        self.dispatchers[d as usize].waiting.push(attempt_id);
+        if self.faults_on && chance(&mut self.rng, self.cfg.p_req_loss) {
+            self.fault(Fault::PartitionMidSend);
+        } else {
+            let t = self.now + range(&mut self.rng, 1, 40);
+            self.at(t, Ev::BrokerReceive { req });
+        }
+        let t = self.now + ACK_TIMEOUT_MS;
+        self.at(
+            t,
+            Ev::AckTimeout {
+                d,
+                inc,
+                row,
+                token,
+                attempt: attempt_id,
+            },
+        );
+    }
+
+    fn report_outcome(
+        &mut self,
+        d: u8,
+        row: u32,
+        token: ClaimToken,
+        attempt: u64,
+        outcome: SendOutcome,
+    ) {
+        let r = row as usize;
+        let decision = decide_send_outcome(
+            &self.db.rows[r],
+            token,
+            attempt,
+            outcome,
+            self.now,
+            REJECTION_LIMIT,
+        );
+        let now = self.now;
+        if let Err(e) = apply_send_outcome(&mut self.db.rows[r], decision, attempt, outcome, now) {
+            self.violation(Violation::Liveness, || format!("send outcome: {e}"));
+        }
+        self.note(|| {
+            format!("d{d} reports {outcome:?} for attempt {attempt} on row {r}: {decision:?}")
+        });
+    }
+
+    fn broker_receive(&mut self, req: PubReq) {
+        let s = req.stream as usize;
+        let cluster = self.streams[s].cluster as usize;
+        if self.broker_down_until[cluster] > self.now {
+            self.note(|| format!("broker down: request for attempt {} lost", req.attempt_id));
+            return;
+        }
+        let fact = self.db.row_fact.get(req.row as usize).copied();
+        let poison = fact.is_some_and(|f| self.facts[f as usize].poison) && self.faults_on;
+        if poison {
+            // A definite refusal (e.g. schema not registered): nothing stored.
+            self.fault(Fault::PoisonRejected);
+            self.deliver_rejection(&req);
+            return;
+        }
+        // Checker: no second logical id; every stored id belongs to a fact.
+        if !self.facts.iter().any(|f| f.event_id == req.event_id) {
+            self.violation_of(
+                Violation::SecondEventIds,
+                3_000_000 + req.attempt_id as u32,
+                || format!("broker stored unknown event id {}", req.event_id),
+            );
+        }
+        let now = self.now;
+        let stream = &mut self.streams[s];
+        stream.dedup.retain(|e| e.3 + DEDUP_WINDOW_MS > now);
+        let (seq, duplicate) = if let Some(e) = stream
+            .dedup
+            .iter()
+            .find(|e| e.0 == req.event_id && e.1 == req.member)
+        {
+            (e.2, true)
+        } else {
+            stream.msgs.push(Msg {
+                event_id: req.event_id,
+                member: req.member,
+                envelope_generation: req.envelope_generation,
+                attempt_id: req.attempt_id,
+                payload_digest: req.payload_digest,
+                destination_digest: req.destination_digest,
+            });
+            let seq = stream.msgs.len() as u64;
+            stream.dedup.push((req.event_id, req.member, seq, now));
+            (seq, false)
+        };
+        let copies = stream
+            .msgs
+            .iter()
+            .filter(|m| m.event_id == req.event_id && m.member == req.member)
+            .count();
+        if copies > 1 && !duplicate {
+            self.stats.second_copies += 1;
+        }
+        self.wake_consumers();
+        let mut sequence = seq;
+        if duplicate && self.faults_on && chance(&mut self.rng, self.cfg.p_seq0) {
+            self.fault(Fault::DuplicateSeqZero);
+            sequence = 0;
+        }
+        let receipt = Receipt {
+            event_id: req.event_id,
+            member: req.member,
+            envelope_generation: req.envelope_generation,
+            attempt_id: req.attempt_id,
+            payload_digest: req.payload_digest,
+            destination_digest: req.destination_digest,
+            cluster: CLUSTERS[self.streams[s].cluster as usize].to_string(),
+            stream: TOPICS[self.streams[s].topic as usize].to_string(),
+            partition: None,
+            sequence,
+            broker_duplicate: duplicate,
+            source: ReceiptSource::Ack,
+        };
+        self.note(|| {
+            format!(
+                "broker stores attempt {} at {}#{seq} (duplicate: {duplicate})",
+                req.attempt_id, receipt.stream
+            )
+        });
+        if self.faults_on && chance(&mut self.rng, self.cfg.p_ack_loss) {
+            self.fault(Fault::AckLost);
+            return;
+        }
+        let mut delay = range(&mut self.rng, 1, 40);
+        if self.faults_on && chance(&mut self.rng, self.cfg.p_ack_late) {
+            self.fault(Fault::AckLate);
+            delay += range(&mut self.rng, ACK_TIMEOUT_MS, 4 * LEASE_MS);
+        }
+        let (d, inc, row) = (req.d, req.inc, req.row);
+        if self.faults_on && chance(&mut self.rng, self.cfg.p_forge) {
+            // An ACK for an attempt the store never registered, naming a position that does
+            // not hold this event, arrives first.
+            self.fault(Fault::ForgedAck);
+            let mut forged = receipt.clone();
+            forged.attempt_id = 9_000_000 + u64::from(self.rng.next_u32() % 1000);
+            forged.sequence = seq + 1000;
+            forged.broker_duplicate = false;
+            self.at(
+                self.now + 1,
+                Ev::AckArrive {
+                    d,
+                    inc,
+                    row,
+                    receipt: Box::new(forged),
+                    genuine: false,
+                },
+            );
+        }
+        if self.faults_on && chance(&mut self.rng, self.cfg.p_forge) {
+            // The ACK is corrupted on its way back: its payload digest no longer matches.
+            self.fault(Fault::CorruptAck);
+            let mut bad = receipt;
+            bad.payload_digest = Digest([0xee; 32]);
+            self.at(
+                self.now + delay,
+                Ev::AckArrive {
+                    d,
+                    inc,
+                    row,
+                    receipt: Box::new(bad),
+                    genuine: false,
+                },
+            );
+            return;
+        }
+        if self.faults_on && chance(&mut self.rng, self.cfg.p_ack_dup) {
+            self.fault(Fault::AckDuplicated);
+            let t = self.now + range(&mut self.rng, 1, 5_000);
+            self.at(
+                t,
+                Ev::AckArrive {
+                    d,
+                    inc,
+                    row,
+                    receipt: Box::new(receipt.clone()),
+                    genuine: true,
+                },
+            );
+        }
+        let t = self.now + delay;
+        self.at(
+            t,
+            Ev::AckArrive {
+                d,
+                inc,
+                row,
+                receipt: Box::new(receipt),
+                genuine: true,
+            },
+        );
+    }
+
+    fn deliver_rejection(&mut self, req: &PubReq) {
+        // The refusal reaches the sender at once (same connection); the sender reports a
+        // definite rejection under its own token, fenced like every other write.
+        let d = req.d;
+        if self.dispatchers[d as usize].inc != req.inc || !self.dispatchers[d as usize].alive {
+            return;
+        }
+        if (req.row as usize) >= self.db.rows.len() {
+            return;
+        }
+        self.dispatchers[d as usize]
+            .waiting
+            .retain(|a| *a != req.attempt_id);
+        self.report_outcome(d, req.row, req.token, req.attempt_id, SendOutcome::Rejected);
+    }
+
+    fn ack_arrive(&mut self, d: u8, inc: u32, row: u32, receipt: Receipt, genuine: bool) {
+        if self.dispatchers[d as usize].inc != inc || !self.dispatchers[d as usize].alive {
+            return;
+        }
+        let ev = Ev::AckArrive {
+            d,
+            inc,
+            row,
+            receipt: Box::new(receipt),
+            genuine,
+        };
+        if self.deferred(d, &ev) {
+            return;
+        }
+        let Ev::AckArrive { receipt, .. } = ev else {
+            unreachable!()
+        };
+        self.dispatchers[d as usize]
+            .waiting
+            .retain(|a| *a != receipt.attempt_id);
+        if self.faults_on && chance(&mut self.rng, self.cfg.p_receipt_rollback) {
+            // F7: the receipt transaction rolls back; the sender retries acceptance.
+            self.fault(Fault::ReceiptRollback);
+            let t = self.now + range(&mut self.rng, 100, 2_000);
+            self.at(
+                t,
+                Ev::AckArrive {
+                    d,
+                    inc,
+                    row,
+                    receipt,
+                    genuine,
+                },
+            );
+            return;
+        }
+        self.accept(row, &receipt, genuine);
+    }
+
+    /// The acceptance point: one "transaction" over the row (R10–R12).
+    fn accept(&mut self, row: u32, receipt: &Receipt, genuine: bool) {
+        let r = row as usize;
+        if r >= self.db.rows.len() || self.db.rows[r].event_id != receipt.event_id {
+            // The store has no such row (restored away, or a forged id): audit.
+            self.stats.rejected_receipts += 1;
+            return;
+        }
+        let snapshot_row = &self.db.rows[r];
+        // Late ACK bookkeeping (G2): a genuine ACK of a registered attempt whose claim is
+        // no longer the current, unexpired one.
+        let late = genuine
+            && receipt.source == ReceiptSource::Ack
+            && receipt.sequence != 0
+            && snapshot_row.state != State::Purged
+            && snapshot_row.attempt(receipt.attempt_id).is_some_and(|a| {
+                snapshot_row.claim.as_ref().is_none_or(|c| {
+                    c.generation != a.claim_generation || c.lease_until_ms <= self.now
+                })
+            });
+        let v = self.proto.decide_receipt(snapshot_row, receipt, self.now);
+        if late {
+            self.stats.late_acks += 1;
+            if matches!(
+                v.verdict,
+                ReceiptVerdict::Primary | ReceiptVerdict::Duplicate(_)
+            ) {
+                self.stats.late_acks_converged += 1;
+            }
+        }
+        let now = self.now;
+        let prev_primary = self.db.rows[r].primary.clone();
+        match v.verdict {
+            ReceiptVerdict::Primary if v.overwrite_primary => {
+                // Mutant path only: the slot is overwritten.
+                self.db.rows[r].primary = Some(receipt.clone());
+            }
+            verdict => {
+                if let Err(e) = apply_receipt(&mut self.db.rows[r], receipt, verdict, now) {
+                    self.violation(Violation::Liveness, || format!("accept: {e}"));
+                    return;
+                }
+            }
+        }
+        match v.verdict {
+            ReceiptVerdict::Primary | ReceiptVerdict::Duplicate(_) => {
+                if matches!(v.verdict, ReceiptVerdict::Duplicate(_)) {
+                    self.db.duplicates.push((row, receipt.clone()));
+                    self.stats.duplicate_receipts += 1;
+                }
+                let s = self.stream_index(&receipt.cluster, &receipt.stream);
+                self.accepted
+                    .push((row, s, receipt.sequence, receipt.attempt_id));
+                if prev_primary.is_none() && self.proto.purge_on_accept() {
+                    self.cleanup(Some(row));
+                }
+            }
+            ReceiptVerdict::Quarantine(_) => self.stats.quarantined_receipts += 1,
+            ReceiptVerdict::Reject(_) => self.stats.rejected_receipts += 1,
+        }
+        self.note(|| {
+            format!(
+                "accept attempt {} seq {} on row {r}: {:?}{}",
+                receipt.attempt_id,
+                receipt.sequence,
+                v.verdict,
+                if late { " (late ACK)" } else { "" }
+            )
+        });
+    }
+
+    fn stream_index(&self, cluster: &str, topic: &str) -> u8 {
+        let c = CLUSTERS
+            .iter()
+            .position(|x| *x == cluster)
+            .unwrap_or(usize::MAX);
+        let t = TOPICS
+            .iter()
+            .position(|x| *x == topic)
+            .unwrap_or(usize::MAX);
+        self.streams
+            .iter()
+            .position(|s| s.cluster as usize == c && s.topic as usize == t)
+            .map_or(u8::MAX, |i| i as u8)
+    }
+
+    fn ack_timeout(&mut self, d: u8, inc: u32, row: u32, token: ClaimToken, attempt: u64) {
+        if self.dispatchers[d as usize].inc != inc || !self.dispatchers[d as usize].alive {
+            return;
+        }
+        if self.deferred(
+            d,
+            &Ev::AckTimeout {
+                d,
+                inc,
+                row,
+                token,
+                attempt,
+            },
+        ) {
+            return;
+        }
+        if !self.dispatchers[d as usize].waiting.contains(&attempt) {
+            return;
+        }
+        self.dispatchers[d as usize]
+            .waiting
+            .retain(|a| *a != attempt);
+        self.report_outcome(d, row, token, attempt, SendOutcome::AckTimeout);
+    }
+
+    // ---------------------------------------------------------------- reconciler
+
+    fn reconcile_tick(&mut self) {
+        let owner = 1;
+        for i in 0..self.db.rows.len() {
+            let decision = decide_reconcile_claim(&self.db.rows[i], self.now, RECONCILE_LEASE_MS);
+            if decision == ClaimDecision::Skip {
+                continue;
+            }
+            let now = self.now;
+            match apply_claim(&mut self.db.rows[i], &decision, owner, now) {
+                Ok(Some(token)) => {
+                    let t = self.now + range(&mut self.rng, 1, 200);
+                    let epoch = self.epoch;
+                    self.at(
+                        t,
+                        Ev::ReconcileLookup {
+                            epoch,
+                            row: i as u32,
+                            token,
+                        },
+                    );
+                }
+                Ok(None) => {}
+                Err(e) => self.violation(Violation::Liveness, || format!("reconcile claim: {e}")),
+            }
+        }
+        self.at(self.now + RECONCILE_EVERY_MS, Ev::ReconcileTick);
+    }
+
+    fn reconcile_lookup(&mut self, row: u32, token: ClaimToken) {
+        let r = row as usize;
+        let dest = self.db.rows[r].destination.clone();
+        let lookup = if !self.cfg.queryable {
+            Lookup::Unqueryable
+        } else if let Some(s) = self.stream_of(&dest) {
+            let stream = &self.streams[s as usize];
+            if self.broker_down_until[stream.cluster as usize] > self.now {
+                Lookup::Unavailable
+            } else {
+                let (event_id, member) = (self.db.rows[r].event_id, self.db.rows[r].member);
+                // Last message on the event's own subject (a subject per event id).
+                match stream
+                    .msgs
+                    .iter()
+                    .enumerate()
+                    .rev()
+                    .find(|(_, m)| m.event_id == event_id && m.member == member)
+                {
+                    Some((i, m)) => Lookup::Found(Receipt {
+                        event_id: m.event_id,
+                        member: m.member,
+                        envelope_generation: m.envelope_generation,
+                        attempt_id: m.attempt_id,
+                        payload_digest: m.payload_digest,
+                        destination_digest: m.destination_digest,
+                        cluster: dest.cluster.clone(),
+                        stream: dest.topic.clone(),
+                        partition: None,
+                        sequence: i as u64 + 1,
+                        broker_duplicate: false,
+                        source: ReceiptSource::Lookup,
+                    }),
+                    None => Lookup::Absent,
+                }
+            }
+        } else {
+            Lookup::Unavailable
+        };
+        let t = self.now + range(&mut self.rng, 1, 200);
+        let epoch = self.epoch;
+        self.at(
+            t,
+            Ev::ReconcileDecide {
+                epoch,
+                row,
+                token,
+                lookup: Box::new(lookup),
+            },
+        );
+    }
+
+    fn reconcile_decide(&mut self, row: u32, token: ClaimToken, lookup: Lookup) {
+        let r = row as usize;
+        let decision = decide_reconcile(
+            &self.db.rows[r],
+            token,
+            &lookup,
+            ReconcilePolicy::default(),
+            self.now,
+        );
+        self.note(|| {
+            format!(
+                "reconcile row {r} lookup {:?}: {decision:?}",
+                std::mem::discriminant(&lookup)
+            )
+        });
+        match &decision {
+            ReconcileDecision::Accept(receipt) => self.accept(row, receipt, true),
+            ReconcileDecision::Fenced(_) => self.stats.fenced_writes += 1,
+            ReconcileDecision::RetrySameDestination { quarantine, .. } => {
+                if quarantine.is_some() {
+                    self.stats.quarantined_receipts += 1;
+                }
+                let now = self.now;
+                if let Err(e) = apply_reconcile(&mut self.db.rows[r], &decision, now) {
+                    self.violation(Violation::Liveness, || format!("reconcile: {e}"));
+                }
+                self.wake_dispatchers();
+            }
+            ReconcileDecision::StayUnknown => {
+                let now = self.now;
+                if let Err(e) = apply_reconcile(&mut self.db.rows[r], &decision, now) {
+                    self.violation(Violation::Liveness, || format!("reconcile: {e}"));
+                }
+            }
+        }
+    }
+
+    // ---------------------------------------------------------------- migration
+
+    fn migration_request(&mut self) {
+        if self.db.rows.is_empty() {
+            return;
+        }
+        let r = self.rng.next_u32() as usize % self.db.rows.len();
+        let fact = self.db.row_fact[r];
+        let to = member_destination(self.db.policy + 1, fact, self.db.rows[r].member);
+        match decide_migration(&self.db.rows[r], &to) {
+            Ok(grant) => {
+                if let Err(e) = apply_migration(&mut self.db.rows[r], &grant, to) {
+                    self.violation(Violation::Liveness, || format!("migration: {e}"));
+                    return;
+                }
+                self.stats.migrations_granted += 1;
+                self.note(|| {
+                    format!(
+                        "row {r} migrated to envelope generation {}",
+                        grant.envelope_generation
+                    )
+                });
+            }
+            Err(refusal) => {
+                if self.db.rows[r].state.is_unknown() && !self.cfg.queryable {
+                    self.fault(Fault::MigrationWhileUnknownUnqueryable);
+                }
+                self.stats.migrations_refused += 1;
+                self.note(|| format!("migration of row {r} refused: {refusal}"));
+            }
+        }
+    }
+
+    // ---------------------------------------------------------------- consumers
+
+    fn wake_consumers(&mut self) {
+        for c in 0..self.consumers.len() {
+            if self.consumers[c].alive && !self.consumers[c].tick_scheduled {
+                self.consumers[c].tick_scheduled = true;
+                let inc = self.consumers[c].inc;
+                let t = self.now + range(&mut self.rng, 1, 50);
+                self.at(t, Ev::ConsumerTick { c: c as u8, inc });
+            }
+        }
+    }
+
+    fn consumer_tick(&mut self, c: u8, inc: u32) {
+        let ci = c as usize;
+        if self.consumers[ci].inc != inc || !self.consumers[ci].alive {
+            return;
+        }
+        self.consumers[ci].tick_scheduled = false;
+        let mut more = false;
+        'streams: for s in 0..self.streams.len() {
+            if self.broker_down_until[self.streams[s].cluster as usize] > self.now {
+                more = true;
+                continue;
+            }
+            let wm = self.consumers[ci].watermark[s];
+            let total = self.streams[s].msgs.len() as u64;
+            if total <= wm {
+                continue;
+            }
+            // Fetch a batch above the committed position (redelivering anything not yet
+            // covered by it), possibly reordered and duplicated (F8).
+            let mut batch: Vec<u64> = ((wm + 1)..=total)
+                .filter(|p| !self.consumers[ci].acked_above[s].contains(p))
+                .take(CONSUMER_BATCH_MAX)
+                .collect();
+            if total - wm > batch.len() as u64 {
+                more = true;
+            }
+            if self.faults_on && batch.len() > 1 && chance(&mut self.rng, self.cfg.p_redeliver) {
+                self.fault(Fault::ReorderedDuplicated);
+                batch.reverse();
+                let dup = batch[self.rng.next_u32() as usize % batch.len()];
+                batch.push(dup);
+            }
+            for pos in batch {
+                if !self.consume_one(ci, s, pos) {
+                    break 'streams;
+                }
+            }
+        }
+        if !self.consumers[ci].alive {
+            return;
+        }
+        let next = if more { 500 } else { CONSUMER_IDLE_POLL_MS };
+        self.consumers[ci].tick_scheduled = true;
+        let t = self.now + next;
+        self.at(t, Ev::ConsumerTick { c, inc });
+    }
+
+    /// Processes one delivered message; false if the consumer crashed.
+    fn consume_one(&mut self, ci: usize, s: usize, pos: u64) -> bool {
+        let m = self.streams[s].msgs[(pos - 1) as usize].clone();
+        if self.faults_on && chance(&mut self.rng, self.cfg.p_consumer_crash / 2) {
+            self.fault(Fault::ConsumerCrashBeforeCommit);
+            self.crash_consumer(ci);
+            return false;
+        }
+        let existing = self.consumers[ci]
+            .inbox
+            .iter()
+            .find(|(e, _)| *e == m.event_id)
+            .map(|(_, r)| *r);
+        let decision = self.proto.decide_inbox(existing, m.payload_digest);
+        match decision {
+            InboxDecision::Apply => {
+                let in_tx = self.proto.inbox_in_effect_tx();
+                self.apply_effect(ci, &m);
+                if !in_tx && self.faults_on && chance(&mut self.rng, self.cfg.p_consumer_crash) {
+                    // Mutant: the effect committed alone; the inbox row never did.
+                    self.crash_consumer(ci);
+                    return false;
+                }
+                let con = &mut self.consumers[ci];
+                con.next_receipt += 1;
+                let rec = InboxRecord {
+                    payload_digest: m.payload_digest,
+                    receipt_id: con.next_receipt,
+                };
+                con.inbox.push((m.event_id, rec));
+            }
+            InboxDecision::Duplicate { .. } => self.stats.inbox_duplicates += 1,
+            InboxDecision::Quarantine => self.stats.inbox_quarantined += 1,
+        }
+        if self.faults_on && chance(&mut self.rng, self.cfg.p_consumer_crash / 2) {
+            // F9: committed, then crashed before acking the broker.
+            self.fault(Fault::ConsumerCrashAfterCommit);
+            self.crash_consumer(ci);
+            return false;
+        }
+        let con = &mut self.consumers[ci];
+        con.acked_above[s].push(pos);
+        while let Some(i) = con.acked_above[s]
+            .iter()
+            .position(|p| *p == con.watermark[s] + 1)
+        {
+            con.acked_above[s].swap_remove(i);
+            con.watermark[s] += 1;
+        }
+        true
+    }
+
+    fn apply_effect(&mut self, ci: usize, m: &Msg) {
+        // Checker: the effect's payload is the sealed one.
+        let sealed = self
+            .db
+            .rows
+            .iter()
+            .find(|r| r.event_id == m.event_id)
+            .map(|r| r.payload_digest)
+            .or_else(|| {
+                self.facts
+                    .iter()
+                    .position(|f| f.event_id == m.event_id)
+                    .map(|f| Digest::of_bytes(PAYLOAD_DOMAIN, &(f as u32).to_be_bytes()))
+            });
+        if sealed.is_some_and(|d| d != m.payload_digest) {
+            self.violation(Violation::DivergentPayloads, || {
+                format!(
+                    "consumer {ci} applied a divergent payload for {}",
+                    m.event_id
+                )
+            });
+        }
+        let con = &mut self.consumers[ci];
+        let count = match con.effects.iter_mut().find(|(e, _)| *e == m.event_id) {
+            Some((_, n)) => {
+                *n += 1;
+                *n
+            }
+            None => {
+                con.effects.push((m.event_id, 1));
+                1
+            }
+        };
+        if count > 1 {
+            self.violation(Violation::DuplicateEffects, || {
+                format!("consumer {ci} applied {} {count} times", m.event_id)
+            });
+        }
+    }
+
+    fn crash_consumer(&mut self, ci: usize) {
+        let con = &mut self.consumers[ci];
+        con.alive = false;
+        con.inc += 1;
+        con.tick_scheduled = false;
+        con.acked_above.iter_mut().for_each(Vec::clear);
+        let t = self.now + range(&mut self.rng, 500, 10_000);
+        self.at(t, Ev::ConsumerRestart { c: ci as u8 });
+    }
+
+    // ---------------------------------------------------------------- cleanup and restore
+
+    fn watermarks_for(&self, row: &EventRow) -> Vec<Watermark> {
+        let s = self
+            .stream_of(&row.destination)
+            .map_or(usize::MAX, usize::from);
+        (0..self.consumers.len())
+            .map(|c| Watermark {
+                consumer: c as u32,
+                watermark: self.consumers[c]
+                    .watermark
+                    .get(s)
+                    .copied()
+                    .filter(|w| *w > 0),
+            })
+            .collect()
+    }
+
+    fn cleanup(&mut self, only: Option<u32>) {
+        let policy = RetentionPolicy {
+            replay_window_ms: REPLAY_WINDOW_MS,
+        };
+        for i in 0..self.db.rows.len() {
+            if only.is_some_and(|o| o as usize != i) {
+                continue;
+            }
+            let marks = self.watermarks_for(&self.db.rows[i]);
+            match self
+                .proto
+                .decide_purge(&self.db.rows[i], self.now, policy, &marks)
+            {
+                Ok(()) => {
+                    // Checker: every required consumer applied it and the window passed.
+                    let row = &self.db.rows[i];
+                    let eid = row.event_id;
+                    let early_window = row
+                        .published_at_ms
+                        .is_none_or(|p| p + REPLAY_WINDOW_MS > self.now);
+                    let unconsumed = self
+                        .consumers
+                        .iter()
+                        .any(|c| !c.effects.iter().any(|(e, _)| *e == eid));
+                    if early_window || unconsumed {
+                        self.violation(Violation::EarlyPurges, || format!("row {i} purged early (window: {early_window}, unconsumed: {unconsumed})"));
+                    }
+                    let st = self.db.rows[i].state;
+                    match transition(st, State::Purged) {
+                        Ok(s) => self.db.rows[i].state = s,
+                        Err(_) => {
+                            // The mutant may purge from any published-ish state.
+                            self.db.rows[i].state = State::Purged;
+                        }
+                    }
+                    self.stats.purged += 1;
+                }
+                Err(PurgeRefusal::ReplayWindow { .. })
+                    if self.db.rows[i].state == State::Published =>
+                {
+                    self.db.rows[i].state = State::Retained;
+                }
+                Err(_) => {
+                    if only.is_some() {
+                        self.stats.purges_refused += 1;
+                    }
+                }
+            }
+        }
+    }
+
+    fn restore(&mut self) {
+        let Some(snap) = self.snapshot.take() else {
+            return;
+        };
+        self.fault(Fault::DatabaseRestored);
+        self.db = snap;
+        self.epoch += 1;
+        self.unknown_since.truncate(self.db.rows.len());
+        for i in 0..self.unknown_since.len() {
+            if !self.db.rows[i].state.is_unknown() {
+                self.unknown_since[i] = None;
+            }
+        }
+        // The accepted-receipt ghost follows the restored store.
+        self.accepted
+            .retain(|(r, _, _, _)| (*r as usize) < self.db.rows.len());
+        let rows = &self.db.rows;
+        let dups = &self.db.duplicates;
+        self.accepted.retain(|(r, _, seq, a)| {
+            rows[*r as usize]
+                .primary
+                .as_ref()
+                .is_some_and(|p| p.sequence == *seq && p.attempt_id == *a)
+                || dups
+                    .iter()
+                    .any(|(dr, d)| dr == r && d.sequence == *seq && d.attempt_id == *a)
+        });
+        // Operating procedure: dispatchers restart after a restore (their claims died with
+        // the old database).
+        for d in 0..self.dispatchers.len() {
+            let disp = &mut self.dispatchers[d];
+            disp.inc += 1;
+            disp.alive = true;
+            disp.waiting.clear();
+            disp.tick_scheduled = true;
+            let inc = disp.inc;
+            self.at(self.now + 100, Ev::DispatchTick { d: d as u8, inc });
+        }
+        self.note(|| "database restored from backup".into());
+    }
+
+    // ---------------------------------------------------------------- checkers
+
+    fn check_rows(&mut self) {
+        // Unknown episodes (G3) and traceability of every UNKNOWN.
+        for i in 0..self.db.rows.len() {
+            let row = &self.db.rows[i];
+            let unknown = row.state.is_unknown();
+            if unknown {
+                let traceable = row
+                    .attempts
+                    .iter()
+                    .any(|a| matches!(a.status, AttemptStatus::Unknown | AttemptStatus::Sending));
+                if !traceable {
+                    self.violation_of(Violation::UntraceableUnknowns, i as u32, || {
+                        format!("row {i} unknown without an open attempt")
+                    });
+                }
+                if self.unknown_since[i].is_none() {
+                    self.unknown_since[i] = Some(self.now);
+                }
+            } else if let Some(since) = self.unknown_since[i] {
+                self.unknown_since[i] = None;
+                self.stats.unknown.record_ms(self.now - since);
+            }
+            // Divergence: accepted receipts carry the sealed digests.
+            let row = &self.db.rows[i];
+            if let Some(p) = &row.primary {
+                let diverges = p.payload_digest != row.payload_digest
+                    || p.destination_digest != row.destination_digest;
+                // Lost: a PUBLISHED row whose primary names a position not holding it.
+                let s = self.stream_index(&p.cluster, &p.stream) as usize;
+                let held = self
+                    .streams
+                    .get(s)
+                    .and_then(|st| st.msgs.get((p.sequence as usize).wrapping_sub(1)));
+                let not_held =
+                    !held.is_some_and(|m| m.event_id == row.event_id && m.member == row.member);
+                if diverges {
+                    self.violation_of(Violation::DivergentPayloads, i as u32, || {
+                        format!("row {i} primary receipt diverges from the envelope")
+                    });
+                }
+                if not_held {
+                    self.violation_of(Violation::LostEvents, i as u32, || {
+                        format!("row {i} published at a position that does not hold it")
+                    });
+                }
+            }
+        }
+        // Lost: a committed business fact without its envelope rows (R4).
+        for k in 0..self.db.business.len() {
+            let f = self.db.business[k];
+            let n = self.db.row_fact.iter().filter(|rf| **rf == f).count();
+            if n != usize::from(self.facts[f as usize].members) {
+                self.violation_of(Violation::LostEvents, 1_000_000 + f, || {
+                    format!("fact {f} committed without its envelope")
+                });
+            }
+        }
+        // Lost: an accepted receipt vanished from the store.
+        let mut vanished = 0;
+        for &(r, s, seq, a) in &self.accepted {
+            let row = &self.db.rows[r as usize];
+            let in_primary = row.primary.as_ref().is_some_and(|p| {
+                p.sequence == seq
+                    && p.attempt_id == a
+                    && self.stream_index(&p.cluster, &p.stream) == s
+            });
+            let in_dups = self
+                .db
+                .duplicates
+                .iter()
+                .any(|(dr, d)| *dr == r && d.sequence == seq && d.attempt_id == a);
+            if !in_primary && !in_dups {
+                vanished += 1;
+            }
+        }
+        if vanished > 0 {
+            self.accepted.retain(|_| false);
+            self.violation(Violation::LostEvents, || {
+                format!("{vanished} accepted receipt(s) vanished from the store")
+            });
+        }
+    }
+
+    fn quiescent(&self) -> bool {
+        let rows_done = self.db.rows.iter().all(|r| r.state == State::Purged);
+        let facts_done = self.facts.iter().all(|f| f.committed);
+        let consumers_done = self.consumers.iter().all(|c| {
+            c.alive
+                && c.watermark
+                    .iter()
+                    .zip(&self.streams)
+                    .all(|(w, s)| *w == s.msgs.len() as u64)
+        });
+        rows_done && facts_done && consumers_done
+    }
+
+    fn finish(&mut self) {
+        // Liveness: once faults stop, every committed event is published and every critical
+        // consumer applied it exactly once.
+        for i in 0..self.db.rows.len() {
+            let row = &self.db.rows[i];
+            if !row.state.is_published() {
+                let st = row.state;
+                self.violation(Violation::Liveness, || format!("row {i} ended {st}"));
+                continue;
+            }
+            let eid = row.event_id;
+            for c in 0..self.consumers.len() {
+                let n = self.consumers[c]
+                    .effects
+                    .iter()
+                    .find(|(e, _)| *e == eid)
+                    .map_or(0, |(_, n)| *n);
+                if n != 1 {
+                    self.violation(Violation::Liveness, || {
+                        format!("consumer {c} applied {eid} {n} times")
+                    });
+                }
+            }
+        }
+        for (i, since) in self.unknown_since.iter().enumerate() {
+            if let Some(since) = since {
+                if self.db.rows.get(i).is_some_and(|r| r.state.is_unknown()) {
+                    let _ = since;
+                    self.stats.unknown.unresolved += 1;
+                }
+            }
+        }
+        if self.facts.iter().any(|f| !f.committed) {
+            self.stats.violations.add(Violation::Liveness);
+        }
+    }
+}
