@@ -1,13 +1,23 @@
-//! The `sealpost` command: the simulator today; the store, dispatchers and operator tools
-//! as they land.
+//! The `sealpost` command: the simulator, schema migrations, dispatchers, the reconciler,
+//! the demo and status.
+
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use std::time::Duration;
 
 use clap::{Parser, Subcommand};
+use sealpost::runtime::{self, Config, Counters};
+use sealpost::{nats::Nats, store};
 
 mod simulate;
 
 #[derive(Parser, Debug)]
 #[command(name = "sealpost", version, about = "Sealpost transactional outbox")]
 struct Cli {
+    /// TOML config file (keys: database_url, nats_url, nats_cluster, lease_ms, batch_size_max,
+    /// ack_timeout_ms, idle_poll_ms, rejection_limit, reconcile_batch_max, reconcile_every_ms).
+    #[arg(long, global = true, env = "SEALPOST_CONFIG")]
+    config: Option<String>,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -16,18 +26,152 @@ struct Cli {
 enum Cmd {
     /// Run the deterministic fault-injecting simulator over the protocol core.
     Simulate(simulate::SimulateArgs),
+    /// Apply the schema (idempotent) and optionally set a route policy.
+    Migrate {
+        /// Route policy `NAME=CLUSTER/TOPIC`; revising one bumps its generation.
+        #[arg(long)]
+        route: Vec<String>,
+    },
+    /// Run dispatcher tasks and a reconciler until Ctrl-C.
+    Dispatch {
+        /// Dispatcher tasks in this process.
+        #[arg(long, default_value_t = 1)]
+        dispatchers: usize,
+        /// Do not run a reconciler in this process.
+        #[arg(long)]
+        no_reconciler: bool,
+    },
+    /// Write orders while dispatchers publish them; print the status at the end.
+    Demo {
+        /// Orders to write.
+        #[arg(long, default_value_t = 20_000)]
+        orders: u64,
+        /// Dispatcher tasks.
+        #[arg(long, default_value_t = 3)]
+        dispatchers: usize,
+        /// Print the final status as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Row counts per state, oldest PENDING and UNKNOWN ages, quarantine count.
+    Status {
+        /// One JSON object.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 fn main() {
     let cli = Cli::parse();
     let code = match cli.cmd {
-        Cmd::Simulate(a) => simulate::run(a),
+        Cmd::Simulate(a) => simulate::run(a).map_err(|e| e.to_string()),
+        cmd => {
+            tracing_subscriber::fmt()
+                .with_env_filter(
+                    tracing_subscriber::EnvFilter::try_from_default_env()
+                        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+                )
+                .with_writer(std::io::stderr)
+                .init();
+            match Config::load(cli.config.as_deref()) {
+                Ok(cfg) => tokio::runtime::Runtime::new()
+                    .map_err(|e| e.to_string())
+                    .and_then(|rt| rt.block_on(run(cmd, cfg))),
+                Err(e) => Err(e.to_string()),
+            }
+        }
     };
     match code {
         Ok(c) => std::process::exit(c),
         Err(e) => {
             eprintln!("error: {e}");
             std::process::exit(2);
+        }
+    }
+}
+
+async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
+    let e = |x: runtime::RunError| x.to_string();
+    match cmd {
+        Cmd::Simulate(_) => unreachable!("handled without a runtime"),
+        Cmd::Migrate { route } => {
+            let pg = runtime::pg_connect(&cfg.database_url).await.map_err(e)?;
+            store::migrate(&pg).await.map_err(|x| x.to_string())?;
+            for r in route {
+                let (name, dest) = r
+                    .split_once('=')
+                    .ok_or_else(|| format!("--route `{r}`: expected NAME=CLUSTER/TOPIC"))?;
+                let (cluster, topic) = dest
+                    .split_once('/')
+                    .ok_or_else(|| format!("--route `{r}`: expected NAME=CLUSTER/TOPIC"))?;
+                let g = store::set_route(&pg, name, cluster, topic)
+                    .await
+                    .map_err(|x| x.to_string())?;
+                println!("route {name} -> {cluster}/{topic} (generation {g})");
+            }
+            println!("schema applied");
+            Ok(0)
+        }
+        Cmd::Dispatch {
+            dispatchers,
+            no_reconciler,
+        } => {
+            let nats = Nats::connect(
+                &cfg.nats_url,
+                &cfg.nats_cluster,
+                Duration::from_millis(cfg.ack_timeout_ms),
+            )
+            .await
+            .map_err(|x| x.to_string())?;
+            let stop = Arc::new(AtomicBool::new(false));
+            let counters = Arc::new(Counters::default());
+            let mut tasks = Vec::new();
+            for _ in 0..dispatchers {
+                tasks.push(tokio::spawn(runtime::dispatcher(
+                    cfg.clone(),
+                    nats.clone(),
+                    stop.clone(),
+                    counters.clone(),
+                )));
+            }
+            if !no_reconciler {
+                tasks.push(tokio::spawn(runtime::reconciler(
+                    cfg.clone(),
+                    nats.clone(),
+                    stop.clone(),
+                    counters.clone(),
+                )));
+            }
+            let s2 = stop.clone();
+            tokio::spawn(async move {
+                let _ = tokio::signal::ctrl_c().await;
+                tracing::warn!("shutting down: finishing the batches in flight");
+                s2.store(true, std::sync::atomic::Ordering::Relaxed);
+            });
+            for t in tasks {
+                t.await.map_err(|x| x.to_string())?.map_err(e)?;
+            }
+            Ok(0)
+        }
+        Cmd::Demo {
+            orders,
+            dispatchers,
+            json,
+        } => {
+            let ok = sealpost::demo::run(cfg, orders, dispatchers, json)
+                .await
+                .map_err(e)?;
+            Ok(if ok { 0 } else { 1 })
+        }
+        Cmd::Status { json } => {
+            let pg = runtime::pg_connect(&cfg.database_url).await.map_err(e)?;
+            let s = store::status(&pg).await.map_err(|x| x.to_string())?;
+            if json {
+                println!("{}", serde_json::to_string(&s).map_err(|x| x.to_string())?);
+            } else {
+                sealpost::print_status(&s);
+            }
+            Ok(0)
         }
     }
 }

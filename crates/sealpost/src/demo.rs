@@ -1,0 +1,192 @@
+//! `sealpost demo`: an order service writing orders (business row and envelope in one
+//! transaction) while dispatcher tasks and a reconciler run; a live progress line; ends by
+//! printing the status.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use sealpost_core::envelope::{EventId, NewEvent};
+
+use crate::nats::Nats;
+use crate::runtime::{self, Config, Counters, RunError};
+use crate::store;
+
+/// Creates the demo's business table.
+pub async fn prepare(pg: &tokio_postgres::Client) -> Result<(), RunError> {
+    pg.batch_execute(
+        "CREATE TABLE IF NOT EXISTS demo_orders (
+             order_id    text PRIMARY KEY,
+             customer    text NOT NULL,
+             total_cents bigint NOT NULL,
+             event_id    uuid NOT NULL,
+             created_at  timestamptz NOT NULL DEFAULT now())",
+    )
+    .await
+    .map_err(store::StoreError::from)?;
+    Ok(())
+}
+
+/// Mints the event id when the order command is first accepted (R3).
+pub fn mint_event_id() -> EventId {
+    EventId(*uuid::Uuid::now_v7().as_bytes())
+}
+
+/// Writes one order and its envelope in one transaction (R4).
+pub async fn place_order(
+    pg: &mut tokio_postgres::Client,
+    order_id: &str,
+    total_cents: i64,
+) -> Result<EventId, RunError> {
+    let event_id = mint_event_id();
+    let payload =
+        format!(r#"{{"order_id":"{order_id}","total_cents":{total_cents},"currency":"EUR"}}"#);
+    let tx = pg.transaction().await.map_err(store::StoreError::from)?;
+    tx.execute(
+        "INSERT INTO demo_orders (order_id, customer, total_cents, event_id) VALUES ($1, 'c-1', $2, $3)",
+        &[&order_id, &total_cents, &uuid::Uuid::from_bytes(event_id.0)],
+    )
+    .await
+    .map_err(store::StoreError::from)?;
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    store::enqueue(
+        &tx,
+        "orders",
+        event_id,
+        &NewEvent {
+            aggregate_type: "order",
+            aggregate_id: order_id,
+            aggregate_version: 1,
+            event_type: "order.created.v1",
+            payload_schema: "order.created.v1",
+            payload: payload.as_bytes(),
+            tenant: "tenant-1",
+            occurred_at_ms: now_ms,
+            creating_txid: 0,
+        },
+        &format!("tenant-1.order.{order_id}"),
+    )
+    .await?;
+    tx.commit().await.map_err(store::StoreError::from)?;
+    Ok(event_id)
+}
+
+/// Runs the demo; returns true when every event ended `PUBLISHED`.
+pub async fn run(
+    cfg: Config,
+    orders: u64,
+    dispatchers: usize,
+    json: bool,
+) -> Result<bool, RunError> {
+    let admin = runtime::pg_connect(&cfg.database_url).await?;
+    store::migrate(&admin).await?;
+    prepare(&admin).await?;
+    let exists = admin
+        .query_opt(
+            "SELECT 1 FROM sealpost.route_policy WHERE name = 'orders'",
+            &[],
+        )
+        .await
+        .map_err(store::StoreError::from)?;
+    if exists.is_none() {
+        store::set_route(&admin, "orders", &cfg.nats_cluster, "ORDERS").await?;
+    }
+    let nats = Nats::connect(
+        &cfg.nats_url,
+        &cfg.nats_cluster,
+        Duration::from_millis(cfg.ack_timeout_ms),
+    )
+    .await?;
+    nats.ensure_stream("ORDERS").await?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let counters = Arc::new(Counters::default());
+    let mut tasks = Vec::new();
+    for _ in 0..dispatchers {
+        tasks.push(tokio::spawn(runtime::dispatcher(
+            cfg.clone(),
+            nats.clone(),
+            stop.clone(),
+            counters.clone(),
+        )));
+    }
+    tasks.push(tokio::spawn(runtime::reconciler(
+        cfg.clone(),
+        nats.clone(),
+        stop.clone(),
+        counters.clone(),
+    )));
+    let written = Arc::new(AtomicU64::new(0));
+    let run_id = runtime::owner_id() % 1_000_000;
+    let writers_n = 4u64;
+    let mut writers = Vec::new();
+    for w in 0..writers_n {
+        let cfg = cfg.clone();
+        let written = written.clone();
+        writers.push(tokio::spawn(async move {
+            let mut pg = runtime::pg_connect(&cfg.database_url).await?;
+            let mut i = w;
+            while i < orders {
+                place_order(&mut pg, &format!("o-{run_id}-{i}"), 1000 + i as i64).await?;
+                written.fetch_add(1, Ordering::Relaxed);
+                i += writers_n;
+            }
+            Ok::<_, RunError>(())
+        }));
+    }
+    let started = Instant::now();
+    let base = store::status(&admin).await?;
+    let base_published = base.states.get("PUBLISHED").copied().unwrap_or(0);
+    let deadline = started + Duration::from_secs(600);
+    let mut ok = false;
+    loop {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let s = store::status(&admin).await?;
+        let published = s.states.get("PUBLISHED").copied().unwrap_or(0) - base_published;
+        let pending: i64 = ["PENDING", "CLAIMED", "SENDING", "RETRY_CLAIMED"]
+            .iter()
+            .map(|k| s.states.get(*k).copied().unwrap_or(0))
+            .sum();
+        let w = written.load(Ordering::Relaxed);
+        if !json {
+            eprint!(
+                "\r{:>6.1}s  orders written {w:>7}/{orders}  published {published:>7}  in flight {pending:>6}  unknown {:>4}  quarantined {:>3}   ",
+                started.elapsed().as_secs_f64(),
+                s.unknown,
+                s.quarantined
+            );
+        }
+        if w == orders && pending == 0 && s.unknown == 0 {
+            ok = true;
+            break;
+        }
+        if Instant::now() > deadline {
+            break;
+        }
+    }
+    if !json {
+        eprintln!();
+    }
+    for w in writers {
+        w.await.expect("writer task panicked")?;
+    }
+    stop.store(true, Ordering::Relaxed);
+    for t in tasks {
+        t.await.expect("dispatcher task panicked")?;
+    }
+    let s = store::status(&admin).await?;
+    let elapsed = started.elapsed().as_secs_f64();
+    if json {
+        println!("{}", serde_json::to_string(&s).unwrap_or_default());
+    } else {
+        println!(
+            "demo: {orders} orders with {dispatchers} dispatcher(s) in {elapsed:.1} s ({:.0} events/s); duplicates {}; reconciled {}",
+            orders as f64 / elapsed,
+            counters.duplicates.load(Ordering::Relaxed),
+            counters.reconciled.load(Ordering::Relaxed)
+        );
+        crate::print_status(&s);
+    }
+    Ok(ok && s.quarantined == 0)
+}

@@ -1,0 +1,968 @@
+//! The PostgreSQL store: schema, the producer's `enqueue`, and every state change of the
+//! protocol as a short transaction that loads row snapshots, calls `sealpost-core` and
+//! persists the difference. No transaction is ever held across a network send.
+
+use std::collections::HashMap;
+
+use sealpost_core::claim::{
+    apply_begin_send, apply_claim, apply_send_outcome, decide_begin_send, decide_dispatch_claim,
+    decide_reconcile_claim, decide_send_outcome, ClaimDecision, ClaimToken, SendOutcome,
+    SendOutcomeDecision,
+};
+use sealpost_core::encoding::Digest;
+use sealpost_core::envelope::{
+    Destination, EventId, NewEvent, PartitionAlgorithm, RoutePolicy, SealedEnvelope,
+};
+use sealpost_core::receipt::{
+    apply_receipt, decide_receipt, Receipt, ReceiptSource, ReceiptVerdict,
+};
+use sealpost_core::reconcile::{
+    apply_reconcile, decide_reconcile, Lookup, ReconcileDecision, ReconcilePolicy,
+};
+use sealpost_core::row::{Attempt, AttemptStatus, Claim, EventRow, Superseded};
+use sealpost_core::state::State;
+use tokio_postgres::{GenericClient, Transaction};
+use uuid::Uuid;
+
+/// The embedded schema migrations, in order.
+pub const MIGRATIONS: &[(i32, &str)] = &[(1, include_str!("../migrations/0001_outbox.sql"))];
+
+/// Largest payload accepted by `enqueue` (NATS' default max_payload is 1 MiB; headers need room).
+pub const PAYLOAD_BYTES_MAX: usize = 900 * 1024;
+
+/// Store errors.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The database refused or failed a statement.
+    #[error("database error: {0}")]
+    Db(#[from] tokio_postgres::Error),
+    /// No route policy with that name; create one with `sealpost route set`.
+    #[error("no route policy named `{0}`; add one to sealpost.route_policy (sealpost migrate --route NAME=CLUSTER/TOPIC)")]
+    NoRoutePolicy(String),
+    /// The payload is larger than the broker accepts.
+    #[error("payload is {len} bytes, more than the {max}-byte limit; store large blobs elsewhere and send a reference")]
+    PayloadTooLarge {
+        /// Payload length.
+        len: usize,
+        /// Limit.
+        max: usize,
+    },
+    /// A stored row does not parse (corrupted or written by a newer version).
+    #[error("stored row is invalid: {0}; was it written by a newer Sealpost?")]
+    Corrupt(String),
+    /// The schema has not been applied.
+    #[error("the sealpost schema is missing; run `sealpost migrate` first")]
+    NotMigrated,
+}
+
+/// Result alias.
+pub type Result<T> = std::result::Result<T, StoreError>;
+
+fn uuid_of(e: EventId) -> Uuid {
+    Uuid::from_bytes(e.0)
+}
+
+fn event_of(u: Uuid) -> EventId {
+    EventId(*u.as_bytes())
+}
+
+fn digest_of(b: &[u8]) -> Result<Digest> {
+    let arr: [u8; 32] = b
+        .try_into()
+        .map_err(|_| StoreError::Corrupt(format!("digest of {} bytes", b.len())))?;
+    Ok(Digest(arr))
+}
+
+/// Applies every embedded migration (idempotent).
+pub async fn migrate(client: &impl GenericClient) -> Result<()> {
+    for (_, sql) in MIGRATIONS {
+        client.batch_execute(sql).await?;
+    }
+    Ok(())
+}
+
+/// Creates or revises a route policy: a revision bumps the generation; existing envelopes
+/// keep their frozen destination (R2).
+pub async fn set_route(
+    client: &impl GenericClient,
+    name: &str,
+    cluster: &str,
+    topic: &str,
+) -> Result<u64> {
+    let row = client
+        .query_one(
+            "INSERT INTO sealpost.route_policy (name, generation, cluster, topic) VALUES ($1, 1, $2, $3)
+             ON CONFLICT (name) DO UPDATE SET generation = sealpost.route_policy.generation + 1,
+                 cluster = EXCLUDED.cluster, topic = EXCLUDED.topic, updated_at = now()
+             RETURNING generation",
+            &[&name, &cluster, &topic],
+        )
+        .await?;
+    Ok(row.get::<_, i64>(0) as u64)
+}
+
+/// The database clock in milliseconds (R7: leases use it, never a worker's clock).
+pub async fn db_now_ms(client: &impl GenericClient) -> Result<u64> {
+    let row = client
+        .query_one(
+            "SELECT (extract(epoch from clock_timestamp()) * 1000)::bigint",
+            &[],
+        )
+        .await?;
+    Ok(row.get::<_, i64>(0) as u64)
+}
+
+/// Inserts the sealed `PENDING` envelope inside the caller's transaction (R2–R4): resolves the
+/// route policy `route` in that transaction, freezes the destination and digests, and
+/// returns the envelope. Commit or roll back the caller's transaction as usual: both the
+/// business change and the envelope go, or neither.
+pub async fn enqueue(
+    tx: &Transaction<'_>,
+    route: &str,
+    event_id: EventId,
+    ev: &NewEvent<'_>,
+    routing_key: &str,
+) -> Result<SealedEnvelope> {
+    if ev.payload.len() > PAYLOAD_BYTES_MAX {
+        return Err(StoreError::PayloadTooLarge {
+            len: ev.payload.len(),
+            max: PAYLOAD_BYTES_MAX,
+        });
+    }
+    let p = tx
+        .query_opt(
+            "SELECT generation, cluster, topic, partition_algorithm, serializer, durability, required_ack,
+                    txid_current()
+             FROM sealpost.route_policy WHERE name = $1 FOR SHARE",
+            &[&route],
+        )
+        .await?
+        .ok_or_else(|| StoreError::NoRoutePolicy(route.to_string()))?;
+    let alg: String = p.get(3);
+    let policy = RoutePolicy {
+        generation: p.get::<_, i64>(0) as u64,
+        cluster: p.get(1),
+        topic: p.get(2),
+        partition_algorithm: PartitionAlgorithm::parse(&alg)
+            .ok_or_else(|| StoreError::Corrupt(format!("partition algorithm `{alg}`")))?,
+        serializer: p.get(4),
+        durability: p.get(5),
+        required_ack: p.get(6),
+    };
+    let txid: i64 = p.get(7);
+    let ev = NewEvent {
+        creating_txid: txid as u64,
+        ..ev.clone()
+    };
+    let env = SealedEnvelope::seal(event_id, &ev, &policy, routing_key);
+    insert_envelope(tx, &env, 0, ev.payload).await?;
+    Ok(env)
+}
+
+async fn insert_envelope(
+    tx: &impl GenericClient,
+    env: &SealedEnvelope,
+    member: i16,
+    payload: &[u8],
+) -> Result<()> {
+    let d = &env.destination;
+    tx.execute(
+        "INSERT INTO sealpost.envelope (event_id, member, envelope_generation, aggregate_type, aggregate_id,
+            aggregate_version, event_type, payload_schema_digest, payload_digest, tenant, occurred_at_ms,
+            creating_txid, dest_cluster, dest_topic, dest_routing_key, dest_partition_alg,
+            dest_policy_generation, dest_serializer, dest_durability, dest_required_ack,
+            destination_digest, envelope_digest, payload, state)
+         VALUES ($1,$2,$3,$4,$5,$6,$7,$8,$9,$10,$11,$12,$13,$14,$15,$16,$17,$18,$19,$20,$21,$22,$23,'PENDING')",
+        &[
+            &uuid_of(env.event_id),
+            &member,
+            &(env.envelope_generation as i32),
+            &env.aggregate_type,
+            &env.aggregate_id,
+            &(env.aggregate_version as i64),
+            &env.event_type,
+            &env.payload_schema_digest.0.as_slice(),
+            &env.payload_digest.0.as_slice(),
+            &env.tenant,
+            &(env.occurred_at_ms as i64),
+            &(env.creating_txid as i64),
+            &d.cluster,
+            &d.topic,
+            &d.routing_key,
+            &d.partition_algorithm.name(),
+            &(d.route_policy_generation as i64),
+            &d.serializer,
+            &d.durability,
+            &d.required_ack,
+            &env.destination_digest.0.as_slice(),
+            &env.digest().0.as_slice(),
+            &payload,
+        ],
+    )
+    .await?;
+    Ok(())
+}
+
+const ROW_COLS: &str =
+    "event_id, member, envelope_generation, payload_digest, dest_cluster, dest_topic,
+    dest_routing_key, dest_partition_alg, dest_policy_generation, dest_serializer, dest_durability,
+    dest_required_ack, destination_digest, state, claim_owner, claim_generation, lease_until_ms,
+    attempt_generation, rejections, unknown_since_ms, published_at_ms, primary_attempt_id,
+    primary_cluster, primary_stream, primary_partition, primary_sequence, superseded_generations,
+    superseded_digests";
+
+fn parse_row(r: &tokio_postgres::Row) -> Result<EventRow> {
+    let alg: String = r.get(7);
+    let destination = Destination {
+        cluster: r.get(4),
+        topic: r.get(5),
+        routing_key: r.get(6),
+        partition_algorithm: PartitionAlgorithm::parse(&alg)
+            .ok_or_else(|| StoreError::Corrupt(format!("partition algorithm `{alg}`")))?,
+        route_policy_generation: r.get::<_, i64>(8) as u64,
+        serializer: r.get(9),
+        durability: r.get(10),
+        required_ack: r.get(11),
+    };
+    let state_s: String = r.get(13);
+    let state =
+        State::parse(&state_s).ok_or_else(|| StoreError::Corrupt(format!("state `{state_s}`")))?;
+    let event_id = event_of(r.get(0));
+    let member = r.get::<_, i16>(1) as u16;
+    let payload_digest = digest_of(r.get(3))?;
+    let destination_digest = digest_of(r.get(12))?;
+    let envelope_generation = r.get::<_, i32>(2) as u32;
+    let claim = match (r.get::<_, Option<i64>>(14), r.get::<_, Option<i64>>(16)) {
+        (Some(owner), Some(lease)) => Some(Claim {
+            owner: owner as u64,
+            generation: r.get::<_, i64>(15) as u64,
+            lease_until_ms: lease as u64,
+        }),
+        _ => None,
+    };
+    let primary = r.get::<_, Option<i64>>(25).map(|seq| Receipt {
+        event_id,
+        member,
+        envelope_generation,
+        attempt_id: r.get::<_, Option<i64>>(21).unwrap_or(0) as u64,
+        payload_digest,
+        destination_digest,
+        cluster: r.get::<_, Option<String>>(22).unwrap_or_default(),
+        stream: r.get::<_, Option<String>>(23).unwrap_or_default(),
+        partition: r.get::<_, Option<i32>>(24).map(|p| p as u32),
+        sequence: seq as u64,
+        broker_duplicate: false,
+        source: ReceiptSource::Ack,
+    });
+    let gens: Vec<i32> = r.get(26);
+    let digs: Vec<Vec<u8>> = r.get(27);
+    let superseded = gens
+        .iter()
+        .zip(&digs)
+        .map(|(g, d)| {
+            Ok(Superseded {
+                envelope_generation: *g as u32,
+                destination_digest: digest_of(d)?,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(EventRow {
+        event_id,
+        member,
+        envelope_generation,
+        payload_digest,
+        destination,
+        destination_digest,
+        state,
+        claim,
+        claim_generation: r.get::<_, i64>(15) as u64,
+        attempt_generation: r.get::<_, i32>(17) as u32,
+        attempts: Vec::new(),
+        primary,
+        rejections: r.get::<_, i32>(18) as u32,
+        unknown_since_ms: r.get::<_, Option<i64>>(19).map(|v| v as u64),
+        published_at_ms: r.get::<_, Option<i64>>(20).map(|v| v as u64),
+        superseded,
+    })
+}
+
+fn status_str(s: AttemptStatus) -> &'static str {
+    match s {
+        AttemptStatus::Sending => "SENDING",
+        AttemptStatus::Unknown => "UNKNOWN",
+        AttemptStatus::Acked => "ACKED",
+        AttemptStatus::Failed => "FAILED",
+    }
+}
+
+fn parse_status(s: &str) -> Result<AttemptStatus> {
+    Ok(match s {
+        "SENDING" => AttemptStatus::Sending,
+        "UNKNOWN" => AttemptStatus::Unknown,
+        "ACKED" => AttemptStatus::Acked,
+        "FAILED" => AttemptStatus::Failed,
+        other => return Err(StoreError::Corrupt(format!("attempt status `{other}`"))),
+    })
+}
+
+/// Loads the registered attempts of `rows` into them.
+async fn load_attempts(tx: &impl GenericClient, rows: &mut [EventRow]) -> Result<()> {
+    let ids: Vec<Uuid> = rows
+        .iter()
+        .filter(|r| r.attempt_generation > 0)
+        .map(|r| uuid_of(r.event_id))
+        .collect();
+    if ids.is_empty() {
+        return Ok(());
+    }
+    let found = tx
+        .query(
+            "SELECT attempt_id, event_id, member, attempt_generation, claim_generation, owner,
+                    envelope_generation, destination_digest, status, started_at_ms
+             FROM sealpost.attempt WHERE event_id = ANY($1) ORDER BY attempt_id",
+            &[&ids],
+        )
+        .await?;
+    let mut index: HashMap<(EventId, u16), usize> = HashMap::with_capacity(rows.len());
+    for (i, r) in rows.iter().enumerate() {
+        index.insert((r.event_id, r.member), i);
+    }
+    for a in found {
+        let key = (event_of(a.get(1)), a.get::<_, i16>(2) as u16);
+        if let Some(&i) = index.get(&key) {
+            let status: String = a.get(8);
+            rows[i].attempts.push(Attempt {
+                id: a.get::<_, i64>(0) as u64,
+                attempt_generation: a.get::<_, i32>(3) as u32,
+                claim_generation: a.get::<_, i64>(4) as u64,
+                owner: a.get::<_, i64>(5) as u64,
+                envelope_generation: a.get::<_, i32>(6) as u32,
+                destination_digest: digest_of(a.get(7))?,
+                status: parse_status(&status)?,
+                started_at_ms: a.get::<_, i64>(9) as u64,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Locks and loads the rows for `keys` (in key order, so concurrent batches cannot deadlock).
+async fn lock_rows(tx: &impl GenericClient, keys: &[(EventId, u16)]) -> Result<Vec<EventRow>> {
+    let mut sorted: Vec<(EventId, u16)> = keys.to_vec();
+    sorted.sort_unstable();
+    sorted.dedup();
+    let ids: Vec<Uuid> = sorted.iter().map(|k| uuid_of(k.0)).collect();
+    let members: Vec<i16> = sorted.iter().map(|k| k.1 as i16).collect();
+    let q = format!(
+        "SELECT {ROW_COLS} FROM sealpost.envelope e
+         JOIN unnest($1::uuid[], $2::int2[]) AS k(id, m) ON e.event_id = k.id AND e.member = k.m
+         ORDER BY e.event_id, e.member FOR UPDATE OF e"
+    );
+    let found = tx.query(q.as_str(), &[&ids, &members]).await?;
+    let mut rows = found.iter().map(parse_row).collect::<Result<Vec<_>>>()?;
+    load_attempts(tx, &mut rows).await?;
+    Ok(rows)
+}
+
+/// Writes every difference between `before` and `after` (same order, same keys): the row
+/// columns the core may change, new attempts and attempt status changes.
+async fn persist(tx: &impl GenericClient, before: &[EventRow], after: &[EventRow]) -> Result<()> {
+    let mut u_id = Vec::new();
+    let mut u_member = Vec::new();
+    let mut u_state = Vec::new();
+    let mut u_owner: Vec<Option<i64>> = Vec::new();
+    let mut u_cgen = Vec::new();
+    let mut u_lease: Vec<Option<i64>> = Vec::new();
+    let mut u_agen = Vec::new();
+    let mut u_rej = Vec::new();
+    let mut u_unknown: Vec<Option<i64>> = Vec::new();
+    let mut u_pub: Vec<Option<i64>> = Vec::new();
+    let mut u_pattempt: Vec<Option<i64>> = Vec::new();
+    let mut u_pcluster: Vec<Option<String>> = Vec::new();
+    let mut u_pstream: Vec<Option<String>> = Vec::new();
+    let mut u_ppart: Vec<Option<i32>> = Vec::new();
+    let mut u_pseq: Vec<Option<i64>> = Vec::new();
+    let mut a_id = Vec::new();
+    let mut a_event = Vec::new();
+    let mut a_member = Vec::new();
+    let mut a_agen = Vec::new();
+    let mut a_cgen = Vec::new();
+    let mut a_owner = Vec::new();
+    let mut a_egen = Vec::new();
+    let mut a_dest: Vec<Vec<u8>> = Vec::new();
+    let mut a_status = Vec::new();
+    let mut a_started = Vec::new();
+    let mut s_id = Vec::new();
+    let mut s_status = Vec::new();
+    for (b, a) in before.iter().zip(after) {
+        debug_assert_eq!((b.event_id, b.member), (a.event_id, a.member));
+        let row_changed = b.state != a.state
+            || b.claim != a.claim
+            || b.claim_generation != a.claim_generation
+            || b.attempt_generation != a.attempt_generation
+            || b.rejections != a.rejections
+            || b.unknown_since_ms != a.unknown_since_ms
+            || b.published_at_ms != a.published_at_ms
+            || b.primary != a.primary;
+        if row_changed {
+            u_id.push(uuid_of(a.event_id));
+            u_member.push(a.member as i16);
+            u_state.push(a.state.as_str().to_string());
+            u_owner.push(a.claim.as_ref().map(|c| c.owner as i64));
+            u_cgen.push(a.claim_generation as i64);
+            u_lease.push(a.claim.as_ref().map(|c| c.lease_until_ms as i64));
+            u_agen.push(a.attempt_generation as i32);
+            u_rej.push(a.rejections as i32);
+            u_unknown.push(a.unknown_since_ms.map(|v| v as i64));
+            u_pub.push(a.published_at_ms.map(|v| v as i64));
+            u_pattempt.push(a.primary.as_ref().map(|p| p.attempt_id as i64));
+            u_pcluster.push(a.primary.as_ref().map(|p| p.cluster.clone()));
+            u_pstream.push(a.primary.as_ref().map(|p| p.stream.clone()));
+            u_ppart.push(
+                a.primary
+                    .as_ref()
+                    .and_then(|p| p.partition.map(|x| x as i32)),
+            );
+            u_pseq.push(a.primary.as_ref().map(|p| p.sequence as i64));
+        }
+        for at in &a.attempts {
+            match b.attempt(at.id) {
+                None => {
+                    a_id.push(at.id as i64);
+                    a_event.push(uuid_of(a.event_id));
+                    a_member.push(a.member as i16);
+                    a_agen.push(at.attempt_generation as i32);
+                    a_cgen.push(at.claim_generation as i64);
+                    a_owner.push(at.owner as i64);
+                    a_egen.push(at.envelope_generation as i32);
+                    a_dest.push(at.destination_digest.0.to_vec());
+                    a_status.push(status_str(at.status).to_string());
+                    a_started.push(at.started_at_ms as i64);
+                }
+                Some(old) if old.status != at.status => {
+                    s_id.push(at.id as i64);
+                    s_status.push(status_str(at.status).to_string());
+                }
+                Some(_) => {}
+            }
+        }
+    }
+    if !u_id.is_empty() {
+        tx.execute(
+            "UPDATE sealpost.envelope e SET state = u.state, claim_owner = u.owner, claim_generation = u.cgen,
+                lease_until_ms = u.lease, attempt_generation = u.agen, rejections = u.rej,
+                unknown_since_ms = u.unk, published_at_ms = u.pub, primary_attempt_id = u.pa,
+                primary_cluster = u.pc, primary_stream = u.ps, primary_partition = u.pp,
+                primary_sequence = u.pq
+             FROM unnest($1::uuid[], $2::int2[], $3::text[], $4::int8[], $5::int8[], $6::int8[], $7::int4[],
+                         $8::int4[], $9::int8[], $10::int8[], $11::int8[], $12::text[], $13::text[],
+                         $14::int4[], $15::int8[])
+                  AS u(id, m, state, owner, cgen, lease, agen, rej, unk, pub, pa, pc, ps, pp, pq)
+             WHERE e.event_id = u.id AND e.member = u.m",
+            &[
+                &u_id, &u_member, &u_state, &u_owner, &u_cgen, &u_lease, &u_agen, &u_rej, &u_unknown, &u_pub,
+                &u_pattempt, &u_pcluster, &u_pstream, &u_ppart, &u_pseq,
+            ],
+        )
+        .await?;
+    }
+    if !a_id.is_empty() {
+        tx.execute(
+            "INSERT INTO sealpost.attempt (attempt_id, event_id, member, attempt_generation, claim_generation,
+                owner, envelope_generation, destination_digest, status, started_at_ms)
+             SELECT * FROM unnest($1::int8[], $2::uuid[], $3::int2[], $4::int4[], $5::int8[], $6::int8[],
+                                  $7::int4[], $8::bytea[], $9::text[], $10::int8[])",
+            &[&a_id, &a_event, &a_member, &a_agen, &a_cgen, &a_owner, &a_egen, &a_dest, &a_status, &a_started],
+        )
+        .await?;
+    }
+    if !s_id.is_empty() {
+        tx.execute(
+            "UPDATE sealpost.attempt a SET status = u.status
+             FROM unnest($1::int8[], $2::text[]) AS u(id, status) WHERE a.attempt_id = u.id",
+            &[&s_id, &s_status],
+        )
+        .await?;
+    }
+    Ok(())
+}
+
+/// A send this dispatcher is now authorised to make.
+#[derive(Clone, Debug)]
+pub struct Outgoing {
+    /// The row as it is after registration.
+    pub event_id: EventId,
+    /// Member.
+    pub member: u16,
+    /// Envelope generation.
+    pub envelope_generation: u32,
+    /// The registered attempt.
+    pub attempt_id: u64,
+    /// The claim to present with every later write.
+    pub token: ClaimToken,
+    /// Payload digest (header).
+    pub payload_digest: Digest,
+    /// Frozen destination.
+    pub destination: Destination,
+    /// Its digest (header).
+    pub destination_digest: Digest,
+    /// Payload bytes as sealed.
+    pub payload: Vec<u8>,
+}
+
+/// What one claim scan did.
+#[derive(Clone, Debug, Default)]
+pub struct ClaimBatch {
+    /// Sends authorised (attempts registered, rows `SENDING`).
+    pub outgoing: Vec<Outgoing>,
+    /// `SENDING` rows whose lease had expired, moved to `DISPATCH_UNKNOWN`.
+    pub expired_to_unknown: usize,
+}
+
+/// Claims up to `batch_size_max` rows and registers one attempt for each, in one short
+/// transaction (R7–R9).
+///
+/// # Transactions and locks
+/// One transaction: `SELECT ... FOR UPDATE SKIP LOCKED` over the partial claim index in
+/// commit order, so parallel dispatchers take disjoint rows and no one waits; rows of a
+/// transaction that committed late are still `PENDING` and are found by the next scan (the
+/// scan has no cursor to skip past them). The lease end comes from the database clock. The
+/// transaction commits before anything is sent.
+pub async fn claim_batch(
+    client: &mut tokio_postgres::Client,
+    owner: u64,
+    batch_size_max: usize,
+    lease_ms: u64,
+) -> Result<ClaimBatch> {
+    let tx = client.transaction().await?;
+    let now_ms = db_now_ms(&tx).await?;
+    let q = format!(
+        "SELECT {ROW_COLS}, payload FROM sealpost.envelope
+         WHERE state IN ('PENDING', 'CLAIMED', 'SENDING', 'RETRY_CLAIMED')
+           AND (state = 'PENDING' OR lease_until_ms IS NULL OR lease_until_ms <= $1)
+         ORDER BY committed_seq LIMIT $2 FOR UPDATE SKIP LOCKED"
+    );
+    let found = tx
+        .query(q.as_str(), &[&(now_ms as i64), &(batch_size_max as i64)])
+        .await?;
+    let mut before = Vec::with_capacity(found.len());
+    let mut payloads = Vec::with_capacity(found.len());
+    for r in &found {
+        before.push(parse_row(r)?);
+        payloads.push(r.get::<_, Vec<u8>>(28));
+    }
+    load_attempts(&tx, &mut before).await?;
+    let mut after = before.clone();
+    let ids: Vec<i64> = tx
+        .query(
+            "SELECT nextval('sealpost.attempt_id_seq') FROM generate_series(1, $1::int)",
+            &[&(after.len() as i32)],
+        )
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let mut batch = ClaimBatch::default();
+    for (i, row) in after.iter_mut().enumerate() {
+        let decision = decide_dispatch_claim(row, now_ms, lease_ms);
+        match apply_claim(row, &decision, owner, now_ms) {
+            Ok(Some(token)) => {
+                let begin = decide_begin_send(row, token, now_ms)
+                    .map_err(|f| StoreError::Corrupt(format!("fresh claim fenced: {f:?}")))?;
+                let attempt_id = ids[i] as u64;
+                apply_begin_send(row, &begin, token, attempt_id, now_ms)
+                    .map_err(|e| StoreError::Corrupt(e.to_string()))?;
+                batch.outgoing.push(Outgoing {
+                    event_id: begin.event_id,
+                    member: row.member,
+                    envelope_generation: begin.envelope_generation,
+                    attempt_id,
+                    token,
+                    payload_digest: row.payload_digest,
+                    destination: row.destination.clone(),
+                    destination_digest: begin.destination_digest,
+                    payload: std::mem::take(&mut payloads[i]),
+                });
+            }
+            Ok(None) => {
+                if decision == ClaimDecision::ExpireToUnknown {
+                    batch.expired_to_unknown += 1;
+                }
+            }
+            Err(e) => return Err(StoreError::Corrupt(e.to_string())),
+        }
+    }
+    persist(&tx, &before, &after).await?;
+    tx.commit().await?;
+    Ok(batch)
+}
+
+/// How a receipt fared at the acceptance point.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Accepted {
+    /// The verdict of `decide_receipt`.
+    Verdict(ReceiptVerdict),
+    /// No envelope row has this id (unknown event id, or purged).
+    UnknownEvent,
+}
+
+/// `acceptDispatchReceipt` (R10–R12) for a batch of receipts: the sole acceptance point.
+///
+/// # Transactions and locks
+/// One transaction locks every named row (`FOR UPDATE`, key order), loads its attempts,
+/// applies `decide_receipt` to each receipt in turn and writes the slot, the receipt rows,
+/// quarantine and audit entries. It does not look at claims: a late ACK from an expired
+/// attempt competes for the slot like any other (R11). If it rolls back, nothing changed
+/// and the same receipts can be submitted again.
+pub async fn accept_receipts(
+    client: &mut tokio_postgres::Client,
+    receipts: &[Receipt],
+) -> Result<Vec<Accepted>> {
+    let tx = client.transaction().await?;
+    let out = accept_in(&tx, receipts).await?;
+    tx.commit().await?;
+    Ok(out)
+}
+
+async fn accept_in(tx: &Transaction<'_>, receipts: &[Receipt]) -> Result<Vec<Accepted>> {
+    let now_ms = db_now_ms(tx).await?;
+    let keys: Vec<(EventId, u16)> = receipts.iter().map(|r| (r.event_id, r.member)).collect();
+    let before = lock_rows(tx, &keys).await?;
+    let mut after = before.clone();
+    let index: HashMap<(EventId, u16), usize> = after
+        .iter()
+        .enumerate()
+        .map(|(i, r)| ((r.event_id, r.member), i))
+        .collect();
+    let mut out = Vec::with_capacity(receipts.len());
+    let mut rec_rows: Vec<(usize, &'static str)> = Vec::new();
+    let mut quarantine: Vec<(usize, String)> = Vec::new();
+    let mut audit: Vec<(usize, String)> = Vec::new();
+    for (k, r) in receipts.iter().enumerate() {
+        let Some(&i) = index.get(&(r.event_id, r.member)) else {
+            out.push(Accepted::UnknownEvent);
+            audit.push((k, "receipt for an unknown event id".to_string()));
+            continue;
+        };
+        let v = decide_receipt(&after[i], r);
+        apply_receipt(&mut after[i], r, v, now_ms)
+            .map_err(|e| StoreError::Corrupt(e.to_string()))?;
+        match v {
+            ReceiptVerdict::Primary => rec_rows.push((k, "primary")),
+            ReceiptVerdict::Duplicate(sealpost_core::DuplicateKind::SamePosition) => {
+                rec_rows.push((k, "same_position"))
+            }
+            ReceiptVerdict::Duplicate(sealpost_core::DuplicateKind::SecondCopy) => {
+                rec_rows.push((k, "second_copy"))
+            }
+            ReceiptVerdict::Quarantine(q) => quarantine.push((k, format!("{q:?}"))),
+            ReceiptVerdict::Reject(why) => audit.push((k, format!("receipt rejected: {why:?}"))),
+        }
+        out.push(Accepted::Verdict(v));
+    }
+    persist(tx, &before, &after).await?;
+    if !rec_rows.is_empty() {
+        let mut ids = Vec::new();
+        let mut members = Vec::new();
+        let mut attempts = Vec::new();
+        let mut kinds = Vec::new();
+        let mut sources = Vec::new();
+        let mut clusters = Vec::new();
+        let mut streams = Vec::new();
+        let mut parts: Vec<Option<i32>> = Vec::new();
+        let mut seqs = Vec::new();
+        let mut dups = Vec::new();
+        for (k, kind) in &rec_rows {
+            let r = &receipts[*k];
+            ids.push(uuid_of(r.event_id));
+            members.push(r.member as i16);
+            attempts.push(r.attempt_id as i64);
+            kinds.push(kind.to_string());
+            sources.push(match r.source {
+                ReceiptSource::Ack => "ack".to_string(),
+                ReceiptSource::Lookup => "lookup".to_string(),
+            });
+            clusters.push(r.cluster.clone());
+            streams.push(r.stream.clone());
+            parts.push(r.partition.map(|p| p as i32));
+            seqs.push(r.sequence as i64);
+            dups.push(r.broker_duplicate);
+        }
+        tx.execute(
+            "INSERT INTO sealpost.receipt (event_id, member, attempt_id, kind, source, cluster, stream, partition,
+                sequence, broker_duplicate, accepted_at_ms)
+             SELECT u.*, $11 FROM unnest($1::uuid[], $2::int2[], $3::int8[], $4::text[], $5::text[], $6::text[],
+                                    $7::text[], $8::int4[], $9::int8[], $10::bool[]) AS u",
+            &[&ids, &members, &attempts, &kinds, &sources, &clusters, &streams, &parts, &seqs, &dups, &(now_ms as i64)],
+        )
+        .await?;
+    }
+    for (k, reason) in quarantine {
+        let r = &receipts[k];
+        tx.execute(
+            "INSERT INTO sealpost.quarantine (event_id, member, attempt_id, reason, detail, at_ms)
+             VALUES ($1, $2, $3, $4, $5, $6)",
+            &[
+                &uuid_of(r.event_id),
+                &(r.member as i16),
+                &(r.attempt_id as i64),
+                &reason,
+                &format!(
+                    "receipt {}#{} payload {} destination {}",
+                    r.stream, r.sequence, r.payload_digest, r.destination_digest
+                ),
+                &(now_ms as i64),
+            ],
+        )
+        .await?;
+    }
+    for (k, what) in audit {
+        let r = &receipts[k];
+        tx.execute(
+            "INSERT INTO sealpost.audit (event_id, member, attempt_id, what, detail, at_ms)
+             VALUES ($1, $2, $3, $4, $5, $6)",
+            &[
+                &uuid_of(r.event_id),
+                &(r.member as i16),
+                &(r.attempt_id as i64),
+                &what,
+                &format!(
+                    "{}#{} duplicate={}",
+                    r.stream, r.sequence, r.broker_duplicate
+                ),
+                &(now_ms as i64),
+            ],
+        )
+        .await?;
+    }
+    Ok(out)
+}
+
+/// What a sender learned without a receipt, for one attempt.
+#[derive(Clone, Copy, Debug)]
+pub struct OutcomeReport {
+    /// Event id.
+    pub event_id: EventId,
+    /// Member.
+    pub member: u16,
+    /// The claim the send was made under.
+    pub token: ClaimToken,
+    /// Attempt.
+    pub attempt_id: u64,
+    /// Outcome.
+    pub outcome: SendOutcome,
+}
+
+/// Applies senders' outcome reports (ACK timeout, never sent, refused). A report whose claim
+/// is no longer current is kept as audit only (R9).
+///
+/// # Transactions and locks
+/// One transaction locking the named rows in key order; each write is a compare-and-set on
+/// the claim generation through `decide_send_outcome`.
+pub async fn report_outcomes(
+    client: &mut tokio_postgres::Client,
+    reports: &[OutcomeReport],
+    rejection_limit: u32,
+) -> Result<Vec<SendOutcomeDecision>> {
+    let tx = client.transaction().await?;
+    let now_ms = db_now_ms(&tx).await?;
+    let keys: Vec<(EventId, u16)> = reports.iter().map(|r| (r.event_id, r.member)).collect();
+    let before = lock_rows(&tx, &keys).await?;
+    let mut after = before.clone();
+    let index: HashMap<(EventId, u16), usize> = after
+        .iter()
+        .enumerate()
+        .map(|(i, r)| ((r.event_id, r.member), i))
+        .collect();
+    let mut out = Vec::with_capacity(reports.len());
+    for rep in reports {
+        let Some(&i) = index.get(&(rep.event_id, rep.member)) else {
+            out.push(SendOutcomeDecision::Audit(
+                sealpost_core::claim::Fenced::NotCurrentAttempt,
+            ));
+            continue;
+        };
+        let d = decide_send_outcome(
+            &after[i],
+            rep.token,
+            rep.attempt_id,
+            rep.outcome,
+            now_ms,
+            rejection_limit,
+        );
+        apply_send_outcome(&mut after[i], d, rep.attempt_id, rep.outcome, now_ms)
+            .map_err(|e| StoreError::Corrupt(e.to_string()))?;
+        if let SendOutcomeDecision::Audit(f) = d {
+            tx.execute(
+                "INSERT INTO sealpost.audit (event_id, member, attempt_id, owner, what, detail, at_ms)
+                 VALUES ($1, $2, $3, $4, 'fenced outcome report', $5, $6)",
+                &[
+                    &uuid_of(rep.event_id),
+                    &(rep.member as i16),
+                    &(rep.attempt_id as i64),
+                    &(rep.token.owner as i64),
+                    &format!("{:?}: {f:?}", rep.outcome),
+                    &(now_ms as i64),
+                ],
+            )
+            .await?;
+        }
+        out.push(d);
+    }
+    persist(&tx, &before, &after).await?;
+    tx.commit().await?;
+    Ok(out)
+}
+
+/// A row the reconciler now holds in `RECONCILING`.
+#[derive(Clone, Debug)]
+pub struct Reconciling {
+    /// Event id.
+    pub event_id: EventId,
+    /// Member.
+    pub member: u16,
+    /// Reconciler's claim.
+    pub token: ClaimToken,
+    /// Frozen destination to ask.
+    pub destination: Destination,
+}
+
+/// Claims up to `batch_size_max` unknown rows for the reconciler (and moves expired
+/// `SENDING` rows to `DISPATCH_UNKNOWN`).
+///
+/// # Transactions and locks
+/// One short transaction with `FOR UPDATE SKIP LOCKED` over the unknown index; commits
+/// before any broker lookup.
+pub async fn claim_unknown(
+    client: &mut tokio_postgres::Client,
+    owner: u64,
+    batch_size_max: usize,
+    lease_ms: u64,
+) -> Result<Vec<Reconciling>> {
+    let tx = client.transaction().await?;
+    let now_ms = db_now_ms(&tx).await?;
+    let q = format!(
+        "SELECT {ROW_COLS} FROM sealpost.envelope
+         WHERE (state IN ('DISPATCH_UNKNOWN', 'RECONCILING') AND (lease_until_ms IS NULL OR lease_until_ms <= $1))
+            OR (state = 'SENDING' AND lease_until_ms <= $1)
+         ORDER BY unknown_since_ms NULLS FIRST LIMIT $2 FOR UPDATE SKIP LOCKED"
+    );
+    let found = tx
+        .query(q.as_str(), &[&(now_ms as i64), &(batch_size_max as i64)])
+        .await?;
+    let mut before = found.iter().map(parse_row).collect::<Result<Vec<_>>>()?;
+    load_attempts(&tx, &mut before).await?;
+    let mut after = before.clone();
+    let mut out = Vec::new();
+    for row in &mut after {
+        let d = decide_reconcile_claim(row, now_ms, lease_ms);
+        if let Some(token) =
+            apply_claim(row, &d, owner, now_ms).map_err(|e| StoreError::Corrupt(e.to_string()))?
+        {
+            out.push(Reconciling {
+                event_id: row.event_id,
+                member: row.member,
+                token,
+                destination: row.destination.clone(),
+            });
+        }
+    }
+    persist(&tx, &before, &after).await?;
+    tx.commit().await?;
+    Ok(out)
+}
+
+/// Applies the reconciler's verdict for one row after its lookup (R13–R14); a found message
+/// goes through the acceptance point in the same transaction.
+///
+/// # Transactions and locks
+/// One transaction locking the row; `decide_reconcile` checks the reconciler's claim, so an
+/// ACK accepted meanwhile makes this a harmless no-op (`Fenced`).
+pub async fn finish_reconcile(
+    client: &mut tokio_postgres::Client,
+    item: &Reconciling,
+    lookup: &Lookup,
+) -> Result<ReconcileDecision> {
+    let tx = client.transaction().await?;
+    let now_ms = db_now_ms(&tx).await?;
+    let before = lock_rows(&tx, &[(item.event_id, item.member)]).await?;
+    let Some(row) = before.first() else {
+        tx.commit().await?;
+        return Ok(ReconcileDecision::StayUnknown);
+    };
+    let d = decide_reconcile(row, item.token, lookup, ReconcilePolicy::default(), now_ms);
+    match &d {
+        ReconcileDecision::Accept(r) => {
+            accept_in(&tx, std::slice::from_ref(r)).await?;
+        }
+        ReconcileDecision::RetrySameDestination { .. } | ReconcileDecision::StayUnknown => {
+            let mut after = before.clone();
+            apply_reconcile(&mut after[0], &d, now_ms)
+                .map_err(|e| StoreError::Corrupt(e.to_string()))?;
+            persist(&tx, &before, &after).await?;
+        }
+        ReconcileDecision::Fenced(_) => {}
+    }
+    tx.commit().await?;
+    Ok(d)
+}
+
+/// `sealpost status` figures.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct Status {
+    /// Row count per state name.
+    pub states: std::collections::BTreeMap<String, i64>,
+    /// Age of the oldest `PENDING` row, seconds.
+    pub oldest_pending_s: f64,
+    /// Rows in `DISPATCH_UNKNOWN` or `RECONCILING`.
+    pub unknown: i64,
+    /// Age of the oldest unknown, seconds.
+    pub oldest_unknown_s: f64,
+    /// Quarantine entries (receipts and poison rows).
+    pub quarantined: i64,
+}
+
+/// Reads the status figures.
+pub async fn status(client: &impl GenericClient) -> Result<Status> {
+    let exists: bool = client
+        .query_one("SELECT to_regclass('sealpost.envelope') IS NOT NULL", &[])
+        .await?
+        .get(0);
+    if !exists {
+        return Err(StoreError::NotMigrated);
+    }
+    let now_ms = db_now_ms(client).await? as i64;
+    let mut s = Status::default();
+    for st in State::ALL {
+        s.states.insert(st.as_str().to_string(), 0);
+    }
+    for r in client
+        .query(
+            "SELECT state, count(*) FROM sealpost.envelope GROUP BY state",
+            &[],
+        )
+        .await?
+    {
+        s.states.insert(r.get(0), r.get(1));
+    }
+    let r = client
+        .query_one(
+            "SELECT min(created_at_ms) FILTER (WHERE state = 'PENDING'),
+                    min(unknown_since_ms) FILTER (WHERE state IN ('DISPATCH_UNKNOWN', 'RECONCILING')),
+                    count(*) FILTER (WHERE state IN ('DISPATCH_UNKNOWN', 'RECONCILING')),
+                    (SELECT count(*) FROM sealpost.quarantine) + count(*) FILTER (WHERE state = 'QUARANTINED')
+             FROM sealpost.envelope
+             WHERE state NOT IN ('PUBLISHED', 'RETAINED', 'PURGED')",
+            &[],
+        )
+        .await?;
+    s.oldest_pending_s = r
+        .get::<_, Option<i64>>(0)
+        .map_or(0.0, |t| (now_ms - t).max(0) as f64 / 1000.0);
+    s.oldest_unknown_s = r
+        .get::<_, Option<i64>>(1)
+        .map_or(0.0, |t| (now_ms - t).max(0) as f64 / 1000.0);
+    s.unknown = r.get(2);
+    s.quarantined = r.get(3);
+    Ok(s)
+}
