@@ -1,0 +1,493 @@
+//! Against the real PostgreSQL (127.0.0.1:5432, database `test`) and NATS JetStream
+//! (127.0.0.1:4222): the producer's transaction, the acceptance point, late ACKs, receipt
+//! rollbacks, quarantine, reconciliation, and four dispatchers over 50,000 events. Tests
+//! share the `sealpost` schema, so they run one at a time under a lock and each uses its own
+//! stream.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use sealpost::nats::{Nats, PublishResult};
+use sealpost::runtime::{self, Config, Counters};
+use sealpost::store::{self, Accepted, OutcomeReport};
+use sealpost_core::claim::SendOutcome;
+use sealpost_core::envelope::{EventId, NewEvent};
+use sealpost_core::reconcile::{Lookup, ReconcileDecision};
+use sealpost_core::{DuplicateKind, QuarantineReason, ReceiptVerdict, RejectReason};
+
+static LOCK: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+struct Env {
+    pg: tokio_postgres::Client,
+    nats: Nats,
+    topic: String,
+    cfg: Config,
+}
+
+async fn env(tag: &str) -> Env {
+    let cfg = Config::load(None).expect("default config");
+    let pg = runtime::pg_connect(&cfg.database_url)
+        .await
+        .expect("PostgreSQL must be running");
+    store::migrate(&pg).await.expect("migrate");
+    pg.batch_execute(
+        "TRUNCATE sealpost.envelope, sealpost.attempt, sealpost.receipt, sealpost.quarantine, sealpost.audit",
+    )
+    .await
+    .expect("truncate");
+    let topic = format!("T{}{}", tag.to_uppercase(), runtime::owner_id() % 1_000_000);
+    store::set_route(&pg, "orders", &cfg.nats_cluster, &topic)
+        .await
+        .expect("route");
+    let nats = Nats::connect(
+        &cfg.nats_url,
+        &cfg.nats_cluster,
+        Duration::from_millis(cfg.ack_timeout_ms),
+    )
+    .await
+    .expect("NATS must be running");
+    nats.ensure_stream(&topic).await.expect("stream");
+    Env {
+        pg,
+        nats,
+        topic,
+        cfg,
+    }
+}
+
+fn new_event<'a>(id: &'a str, payload: &'a [u8]) -> NewEvent<'a> {
+    NewEvent {
+        aggregate_type: "order",
+        aggregate_id: id,
+        aggregate_version: 1,
+        event_type: "order.created.v1",
+        payload_schema: "order.created.v1",
+        payload,
+        tenant: "t",
+        occurred_at_ms: 1,
+        creating_txid: 0,
+    }
+}
+
+async fn enqueue_n(pg: &mut tokio_postgres::Client, n: usize) -> Vec<EventId> {
+    let mut ids = Vec::with_capacity(n);
+    let payload = vec![b'x'; 200];
+    for chunk in 0..n.div_ceil(1000) {
+        let tx = pg.transaction().await.unwrap();
+        for i in chunk * 1000..((chunk + 1) * 1000).min(n) {
+            let id = EventId(*uuid::Uuid::now_v7().as_bytes());
+            store::enqueue(
+                &tx,
+                "orders",
+                id,
+                &new_event(&format!("o-{i}"), &payload),
+                "k",
+            )
+            .await
+            .unwrap();
+            ids.push(id);
+        }
+        tx.commit().await.unwrap();
+    }
+    ids
+}
+
+async fn state_of(pg: &tokio_postgres::Client, id: EventId) -> String {
+    pg.query_one(
+        "SELECT state FROM sealpost.envelope WHERE event_id = $1",
+        &[&uuid::Uuid::from_bytes(id.0)],
+    )
+    .await
+    .unwrap()
+    .get(0)
+}
+
+async fn receipt_kinds(pg: &tokio_postgres::Client, id: EventId) -> Vec<String> {
+    pg.query(
+        "SELECT kind FROM sealpost.receipt WHERE event_id = $1 ORDER BY receipt_id",
+        &[&uuid::Uuid::from_bytes(id.0)],
+    )
+    .await
+    .unwrap()
+    .iter()
+    .map(|r| r.get(0))
+    .collect()
+}
+
+#[tokio::test]
+async fn rolled_back_business_transaction_leaves_no_envelope() {
+    let _g = LOCK.lock().await;
+    let mut e = env("rb").await;
+    let id = EventId(*uuid::Uuid::now_v7().as_bytes());
+    let tx = e.pg.transaction().await.unwrap();
+    store::enqueue(&tx, "orders", id, &new_event("o-1", b"{}"), "k")
+        .await
+        .unwrap();
+    tx.rollback().await.unwrap();
+    let n: i64 =
+        e.pg.query_one("SELECT count(*) FROM sealpost.envelope", &[])
+            .await
+            .unwrap()
+            .get(0);
+    assert_eq!(
+        n, 0,
+        "R4: a rolled-back business transaction leaves no envelope"
+    );
+    // Bad input gets a clear error and writes nothing.
+    let tx = e.pg.transaction().await.unwrap();
+    let err = store::enqueue(&tx, "no-such-route", id, &new_event("o-1", b"{}"), "k")
+        .await
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("no route policy named `no-such-route`"),
+        "{err}"
+    );
+    drop(tx);
+    let tx = e.pg.transaction().await.unwrap();
+    let big = vec![0u8; store::PAYLOAD_BYTES_MAX + 1];
+    let err = store::enqueue(&tx, "orders", id, &new_event("o-1", &big), "k")
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, store::StoreError::PayloadTooLarge { .. }),
+        "{err}"
+    );
+}
+
+#[tokio::test]
+async fn dispatch_publishes_with_one_primary_and_route_revision_keeps_frozen_destination() {
+    let _g = LOCK.lock().await;
+    let mut e = env("rt").await;
+    let ids = enqueue_n(&mut e.pg, 3).await;
+    // F6: the route policy is revised after commit, before send.
+    let other = format!("{}X", e.topic);
+    e.nats.ensure_stream(&other).await.unwrap();
+    store::set_route(&e.pg, "orders", &e.cfg.nats_cluster, &other)
+        .await
+        .unwrap();
+    let batch = store::claim_batch(&mut e.pg, 7, 100, 10_000).await.unwrap();
+    assert_eq!(batch.outgoing.len(), 3);
+    assert!(
+        batch
+            .outgoing
+            .iter()
+            .all(|o| o.destination.topic == e.topic),
+        "frozen destination"
+    );
+    let results = e.nats.publish_batch(&batch.outgoing).await;
+    let receipts: Vec<_> = results
+        .into_iter()
+        .map(|r| match r {
+            PublishResult::Ack(r) => r,
+            other => panic!("publish failed: {other:?}"),
+        })
+        .collect();
+    let v = store::accept_receipts(&mut e.pg, &receipts).await.unwrap();
+    assert!(
+        v.iter()
+            .all(|a| *a == Accepted::Verdict(ReceiptVerdict::Primary)),
+        "{v:?}"
+    );
+    for id in &ids {
+        assert_eq!(state_of(&e.pg, *id).await, "PUBLISHED");
+        assert_eq!(receipt_kinds(&e.pg, *id).await, vec!["primary"]);
+        match e.nats.lookup(&e.topic, *id, 0).await {
+            Lookup::Found(r) => assert_eq!(r.event_id, *id),
+            other => panic!("lookup: {other:?}"),
+        }
+        assert_eq!(
+            e.nats.lookup(&other, *id, 0).await,
+            Lookup::Absent,
+            "nothing at the new destination"
+        );
+    }
+    // New events see the new policy.
+    let id2 = enqueue_n(&mut e.pg, 1).await[0];
+    let b2 = store::claim_batch(&mut e.pg, 7, 100, 10_000).await.unwrap();
+    assert_eq!(b2.outgoing[0].event_id, id2);
+    assert_eq!(b2.outgoing[0].destination.topic, other);
+}
+
+#[tokio::test]
+async fn paused_dispatcher_late_ack_converges_as_duplicate() {
+    let _g = LOCK.lock().await;
+    let mut e = env("late").await;
+    let id = enqueue_n(&mut e.pg, 1).await[0];
+    // Dispatcher A claims with a short lease, publishes, then "pauses" past its lease
+    // before reporting the ACK.
+    let a = store::claim_batch(&mut e.pg, 1, 10, 1_000).await.unwrap();
+    let ack_a = match e.nats.publish_batch(&a.outgoing).await.remove(0) {
+        PublishResult::Ack(r) => r,
+        other => panic!("{other:?}"),
+    };
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    // The lease ran out while SENDING: the next scan makes it DISPATCH_UNKNOWN, never PENDING.
+    let b = store::claim_batch(&mut e.pg, 2, 10, 1_000).await.unwrap();
+    assert!(b.outgoing.is_empty());
+    assert_eq!(b.expired_to_unknown, 1);
+    assert_eq!(state_of(&e.pg, id).await, "DISPATCH_UNKNOWN");
+    // A's stale outcome report is fenced (audit only).
+    let rep = OutcomeReport {
+        event_id: id,
+        member: 0,
+        token: a.outgoing[0].token,
+        attempt_id: a.outgoing[0].attempt_id,
+        outcome: SendOutcome::AckTimeout,
+    };
+    let d = store::report_outcomes(&mut e.pg, &[rep], 5).await.unwrap();
+    assert!(
+        matches!(d[0], sealpost_core::SendOutcomeDecision::Audit(_)),
+        "{d:?}"
+    );
+    // The reconciler finds the message and accepts it through the acceptance point.
+    let items = store::claim_unknown(&mut e.pg, 3, 10, 5_000).await.unwrap();
+    assert_eq!(items.len(), 1);
+    let lookup = e.nats.lookup(&e.topic, id, 0).await;
+    let d = store::finish_reconcile(&mut e.pg, &items[0], &lookup)
+        .await
+        .unwrap();
+    assert!(matches!(d, ReconcileDecision::Accept(_)), "{d:?}");
+    assert_eq!(state_of(&e.pg, id).await, "PUBLISHED");
+    // A's late, genuine ACK still converges: a duplicate transport receipt, same position.
+    let v = store::accept_receipts(&mut e.pg, &[ack_a]).await.unwrap();
+    assert_eq!(
+        v,
+        vec![Accepted::Verdict(ReceiptVerdict::Duplicate(
+            DuplicateKind::SamePosition
+        ))]
+    );
+    assert_eq!(
+        receipt_kinds(&e.pg, id).await,
+        vec!["primary", "same_position"]
+    );
+}
+
+#[tokio::test]
+async fn retry_after_unknown_and_both_acks_converge() {
+    let _g = LOCK.lock().await;
+    let mut e = env("f4").await;
+    let id = enqueue_n(&mut e.pg, 1).await[0];
+    // A claims and registers an attempt, but its request is "lost" (never published yet).
+    let a = store::claim_batch(&mut e.pg, 1, 10, 1_000).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(1_100)).await;
+    store::claim_batch(&mut e.pg, 2, 10, 1_000).await.unwrap();
+    // Lookup proves absence: retry to the same destination.
+    let items = store::claim_unknown(&mut e.pg, 3, 10, 5_000).await.unwrap();
+    let lookup = e.nats.lookup(&e.topic, id, 0).await;
+    assert_eq!(lookup, Lookup::Absent);
+    let d = store::finish_reconcile(&mut e.pg, &items[0], &lookup)
+        .await
+        .unwrap();
+    assert!(
+        matches!(d, ReconcileDecision::RetrySameDestination { .. }),
+        "{d:?}"
+    );
+    assert_eq!(state_of(&e.pg, id).await, "RETRY_CLAIMED");
+    let b = store::claim_batch(&mut e.pg, 4, 10, 10_000).await.unwrap();
+    assert_eq!(b.outgoing.len(), 1);
+    assert_eq!(
+        b.outgoing[0].destination_digest, a.outgoing[0].destination_digest,
+        "same frozen destination"
+    );
+    // Now A's delayed request reaches the broker, then B's: both ACK (F4).
+    let ack_a = match e.nats.publish_batch(&a.outgoing).await.remove(0) {
+        PublishResult::Ack(r) => r,
+        other => panic!("{other:?}"),
+    };
+    let ack_b = match e.nats.publish_batch(&b.outgoing).await.remove(0) {
+        PublishResult::Ack(r) => r,
+        other => panic!("{other:?}"),
+    };
+    assert!(
+        ack_b.broker_duplicate,
+        "NATS deduplicates on Nats-Msg-Id = event id"
+    );
+    assert_eq!(ack_a.sequence, ack_b.sequence);
+    let v = store::accept_receipts(&mut e.pg, &[ack_a, ack_b])
+        .await
+        .unwrap();
+    assert_eq!(
+        v,
+        vec![
+            Accepted::Verdict(ReceiptVerdict::Primary),
+            Accepted::Verdict(ReceiptVerdict::Duplicate(DuplicateKind::SamePosition))
+        ],
+        "the old attempt's ACK wins; the new one is a duplicate transport receipt"
+    );
+    assert_eq!(state_of(&e.pg, id).await, "PUBLISHED");
+}
+
+#[tokio::test]
+async fn receipt_transaction_rollback_then_retry_fills_slot() {
+    let _g = LOCK.lock().await;
+    let mut e = env("f7").await;
+    let id = enqueue_n(&mut e.pg, 1).await[0];
+    let a = store::claim_batch(&mut e.pg, 1, 10, 10_000).await.unwrap();
+    let ack = match e.nats.publish_batch(&a.outgoing).await.remove(0) {
+        PublishResult::Ack(r) => r,
+        other => panic!("{other:?}"),
+    };
+    // F7: the receipt transaction is killed before it commits: a conflicting lock makes it
+    // time out, and it rolls back.
+    let mut other = runtime::pg_connect(&e.cfg.database_url).await.unwrap();
+    let holder = other.transaction().await.unwrap();
+    holder
+        .execute(
+            "SELECT 1 FROM sealpost.envelope WHERE event_id = $1 FOR UPDATE",
+            &[&uuid::Uuid::from_bytes(id.0)],
+        )
+        .await
+        .unwrap();
+    e.pg.batch_execute("SET lock_timeout = '300ms'")
+        .await
+        .unwrap();
+    let err = store::accept_receipts(&mut e.pg, std::slice::from_ref(&ack)).await;
+    assert!(
+        err.is_err(),
+        "the receipt transaction must fail while the row is locked"
+    );
+    holder.rollback().await.unwrap();
+    e.pg.batch_execute("SET lock_timeout = 0").await.unwrap();
+    assert_eq!(
+        state_of(&e.pg, id).await,
+        "SENDING",
+        "a rolled-back receipt changes nothing"
+    );
+    assert!(receipt_kinds(&e.pg, id).await.is_empty());
+    let v = store::accept_receipts(&mut e.pg, &[ack]).await.unwrap();
+    assert_eq!(v, vec![Accepted::Verdict(ReceiptVerdict::Primary)]);
+    assert_eq!(state_of(&e.pg, id).await, "PUBLISHED");
+}
+
+#[tokio::test]
+async fn divergent_and_forged_receipts_never_fill_the_slot() {
+    let _g = LOCK.lock().await;
+    let mut e = env("q").await;
+    let id = enqueue_n(&mut e.pg, 1).await[0];
+    let a = store::claim_batch(&mut e.pg, 1, 10, 10_000).await.unwrap();
+    let ack = match e.nats.publish_batch(&a.outgoing).await.remove(0) {
+        PublishResult::Ack(r) => r,
+        other => panic!("{other:?}"),
+    };
+    let mut bad = ack.clone();
+    bad.payload_digest = sealpost_core::Digest([7; 32]);
+    let mut forged = ack.clone();
+    forged.attempt_id = 999_999_999;
+    let mut seq0 = ack.clone();
+    seq0.sequence = 0;
+    let mut unknown = ack.clone();
+    unknown.event_id = EventId([9; 16]);
+    let v = store::accept_receipts(&mut e.pg, &[bad, forged, seq0, unknown])
+        .await
+        .unwrap();
+    assert_eq!(
+        v,
+        vec![
+            Accepted::Verdict(ReceiptVerdict::Quarantine(
+                QuarantineReason::PayloadDigestMismatch
+            )),
+            Accepted::Verdict(ReceiptVerdict::Reject(RejectReason::UnregisteredAttempt)),
+            Accepted::Verdict(ReceiptVerdict::Reject(RejectReason::NoPosition)),
+            Accepted::UnknownEvent,
+        ]
+    );
+    assert_eq!(
+        state_of(&e.pg, id).await,
+        "SENDING",
+        "the slot is untouched"
+    );
+    let q: i64 =
+        e.pg.query_one("SELECT count(*) FROM sealpost.quarantine", &[])
+            .await
+            .unwrap()
+            .get(0);
+    let audit: i64 =
+        e.pg.query_one("SELECT count(*) FROM sealpost.audit", &[])
+            .await
+            .unwrap()
+            .get(0);
+    assert_eq!((q, audit), (1, 3));
+    let v = store::accept_receipts(&mut e.pg, &[ack]).await.unwrap();
+    assert_eq!(v, vec![Accepted::Verdict(ReceiptVerdict::Primary)]);
+}
+
+#[tokio::test]
+async fn four_dispatchers_drain_50k_events_exactly_once() {
+    let _g = LOCK.lock().await;
+    let mut e = env("bulk").await;
+    let n = 50_000;
+    let ids = enqueue_n(&mut e.pg, n).await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let counters = Arc::new(Counters::default());
+    let mut tasks = Vec::new();
+    for _ in 0..4 {
+        tasks.push(tokio::spawn(runtime::dispatcher(
+            e.cfg.clone(),
+            e.nats.clone(),
+            stop.clone(),
+            counters.clone(),
+        )));
+    }
+    tasks.push(tokio::spawn(runtime::reconciler(
+        e.cfg.clone(),
+        e.nats.clone(),
+        stop.clone(),
+        counters.clone(),
+    )));
+    let deadline = std::time::Instant::now() + Duration::from_secs(300);
+    loop {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let left: i64 =
+            e.pg.query_one(
+                "SELECT count(*) FROM sealpost.envelope WHERE state <> 'PUBLISHED'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        if left == 0 || std::time::Instant::now() > deadline {
+            break;
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    for t in tasks {
+        t.await.unwrap().unwrap();
+    }
+    let r = e
+        .pg
+        .query_one(
+            "SELECT count(*) FILTER (WHERE state <> 'PUBLISHED'),
+                    (SELECT count(*) FROM sealpost.receipt WHERE kind = 'primary'),
+                    (SELECT count(DISTINCT (event_id, member)) FROM sealpost.receipt WHERE kind = 'primary')
+             FROM sealpost.envelope",
+            &[],
+        )
+        .await
+        .unwrap();
+    let (not_published, primaries, distinct): (i64, i64, i64) = (r.get(0), r.get(1), r.get(2));
+    assert_eq!(not_published, 0, "every event PUBLISHED");
+    assert_eq!(primaries, n as i64, "exactly one primary receipt per event");
+    assert_eq!(distinct, n as i64);
+    // The stream holds each event id exactly once.
+    let info = e
+        .nats
+        .js
+        .get_stream(&e.topic)
+        .await
+        .unwrap()
+        .get_info()
+        .await
+        .unwrap();
+    assert_eq!(
+        info.state.messages, n as u64,
+        "one stored message per event"
+    );
+    for id in ids.iter().step_by(5_000) {
+        assert!(matches!(
+            e.nats.lookup(&e.topic, *id, 0).await,
+            Lookup::Found(_)
+        ));
+    }
+}
