@@ -1,6 +1,7 @@
 //! Sealpost: the PostgreSQL store, the NATS JetStream adapter, dispatcher and reconciler
 //! loops and the operator tools around `sealpost-core`.
 
+pub mod bench;
 pub mod demo;
 pub mod nats;
 pub mod runtime;

@@ -53,6 +53,27 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Drain a prefilled backlog vs a naive relay, then measure latency at a fixed rate.
+    Bench {
+        /// Backlog size.
+        #[arg(long, default_value_t = 200_000)]
+        events: u64,
+        /// Payload size in bytes.
+        #[arg(long, default_value_t = 200)]
+        payload_bytes: usize,
+        /// Dispatchers (and naive relays).
+        #[arg(long, default_value_t = 2)]
+        dispatchers: usize,
+        /// Offered rate for the latency phase (events/s).
+        #[arg(long, default_value_t = 2_000)]
+        rate: u64,
+        /// Length of the latency phase (s).
+        #[arg(long, default_value_t = 10)]
+        latency_s: u64,
+        /// One JSON object.
+        #[arg(long)]
+        json: bool,
+    },
     /// Row counts per state, oldest PENDING and UNKNOWN ages, quarantine count.
     Status {
         /// One JSON object.
@@ -162,6 +183,32 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
                 .await
                 .map_err(e)?;
             Ok(if ok { 0 } else { 1 })
+        }
+        Cmd::Bench {
+            events,
+            payload_bytes,
+            dispatchers,
+            rate,
+            latency_s,
+            json,
+        } => {
+            let args = sealpost::bench::BenchArgs {
+                events,
+                payload_bytes,
+                dispatchers,
+                rate_per_s: rate,
+                latency_s,
+            };
+            let r = sealpost::bench::run(cfg, args, json).await.map_err(e)?;
+            if json {
+                println!("{}", serde_json::to_string(&r).map_err(|x| x.to_string())?);
+            } else {
+                println!(
+                    "events {}  sealpost {:.0}/s  naive {:.0}/s  ratio {:.3}  latency p50 {} ms p99 {} ms",
+                    r.events, r.sealpost_events_per_s, r.naive_events_per_s, r.ratio, r.latency_ms_p50, r.latency_ms_p99
+                );
+            }
+            Ok(0)
         }
         Cmd::Status { json } => {
             let pg = runtime::pg_connect(&cfg.database_url).await.map_err(e)?;

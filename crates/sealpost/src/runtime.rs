@@ -214,6 +214,7 @@ pub async fn dispatcher(
     let owner = owner_id();
     tracing::info!(owner, "dispatcher started");
     while !stop.load(Ordering::Relaxed) {
+        let t_claim = std::time::Instant::now();
         let batch = match store::claim_batch(&mut pg, owner, cfg.batch_size_max, cfg.lease_ms).await
         {
             Ok(b) => b,
@@ -231,7 +232,10 @@ pub async fn dispatcher(
             continue;
         }
         // No transaction is open here: the claim committed.
+        let claim_ms = t_claim.elapsed().as_millis();
+        let t_pub = std::time::Instant::now();
         let results = nats.publish_batch(&batch.outgoing).await;
+        let publish_ms = t_pub.elapsed().as_millis();
         let mut receipts: Vec<Receipt> = Vec::new();
         let mut reports = Vec::new();
         for (o, r) in batch.outgoing.iter().zip(results) {
@@ -257,7 +261,15 @@ pub async fn dispatcher(
                 }
             }
         }
+        let t_acc = std::time::Instant::now();
         submit(&cfg, &mut pg, &receipts, &reports, &counters).await?;
+        tracing::debug!(
+            rows = batch.outgoing.len(),
+            claim_ms,
+            publish_ms,
+            accept_ms = t_acc.elapsed().as_millis() as u64,
+            "dispatch batch"
+        );
     }
     tracing::info!(owner, "dispatcher stopped");
     Ok(())

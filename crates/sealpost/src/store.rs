@@ -129,6 +129,96 @@ pub async fn enqueue(
             max: PAYLOAD_BYTES_MAX,
         });
     }
+    let (policy, txid) = load_policy(tx, route).await?;
+    let ev = NewEvent {
+        creating_txid: txid,
+        ..ev.clone()
+    };
+    let env = SealedEnvelope::seal(event_id, &ev, &policy, routing_key);
+    insert_envelope(tx, &env, 0, ev.payload).await?;
+    Ok(env)
+}
+
+/// Seals and inserts many events in the caller's transaction with one statement: the same
+/// sealing as [`enqueue`] (route policy read in the transaction), for batch producers.
+pub async fn enqueue_many(
+    tx: &Transaction<'_>,
+    route: &str,
+    events: &[(EventId, NewEvent<'_>, String)],
+) -> Result<Vec<SealedEnvelope>> {
+    if events.is_empty() {
+        return Ok(Vec::new());
+    }
+    if let Some((_, ev, _)) = events
+        .iter()
+        .find(|(_, ev, _)| ev.payload.len() > PAYLOAD_BYTES_MAX)
+    {
+        return Err(StoreError::PayloadTooLarge {
+            len: ev.payload.len(),
+            max: PAYLOAD_BYTES_MAX,
+        });
+    }
+    let (policy, txid) = load_policy(tx, route).await?;
+    let envs: Vec<SealedEnvelope> = events
+        .iter()
+        .map(|(id, ev, key)| {
+            let ev = NewEvent {
+                creating_txid: txid,
+                ..ev.clone()
+            };
+            SealedEnvelope::seal(*id, &ev, &policy, key)
+        })
+        .collect();
+    let col = |f: &dyn Fn(&SealedEnvelope) -> String| envs.iter().map(f).collect::<Vec<String>>();
+    let bytes =
+        |f: &dyn Fn(&SealedEnvelope) -> Vec<u8>| envs.iter().map(f).collect::<Vec<Vec<u8>>>();
+    let ints = |f: &dyn Fn(&SealedEnvelope) -> i64| envs.iter().map(f).collect::<Vec<i64>>();
+    let ids: Vec<Uuid> = envs.iter().map(|e| uuid_of(e.event_id)).collect();
+    let payloads: Vec<Vec<u8>> = events
+        .iter()
+        .map(|(_, ev, _)| ev.payload.to_vec())
+        .collect();
+    tx.execute(
+        "INSERT INTO sealpost.envelope (event_id, member, envelope_generation, aggregate_type, aggregate_id,
+            aggregate_version, event_type, payload_schema_digest, payload_digest, tenant, occurred_at_ms,
+            creating_txid, dest_cluster, dest_topic, dest_routing_key, dest_partition_alg,
+            dest_policy_generation, dest_serializer, dest_durability, dest_required_ack,
+            destination_digest, envelope_digest, payload, state)
+         SELECT u.id, 0, 1, u.at, u.ai, u.av, u.et, u.sd, u.pd, u.tn, u.oc, $20, u.dc, u.dt, u.dk, u.da,
+                u.dg, u.ds, u.dd, u.dr, u.dgst, u.edg, u.payload, 'PENDING'
+         FROM unnest($1::uuid[], $2::text[], $3::text[], $4::int8[], $5::text[], $6::bytea[], $7::bytea[],
+                     $8::text[], $9::int8[], $10::text[], $11::text[], $12::text[], $13::text[], $14::int8[],
+                     $15::text[], $16::text[], $17::text[], $18::bytea[], $19::bytea[], $21::bytea[])
+              AS u(id, at, ai, av, et, sd, pd, tn, oc, dc, dt, dk, da, dg, ds, dd, dr, dgst, edg, payload)",
+        &[
+            &ids,
+            &col(&|e| e.aggregate_type.clone()),
+            &col(&|e| e.aggregate_id.clone()),
+            &ints(&|e| e.aggregate_version as i64),
+            &col(&|e| e.event_type.clone()),
+            &bytes(&|e| e.payload_schema_digest.0.to_vec()),
+            &bytes(&|e| e.payload_digest.0.to_vec()),
+            &col(&|e| e.tenant.clone()),
+            &ints(&|e| e.occurred_at_ms as i64),
+            &col(&|e| e.destination.cluster.clone()),
+            &col(&|e| e.destination.topic.clone()),
+            &col(&|e| e.destination.routing_key.clone()),
+            &col(&|e| e.destination.partition_algorithm.name()),
+            &ints(&|e| e.destination.route_policy_generation as i64),
+            &col(&|e| e.destination.serializer.clone()),
+            &col(&|e| e.destination.durability.clone()),
+            &col(&|e| e.destination.required_ack.clone()),
+            &bytes(&|e| e.destination_digest.0.to_vec()),
+            &bytes(&|e| e.digest().0.to_vec()),
+            &(txid as i64),
+            &payloads,
+        ],
+    )
+    .await?;
+    Ok(envs)
+}
+
+async fn load_policy(tx: &Transaction<'_>, route: &str) -> Result<(RoutePolicy, u64)> {
     let p = tx
         .query_opt(
             "SELECT generation, cluster, topic, partition_algorithm, serializer, durability, required_ack,
@@ -149,14 +239,7 @@ pub async fn enqueue(
         durability: p.get(5),
         required_ack: p.get(6),
     };
-    let txid: i64 = p.get(7);
-    let ev = NewEvent {
-        creating_txid: txid as u64,
-        ..ev.clone()
-    };
-    let env = SealedEnvelope::seal(event_id, &ev, &policy, routing_key);
-    insert_envelope(tx, &env, 0, ev.payload).await?;
-    Ok(env)
+    Ok((policy, p.get::<_, i64>(7) as u64))
 }
 
 async fn insert_envelope(
