@@ -102,7 +102,9 @@ impl Nats {
             })?;
         let js = jetstream::ContextBuilder::new()
             .timeout(ack_timeout)
-            .max_ack_inflight(4_096)
+            .max_ack_inflight(8_192)
+            // Wait for a permit instead of failing when many batches are in flight.
+            .backpressure_on_inflight(true)
             .build(client.clone());
         Ok(Nats {
             cluster: cluster.to_string(),
@@ -211,7 +213,10 @@ impl Nats {
                 Err(e) if e.kind() == PublishErrorKind::StreamNotFound => {
                     PublishResult::NeverSent(e.to_string())
                 }
-                Err(_) => PublishResult::Timeout,
+                Err(e) => {
+                    tracing::debug!(event_id = %o.event_id, error = %e, "no publish ack: outcome unknown");
+                    PublishResult::Timeout
+                }
             };
             out.push((i, res));
         }
