@@ -144,7 +144,12 @@ pub async fn run(mut cfg: Config, args: BenchArgs, json: bool) -> Result<BenchRe
         )));
     }
     // As in production, a reconciler runs beside the dispatchers.
-    tasks.push(tokio::spawn(runtime::reconciler(cfg.clone(), nats.clone(), stop.clone(), counters.clone())));
+    tasks.push(tokio::spawn(runtime::reconciler(
+        cfg.clone(),
+        nats.clone(),
+        stop.clone(),
+        counters.clone(),
+    )));
     while count_left(&pg, &topic).await? > 0 {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }

@@ -79,6 +79,9 @@ enum Cmd {
         /// One JSON object.
         #[arg(long)]
         json: bool,
+        /// Exit 1 when the oldest unknown is older than `unknown_alert_s` (for alerting).
+        #[arg(long)]
+        check: bool,
     },
 }
 
@@ -210,13 +213,20 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
             }
             Ok(0)
         }
-        Cmd::Status { json } => {
+        Cmd::Status { json, check } => {
             let pg = runtime::pg_connect(&cfg.database_url).await.map_err(e)?;
             let s = store::status(&pg).await.map_err(|x| x.to_string())?;
             if json {
                 println!("{}", serde_json::to_string(&s).map_err(|x| x.to_string())?);
             } else {
                 sealpost::print_status(&s);
+            }
+            if check && s.oldest_unknown_s > cfg.unknown_alert_s as f64 {
+                eprintln!(
+                    "ALERT: {} unknown outcome(s), oldest {:.0} s > unknown_alert_s {}",
+                    s.unknown, s.oldest_unknown_s, cfg.unknown_alert_s
+                );
+                return Ok(1);
             }
             Ok(0)
         }

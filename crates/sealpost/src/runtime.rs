@@ -38,6 +38,12 @@ pub struct Config {
     pub reconcile_batch_max: usize,
     /// Reconciler scan interval.
     pub reconcile_every_ms: u64,
+    /// Unknown rows older than this are logged as alerts by the reconciler and make
+    /// `sealpost status --check` exit non-zero (G3 asks for p99 within 15 minutes).
+    pub unknown_alert_s: u64,
+    /// Failure drills only: sleep this long between a publish and its receipt transaction
+    /// (0 in production), so a drill can kill the process in that window.
+    pub drill_pause_after_publish_ms: u64,
 }
 
 impl Default for Config {
@@ -53,6 +59,8 @@ impl Default for Config {
             rejection_limit: 5,
             reconcile_batch_max: 200,
             reconcile_every_ms: 1_000,
+            unknown_alert_s: 900,
+            drill_pause_after_publish_ms: 0,
         }
     }
 }
@@ -236,6 +244,13 @@ pub async fn dispatcher(
         let t_pub = std::time::Instant::now();
         let results = nats.publish_batch(&batch.outgoing).await;
         let publish_ms = t_pub.elapsed().as_millis();
+        if cfg.drill_pause_after_publish_ms > 0 {
+            tracing::warn!(
+                ms = cfg.drill_pause_after_publish_ms,
+                "drill: pausing between publish and receipt"
+            );
+            tokio::time::sleep(Duration::from_millis(cfg.drill_pause_after_publish_ms)).await;
+        }
         let mut receipts: Vec<Receipt> = Vec::new();
         let mut reports = Vec::new();
         for (o, r) in batch.outgoing.iter().zip(results) {
@@ -369,6 +384,16 @@ pub async fn reconciler(
             }
         }
         if items.is_empty() {
+            if let Ok((unknown, oldest_unknown_s)) = store::unknown_age(&pg).await {
+                if oldest_unknown_s > cfg.unknown_alert_s as f64 {
+                    tracing::error!(
+                        unknown,
+                        oldest_unknown_s,
+                        threshold_s = cfg.unknown_alert_s,
+                        "ALERT: unknown outcomes older than the threshold"
+                    );
+                }
+            }
             tokio::time::sleep(Duration::from_millis(cfg.reconcile_every_ms)).await;
         }
     }

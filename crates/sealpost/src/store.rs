@@ -1005,6 +1005,22 @@ pub struct Status {
     pub quarantined: i64,
 }
 
+/// Unknown rows and the age of the oldest, in seconds (reads only the unknown index).
+pub async fn unknown_age(client: &impl GenericClient) -> Result<(i64, f64)> {
+    let now_ms = db_now_ms(client).await? as i64;
+    let r = client
+        .query_one(
+            "SELECT count(*), min(unknown_since_ms) FROM sealpost.envelope
+             WHERE state IN ('DISPATCH_UNKNOWN', 'RECONCILING')",
+            &[],
+        )
+        .await?;
+    let oldest = r
+        .get::<_, Option<i64>>(1)
+        .map_or(0.0, |t| (now_ms - t).max(0) as f64 / 1000.0);
+    Ok((r.get(0), oldest))
+}
+
 /// Reads the status figures.
 pub async fn status(client: &impl GenericClient) -> Result<Status> {
     let exists: bool = client

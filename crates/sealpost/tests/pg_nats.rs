@@ -1,15 +1,13 @@
 //! Against the real PostgreSQL (127.0.0.1:5432, database `test`) and NATS JetStream
 //! (127.0.0.1:4222): the producer's transaction, the acceptance point, late ACKs, receipt
-//! rollbacks, quarantine, reconciliation, and four dispatchers over 50,000 events. Tests
+//! rollbacks, quarantine and reconciliation (process-level drills are in `processes.rs`). Tests
 //! share the `sealpost` schema, so they run one at a time under a lock and each uses its own
 //! stream.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
 use std::time::Duration;
 
 use sealpost::nats::{Nats, PublishResult};
-use sealpost::runtime::{self, Config, Counters};
+use sealpost::runtime::{self, Config};
 use sealpost::store::{self, Accepted, OutcomeReport};
 use sealpost_core::claim::SendOutcome;
 use sealpost_core::envelope::{EventId, NewEvent};
@@ -411,83 +409,4 @@ async fn divergent_and_forged_receipts_never_fill_the_slot() {
     assert_eq!((q, audit), (1, 3));
     let v = store::accept_receipts(&mut e.pg, &[ack]).await.unwrap();
     assert_eq!(v, vec![Accepted::Verdict(ReceiptVerdict::Primary)]);
-}
-
-#[tokio::test]
-async fn four_dispatchers_drain_50k_events_exactly_once() {
-    let _g = LOCK.lock().await;
-    let mut e = env("bulk").await;
-    let n = 50_000;
-    let ids = enqueue_n(&mut e.pg, n).await;
-    let stop = Arc::new(AtomicBool::new(false));
-    let counters = Arc::new(Counters::default());
-    let mut tasks = Vec::new();
-    for _ in 0..4 {
-        tasks.push(tokio::spawn(runtime::dispatcher(
-            e.cfg.clone(),
-            e.nats.clone(),
-            stop.clone(),
-            counters.clone(),
-        )));
-    }
-    tasks.push(tokio::spawn(runtime::reconciler(
-        e.cfg.clone(),
-        e.nats.clone(),
-        stop.clone(),
-        counters.clone(),
-    )));
-    let deadline = std::time::Instant::now() + Duration::from_secs(300);
-    loop {
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        let left: i64 =
-            e.pg.query_one(
-                "SELECT count(*) FROM sealpost.envelope WHERE state <> 'PUBLISHED'",
-                &[],
-            )
-            .await
-            .unwrap()
-            .get(0);
-        if left == 0 || std::time::Instant::now() > deadline {
-            break;
-        }
-    }
-    stop.store(true, Ordering::Relaxed);
-    for t in tasks {
-        t.await.unwrap().unwrap();
-    }
-    let r = e
-        .pg
-        .query_one(
-            "SELECT count(*) FILTER (WHERE state <> 'PUBLISHED'),
-                    (SELECT count(*) FROM sealpost.receipt WHERE kind = 'primary'),
-                    (SELECT count(DISTINCT (event_id, member)) FROM sealpost.receipt WHERE kind = 'primary')
-             FROM sealpost.envelope",
-            &[],
-        )
-        .await
-        .unwrap();
-    let (not_published, primaries, distinct): (i64, i64, i64) = (r.get(0), r.get(1), r.get(2));
-    assert_eq!(not_published, 0, "every event PUBLISHED");
-    assert_eq!(primaries, n as i64, "exactly one primary receipt per event");
-    assert_eq!(distinct, n as i64);
-    // The stream holds each event id exactly once.
-    let info = e
-        .nats
-        .js
-        .get_stream(&e.topic)
-        .await
-        .unwrap()
-        .get_info()
-        .await
-        .unwrap();
-    assert_eq!(
-        info.state.messages, n as u64,
-        "one stored message per event"
-    );
-    for id in ids.iter().step_by(5_000) {
-        assert!(matches!(
-            e.nats.lookup(&e.topic, *id, 0).await,
-            Lookup::Found(_)
-        ));
-    }
 }

@@ -1,0 +1,317 @@
+//! Failure drills with real `sealpost dispatch` processes against the real PostgreSQL and
+//! NATS JetStream: a dispatcher killed with SIGKILL between send and receipt, NATS stopped
+//! and restarted mid-run, and four dispatcher processes over 50,000 events. Each drill
+//! asserts that every event ends `PUBLISHED` with exactly one primary receipt and that the
+//! stream holds each event exactly once.
+
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use sealpost::nats::Nats;
+use sealpost::runtime::{self, Config};
+use sealpost::store;
+use sealpost_core::envelope::{EventId, NewEvent};
+use sealpost_core::reconcile::Lookup;
+
+static LOCK: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+const NATS_START: &[&str] = &[
+    "--start",
+    "--oknodo",
+    "--background",
+    "--exec",
+    "/usr/sbin/nats-server",
+    "--",
+    "-a",
+    "127.0.0.1",
+    "-p",
+    "4222",
+    "-js",
+    "-sd",
+    "/var/lib/nats-server",
+    "-l",
+    "/var/log/nats-server.log",
+];
+
+struct Drill {
+    pg: tokio_postgres::Client,
+    nats: Nats,
+    topic: String,
+    dir: std::path::PathBuf,
+    children: Vec<Child>,
+}
+
+impl Drop for Drill {
+    fn drop(&mut self) {
+        for c in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        // Whatever happened, leave NATS running for the next test.
+        let _ = Command::new("start-stop-daemon").args(NATS_START).status();
+    }
+}
+
+async fn drill(tag: &str, n: usize) -> Drill {
+    let cfg = Config::load(None).expect("default config");
+    let mut pg = runtime::pg_connect(&cfg.database_url)
+        .await
+        .expect("PostgreSQL must be running");
+    store::migrate(&pg).await.expect("migrate");
+    pg.batch_execute("TRUNCATE sealpost.envelope, sealpost.attempt, sealpost.receipt, sealpost.quarantine, sealpost.audit")
+        .await
+        .expect("truncate");
+    let topic = format!("P{}{}", tag.to_uppercase(), runtime::owner_id() % 1_000_000);
+    store::set_route(&pg, "orders", &cfg.nats_cluster, &topic)
+        .await
+        .expect("route");
+    let nats = Nats::connect(&cfg.nats_url, &cfg.nats_cluster, Duration::from_secs(5))
+        .await
+        .expect("NATS");
+    nats.ensure_stream(&topic).await.expect("stream");
+    let payload = vec![b'p'; 200];
+    let mut i = 0;
+    while i < n {
+        let m = (n - i).min(2_000);
+        let keys: Vec<String> = (i..i + m).map(|k| format!("o-{k}")).collect();
+        let events: Vec<(EventId, NewEvent<'_>, String)> = keys
+            .iter()
+            .map(|k| {
+                let ev = NewEvent {
+                    aggregate_type: "order",
+                    aggregate_id: k,
+                    aggregate_version: 1,
+                    event_type: "order.created.v1",
+                    payload_schema: "order.created.v1",
+                    payload: &payload,
+                    tenant: "t",
+                    occurred_at_ms: 1,
+                    creating_txid: 0,
+                };
+                (EventId(*uuid::Uuid::now_v7().as_bytes()), ev, k.clone())
+            })
+            .collect();
+        let tx = pg.transaction().await.unwrap();
+        store::enqueue_many(&tx, "orders", &events).await.unwrap();
+        tx.commit().await.unwrap();
+        i += m;
+    }
+    let dir = std::env::temp_dir().join(format!("sealpost-drill-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    Drill {
+        pg,
+        nats,
+        topic,
+        dir,
+        children: Vec::new(),
+    }
+}
+
+impl Drill {
+    fn spawn(&mut self, config: &str, args: &[&str]) -> usize {
+        let path = self.dir.join(format!("c{}.toml", self.children.len()));
+        std::fs::write(&path, config).unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_sealpost"))
+            .arg("--config")
+            .arg(&path)
+            .arg("dispatch")
+            .args(args)
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn sealpost dispatch");
+        self.children.push(child);
+        self.children.len() - 1
+    }
+
+    async fn stream_messages(&self) -> u64 {
+        match self.nats.js.get_stream(&self.topic).await {
+            Ok(s) => s.get_info().await.map_or(0, |i| i.state.messages),
+            Err(_) => 0,
+        }
+    }
+
+    async fn count(&self, sql: &str) -> i64 {
+        self.pg.query_one(sql, &[]).await.unwrap().get(0)
+    }
+
+    async fn wait_published(&self, n: i64, limit: Duration) {
+        let deadline = Instant::now() + limit;
+        loop {
+            let done = self
+                .count("SELECT count(*) FROM sealpost.envelope WHERE state = 'PUBLISHED'")
+                .await;
+            if done == n {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "only {done} of {n} published before the deadline"
+            );
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+
+    /// Every event PUBLISHED, one primary each, the stream holding each exactly once.
+    async fn assert_exactly_once(&self, n: i64) {
+        assert_eq!(
+            self.count("SELECT count(*) FROM sealpost.envelope WHERE state <> 'PUBLISHED'")
+                .await,
+            0
+        );
+        assert_eq!(
+            self.count("SELECT count(*) FROM sealpost.receipt WHERE kind = 'primary'")
+                .await,
+            n
+        );
+        assert_eq!(
+            self.count("SELECT count(DISTINCT (event_id, member)) FROM sealpost.receipt WHERE kind = 'primary'").await,
+            n
+        );
+        assert_eq!(
+            self.count(
+                "SELECT count(*) FROM sealpost.envelope e JOIN sealpost.receipt r
+                   ON r.event_id = e.event_id AND r.kind = 'primary' AND r.sequence = e.primary_sequence"
+            )
+            .await,
+            n,
+            "the slot and the primary receipt row agree"
+        );
+        assert_eq!(
+            self.stream_messages().await,
+            n as u64,
+            "the stream holds each event exactly once"
+        );
+        let sample = self
+            .pg
+            .query(
+                "SELECT event_id FROM sealpost.envelope ORDER BY random() LIMIT 20",
+                &[],
+            )
+            .await
+            .unwrap();
+        for r in sample {
+            let id = EventId(*r.get::<_, uuid::Uuid>(0).as_bytes());
+            assert!(
+                matches!(self.nats.lookup(&self.topic, id, 0).await, Lookup::Found(_)),
+                "{id} not in the stream"
+            );
+        }
+    }
+}
+
+#[tokio::test]
+async fn dispatcher_killed_between_send_and_receipt() {
+    let _g = LOCK.lock().await;
+    let n = 300;
+    let mut d = drill("kill", n).await;
+    // Dispatcher A publishes, then sits between the publish and its receipt transaction.
+    let a = d.spawn(
+        "lease_ms = 2000\nack_timeout_ms = 1000\nbatch_size_max = 1000\ndrill_pause_after_publish_ms = 600000\n",
+        &["--no-reconciler"],
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while d.stream_messages().await < n as u64 {
+        assert!(Instant::now() < deadline, "dispatcher A never published");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        d.count("SELECT count(*) FROM sealpost.envelope WHERE state = 'SENDING'")
+            .await,
+        n as i64
+    );
+    assert_eq!(
+        d.count("SELECT count(*) FROM sealpost.receipt").await,
+        0,
+        "no receipt accepted yet"
+    );
+    // kill -9 in the window between send and receipt.
+    d.children[a].kill().unwrap();
+    d.children[a].wait().unwrap();
+    // B (with a reconciler) takes over once A's lease ends: SENDING -> DISPATCH_UNKNOWN,
+    // never PENDING; the lookup finds each message and accepts it.
+    d.spawn("lease_ms = 2000\nack_timeout_ms = 1000\n", &[]);
+    d.wait_published(n as i64, Duration::from_secs(60)).await;
+    d.assert_exactly_once(n as i64).await;
+    assert_eq!(
+        d.count(
+            "SELECT count(*) FROM sealpost.receipt WHERE kind = 'primary' AND source = 'lookup'"
+        )
+        .await,
+        n as i64,
+        "every receipt came from the reconciler's lookup"
+    );
+    assert_eq!(
+        d.count("SELECT count(*) FROM sealpost.attempt").await,
+        n as i64,
+        "no second send was needed"
+    );
+}
+
+#[tokio::test]
+async fn nats_stopped_and_restarted_mid_run() {
+    let _g = LOCK.lock().await;
+    let n = 20_000;
+    let mut d = drill("restart", n).await;
+    let cfg = "lease_ms = 3000\nack_timeout_ms = 1000\nbatch_size_max = 200\n";
+    d.spawn(cfg, &[]);
+    d.spawn(cfg, &["--no-reconciler"]);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while d.stream_messages().await < 2_000 {
+        assert!(
+            Instant::now() < deadline,
+            "dispatchers never started publishing"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Stop NATS (gracefully: JetStream flushes its file store), keep it down, restart it.
+    let stopped = Command::new("start-stop-daemon")
+        .args([
+            "--stop",
+            "--oknodo",
+            "--retry",
+            "TERM/10/KILL/5",
+            "--exec",
+            "/usr/sbin/nats-server",
+        ])
+        .status()
+        .expect("start-stop-daemon");
+    assert!(stopped.success());
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let published_while_down = d
+        .count("SELECT count(*) FROM sealpost.envelope WHERE state = 'PUBLISHED'")
+        .await;
+    assert!(
+        published_while_down < n as i64,
+        "the outage must hit the run"
+    );
+    assert!(Command::new("start-stop-daemon")
+        .args(NATS_START)
+        .status()
+        .unwrap()
+        .success());
+    d.wait_published(n as i64, Duration::from_secs(180)).await;
+    d.assert_exactly_once(n as i64).await;
+}
+
+#[tokio::test]
+async fn four_dispatcher_processes_over_50k_events() {
+    let _g = LOCK.lock().await;
+    let n = 50_000;
+    let mut d = drill("four", n).await;
+    let cfg = "batch_size_max = 1000\n";
+    d.spawn(cfg, &[]);
+    for _ in 0..3 {
+        d.spawn(cfg, &["--no-reconciler"]);
+    }
+    d.wait_published(n as i64, Duration::from_secs(300)).await;
+    d.assert_exactly_once(n as i64).await;
+    let owners = d
+        .count("SELECT count(DISTINCT owner) FROM sealpost.attempt")
+        .await;
+    assert!(
+        owners >= 2,
+        "the work was shared between processes ({owners} owner(s))"
+    );
+}
