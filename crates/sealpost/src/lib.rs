@@ -5,6 +5,8 @@ pub mod bench;
 pub mod demo;
 pub mod nats;
 pub mod runtime;
+#[cfg(feature = "sqlx")]
+pub mod sqlx_store;
 pub mod store;
 
 /// Prints a status table.

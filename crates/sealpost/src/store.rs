@@ -218,27 +218,60 @@ pub async fn enqueue_many(
     Ok(envs)
 }
 
+/// Reads a route policy and the current transaction id, locking the policy row against a
+/// concurrent revision until the caller's transaction ends (shared with the sqlx flavour).
+pub(crate) const POLICY_SQL: &str =
+    "SELECT generation, cluster, topic, partition_algorithm, serializer, durability, required_ack,
+            txid_current()
+     FROM sealpost.route_policy WHERE name = $1 FOR SHARE";
+
+/// Inserts one sealed envelope (shared with the sqlx flavour).
+pub(crate) const INSERT_ENVELOPE_SQL: &str =
+    "INSERT INTO sealpost.envelope (event_id, member, envelope_generation, aggregate_type, aggregate_id,
+        aggregate_version, event_type, payload_schema_digest, payload_digest, tenant, occurred_at_ms,
+        creating_txid, dest_cluster, dest_topic, dest_routing_key, dest_partition_alg,
+        dest_policy_generation, dest_serializer, dest_durability, dest_required_ack,
+        destination_digest, envelope_digest, payload, state)
+     VALUES ($1,$2,$3,$4,$5,$6,$7,$8,$9,$10,$11,$12,$13,$14,$15,$16,$17,$18,$19,$20,$21,$22,$23,'PENDING')";
+
+/// Builds a policy from the columns of [`POLICY_SQL`].
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn policy_from_parts(
+    generation: i64,
+    cluster: String,
+    topic: String,
+    alg: &str,
+    serializer: String,
+    durability: String,
+    required_ack: String,
+) -> Result<RoutePolicy> {
+    Ok(RoutePolicy {
+        generation: generation as u64,
+        cluster,
+        topic,
+        partition_algorithm: PartitionAlgorithm::parse(alg)
+            .ok_or_else(|| StoreError::Corrupt(format!("partition algorithm `{alg}`")))?,
+        serializer,
+        durability,
+        required_ack,
+    })
+}
+
 async fn load_policy(tx: &Transaction<'_>, route: &str) -> Result<(RoutePolicy, u64)> {
     let p = tx
-        .query_opt(
-            "SELECT generation, cluster, topic, partition_algorithm, serializer, durability, required_ack,
-                    txid_current()
-             FROM sealpost.route_policy WHERE name = $1 FOR SHARE",
-            &[&route],
-        )
+        .query_opt(POLICY_SQL, &[&route])
         .await?
         .ok_or_else(|| StoreError::NoRoutePolicy(route.to_string()))?;
     let alg: String = p.get(3);
-    let policy = RoutePolicy {
-        generation: p.get::<_, i64>(0) as u64,
-        cluster: p.get(1),
-        topic: p.get(2),
-        partition_algorithm: PartitionAlgorithm::parse(&alg)
-            .ok_or_else(|| StoreError::Corrupt(format!("partition algorithm `{alg}`")))?,
-        serializer: p.get(4),
-        durability: p.get(5),
-        required_ack: p.get(6),
-    };
+    let policy = policy_from_parts(
+        p.get(0),
+        p.get(1),
+        p.get(2),
+        &alg,
+        p.get(4),
+        p.get(5),
+        p.get(6),
+    )?;
     Ok((policy, p.get::<_, i64>(7) as u64))
 }
 
@@ -250,12 +283,7 @@ async fn insert_envelope(
 ) -> Result<()> {
     let d = &env.destination;
     tx.execute(
-        "INSERT INTO sealpost.envelope (event_id, member, envelope_generation, aggregate_type, aggregate_id,
-            aggregate_version, event_type, payload_schema_digest, payload_digest, tenant, occurred_at_ms,
-            creating_txid, dest_cluster, dest_topic, dest_routing_key, dest_partition_alg,
-            dest_policy_generation, dest_serializer, dest_durability, dest_required_ack,
-            destination_digest, envelope_digest, payload, state)
-         VALUES ($1,$2,$3,$4,$5,$6,$7,$8,$9,$10,$11,$12,$13,$14,$15,$16,$17,$18,$19,$20,$21,$22,$23,'PENDING')",
+        INSERT_ENVELOPE_SQL,
         &[
             &uuid_of(env.event_id),
             &member,

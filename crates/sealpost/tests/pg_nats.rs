@@ -410,3 +410,50 @@ async fn divergent_and_forged_receipts_never_fill_the_slot() {
     let v = store::accept_receipts(&mut e.pg, &[ack]).await.unwrap();
     assert_eq!(v, vec![Accepted::Verdict(ReceiptVerdict::Primary)]);
 }
+
+/// The sqlx flavour of `enqueue` commits and rolls back with the caller's transaction and
+/// seals exactly what the tokio-postgres flavour seals.
+#[cfg(feature = "sqlx")]
+#[tokio::test]
+async fn sqlx_enqueue_commits_with_the_callers_transaction() {
+    use sqlx::Connection;
+    let _g = LOCK.lock().await;
+    let e = env("sqlx").await;
+    let mut conn = sqlx::PgConnection::connect("postgres://postgres@127.0.0.1:5432/test")
+        .await
+        .unwrap();
+    let id = EventId(*uuid::Uuid::now_v7().as_bytes());
+    let mut tx = conn.begin().await.unwrap();
+    sealpost::sqlx_store::enqueue(&mut tx, "orders", id, &new_event("o-s", b"{}"), "k")
+        .await
+        .unwrap();
+    tx.rollback().await.unwrap();
+    let n: i64 =
+        e.pg.query_one("SELECT count(*) FROM sealpost.envelope", &[])
+            .await
+            .unwrap()
+            .get(0);
+    assert_eq!(n, 0, "rolled back with the caller");
+    let mut tx = conn.begin().await.unwrap();
+    let env = sealpost::sqlx_store::enqueue(&mut tx, "orders", id, &new_event("o-s", b"{}"), "k")
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let row =
+        e.pg.query_one(
+            "SELECT envelope_digest, state FROM sealpost.envelope WHERE event_id = $1",
+            &[&uuid::Uuid::from_bytes(id.0)],
+        )
+        .await
+        .unwrap();
+    let stored: Vec<u8> = row.get(0);
+    assert_eq!(stored, env.digest().0.to_vec());
+    assert_eq!(row.get::<_, String>(1), "PENDING");
+    let err = sealpost::sqlx_store::enqueue(&mut conn, "nope", id, &new_event("o-s", b"{}"), "k")
+        .await
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("no route policy named `nope`"),
+        "{err}"
+    );
+}

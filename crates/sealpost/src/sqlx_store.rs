@@ -1,0 +1,93 @@
+//! The producer API for sqlx users: the same `enqueue` as [`crate::store::enqueue`], on a
+//! sqlx connection or transaction. Enabled by the `sqlx` feature.
+//!
+//! ```ignore
+//! let mut tx = pool.begin().await?;
+//! sqlx::query("INSERT INTO orders (id) VALUES ($1)").bind(&order_id).execute(&mut *tx).await?;
+//! sealpost::sqlx_store::enqueue(&mut tx, "orders", event_id, &new_event, &routing_key).await?;
+//! tx.commit().await?;
+//! ```
+
+use sealpost_core::envelope::{EventId, NewEvent, SealedEnvelope};
+use sqlx::Row;
+
+use crate::store::{
+    policy_from_parts, StoreError, INSERT_ENVELOPE_SQL, PAYLOAD_BYTES_MAX, POLICY_SQL,
+};
+
+/// Errors of the sqlx flavour.
+#[derive(Debug, thiserror::Error)]
+pub enum SqlxStoreError {
+    /// The database refused or failed a statement.
+    #[error("database error: {0}")]
+    Db(#[from] sqlx::Error),
+    /// Same validation errors as the tokio-postgres store.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// Inserts the sealed `PENDING` envelope inside the caller's sqlx transaction (R2–R4).
+pub async fn enqueue(
+    conn: &mut sqlx::PgConnection,
+    route: &str,
+    event_id: EventId,
+    ev: &NewEvent<'_>,
+    routing_key: &str,
+) -> Result<SealedEnvelope, SqlxStoreError> {
+    if ev.payload.len() > PAYLOAD_BYTES_MAX {
+        return Err(StoreError::PayloadTooLarge {
+            len: ev.payload.len(),
+            max: PAYLOAD_BYTES_MAX,
+        }
+        .into());
+    }
+    let p = sqlx::query(POLICY_SQL)
+        .bind(route)
+        .fetch_optional(&mut *conn)
+        .await?
+        .ok_or_else(|| StoreError::NoRoutePolicy(route.to_string()))?;
+    let alg: String = p.try_get(3)?;
+    let policy = policy_from_parts(
+        p.try_get(0)?,
+        p.try_get(1)?,
+        p.try_get(2)?,
+        &alg,
+        p.try_get(4)?,
+        p.try_get(5)?,
+        p.try_get(6)?,
+    )?;
+    let txid: i64 = p.try_get(7)?;
+    let ev = NewEvent {
+        creating_txid: txid as u64,
+        ..ev.clone()
+    };
+    let env = SealedEnvelope::seal(event_id, &ev, &policy, routing_key);
+    let d = &env.destination;
+    sqlx::query(INSERT_ENVELOPE_SQL)
+        .bind(uuid::Uuid::from_bytes(env.event_id.0))
+        .bind(0i16)
+        .bind(env.envelope_generation as i32)
+        .bind(&env.aggregate_type)
+        .bind(&env.aggregate_id)
+        .bind(env.aggregate_version as i64)
+        .bind(&env.event_type)
+        .bind(env.payload_schema_digest.0.as_slice())
+        .bind(env.payload_digest.0.as_slice())
+        .bind(&env.tenant)
+        .bind(env.occurred_at_ms as i64)
+        .bind(env.creating_txid as i64)
+        .bind(&d.cluster)
+        .bind(&d.topic)
+        .bind(&d.routing_key)
+        .bind(d.partition_algorithm.name())
+        .bind(d.route_policy_generation as i64)
+        .bind(&d.serializer)
+        .bind(&d.durability)
+        .bind(&d.required_ack)
+        .bind(env.destination_digest.0.as_slice())
+        .bind(env.digest().0.as_slice())
+        .bind(ev.payload)
+        .execute(&mut *conn)
+        .await?;
+    Ok(env)
+}
