@@ -136,3 +136,17 @@ CREATE TABLE IF NOT EXISTS sealpost.audit (
 );
 
 INSERT INTO sealpost.schema_version (version) VALUES (1) ON CONFLICT DO NOTHING;
+
+-- Migration receipts (R15): an event moved to another destination under a new envelope
+-- generation, with the proof that the old destination did not accept it.
+CREATE TABLE IF NOT EXISTS sealpost.migration (
+    migration_id        bigserial PRIMARY KEY,
+    event_id            uuid NOT NULL,
+    member              smallint NOT NULL,
+    from_generation     int NOT NULL,
+    to_generation       int NOT NULL,
+    from_digest         bytea NOT NULL,
+    to_digest           bytea NOT NULL,
+    failed_attempts     int NOT NULL,
+    at_ms               bigint NOT NULL
+);

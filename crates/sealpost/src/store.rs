@@ -1093,3 +1093,114 @@ pub async fn status(client: &impl GenericClient) -> Result<Status> {
     s.quarantined = r.get(3);
     Ok(s)
 }
+
+/// Moves one event to the destination that route policy `route` resolves now (R15): granted
+/// only with proof that the old destination did not accept it (every attempt there ended
+/// `FAILED`), under a new envelope generation and with a migration receipt. Refused while an
+/// attempt at the old destination is unknown.
+///
+/// # Transactions and locks
+/// One transaction: locks the envelope row, reads the route policy (`FOR SHARE`), decides
+/// with `decide_migration`, rewrites the destination columns and records the receipt.
+pub async fn migrate_event(
+    client: &mut tokio_postgres::Client,
+    event_id: EventId,
+    member: u16,
+    route: &str,
+) -> Result<
+    std::result::Result<
+        sealpost_core::migration::MigrationGrant,
+        sealpost_core::migration::MigrationRefusal,
+    >,
+> {
+    let tx = client.transaction().await?;
+    let now_ms = db_now_ms(&tx).await?;
+    let rows = lock_rows(&tx, &[(event_id, member)]).await?;
+    let Some(row) = rows.first() else {
+        return Err(StoreError::Corrupt(format!(
+            "no envelope for event {event_id} member {member}"
+        )));
+    };
+    let (policy, _) = load_policy(&tx, route).await?;
+    let key: String = tx
+        .query_one(
+            "SELECT dest_routing_key FROM sealpost.envelope WHERE event_id = $1 AND member = $2",
+            &[&uuid_of(event_id), &(member as i16)],
+        )
+        .await?
+        .get(0);
+    let to = policy.resolve(&key);
+    let grant = match sealpost_core::migration::decide_migration(row, &to) {
+        Ok(g) => g,
+        Err(refusal) => {
+            tx.execute(
+                "INSERT INTO sealpost.audit (event_id, member, what, detail, at_ms)
+                 VALUES ($1, $2, 'migration refused', $3, $4)",
+                &[
+                    &uuid_of(event_id),
+                    &(member as i16),
+                    &refusal.to_string(),
+                    &(now_ms as i64),
+                ],
+            )
+            .await?;
+            tx.commit().await?;
+            return Ok(Err(refusal));
+        }
+    };
+    let mut after = row.clone();
+    sealpost_core::migration::apply_migration(&mut after, &grant, to.clone())
+        .map_err(|e| StoreError::Corrupt(e.to_string()))?;
+    let gens: Vec<i32> = after
+        .superseded
+        .iter()
+        .map(|s| s.envelope_generation as i32)
+        .collect();
+    let digs: Vec<Vec<u8>> = after
+        .superseded
+        .iter()
+        .map(|s| s.destination_digest.0.to_vec())
+        .collect();
+    tx.execute(
+        "UPDATE sealpost.envelope SET envelope_generation = $3, dest_cluster = $4, dest_topic = $5,
+            dest_partition_alg = $6, dest_policy_generation = $7, dest_serializer = $8,
+            dest_durability = $9, dest_required_ack = $10, destination_digest = $11, state = $12,
+            claim_owner = NULL, lease_until_ms = NULL, rejections = 0,
+            superseded_generations = $13, superseded_digests = $14
+         WHERE event_id = $1 AND member = $2",
+        &[
+            &uuid_of(event_id),
+            &(member as i16),
+            &(grant.envelope_generation as i32),
+            &to.cluster,
+            &to.topic,
+            &to.partition_algorithm.name(),
+            &(to.route_policy_generation as i64),
+            &to.serializer,
+            &to.durability,
+            &to.required_ack,
+            &grant.to_digest.0.as_slice(),
+            &after.state.as_str(),
+            &gens,
+            &digs,
+        ],
+    )
+    .await?;
+    tx.execute(
+        "INSERT INTO sealpost.migration (event_id, member, from_generation, to_generation, from_digest,
+            to_digest, failed_attempts, at_ms) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+        &[
+            &uuid_of(event_id),
+            &(member as i16),
+            &(row.envelope_generation as i32),
+            &(grant.envelope_generation as i32),
+            &grant.from_digest.0.as_slice(),
+            &grant.to_digest.0.as_slice(),
+            &(grant.failed_attempts as i32),
+            &(now_ms as i64),
+        ],
+    )
+    .await?;
+    tx.commit().await?;
+    Ok(Ok(grant))
+}

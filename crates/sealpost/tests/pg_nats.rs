@@ -457,3 +457,83 @@ async fn sqlx_enqueue_commits_with_the_callers_transaction() {
         "{err}"
     );
 }
+
+#[tokio::test]
+async fn migration_refused_while_unknown_and_old_receipt_after_migration_is_a_conflict() {
+    let _g = LOCK.lock().await;
+    let mut e = env("mig").await;
+    let new_topic = format!("{}M", e.topic);
+    e.nats.ensure_stream(&new_topic).await.unwrap();
+    store::set_route(&e.pg, "orders-v2", &e.cfg.nats_cluster, &new_topic)
+        .await
+        .unwrap();
+    let ids = enqueue_n(&mut e.pg, 2).await;
+    // Event 0: its send's outcome is unknown (lease ran out mid-send): migration refused (F5).
+    let a = store::claim_batch(&mut e.pg, 1, 1, 1_000).await.unwrap();
+    assert_eq!(a.outgoing[0].event_id, ids[0]);
+    let ack_old = match e.nats.publish_batch(&a.outgoing).await.remove(0) {
+        PublishResult::Ack(r) => r,
+        other => panic!("{other:?}"),
+    };
+    tokio::time::sleep(Duration::from_millis(1_100)).await;
+    let rep = OutcomeReport {
+        event_id: ids[0],
+        member: 0,
+        token: a.outgoing[0].token,
+        attempt_id: a.outgoing[0].attempt_id,
+        outcome: SendOutcome::AckTimeout,
+    };
+    store::report_outcomes(&mut e.pg, &[rep], 5).await.unwrap();
+    store::claim_unknown(&mut e.pg, 9, 10, 5_000).await.unwrap();
+    let refused = store::migrate_event(&mut e.pg, ids[0], 0, "orders-v2")
+        .await
+        .unwrap();
+    assert_eq!(
+        refused,
+        Err(sealpost_core::migration::MigrationRefusal::OldDestinationUnknown)
+    );
+    // Event 1 never left: it may move, under envelope generation 2, with a migration receipt.
+    let grant = store::migrate_event(&mut e.pg, ids[1], 0, "orders-v2")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(grant.envelope_generation, 2);
+    let b = store::claim_batch(&mut e.pg, 2, 10, 10_000).await.unwrap();
+    let mine: Vec<_> = b
+        .outgoing
+        .iter()
+        .filter(|o| o.event_id == ids[1])
+        .cloned()
+        .collect();
+    assert_eq!(mine[0].destination.topic, new_topic);
+    assert_eq!(mine[0].envelope_generation, 2);
+    let ack_new = match e.nats.publish_batch(&mine).await.remove(0) {
+        PublishResult::Ack(r) => r,
+        other => panic!("{other:?}"),
+    };
+    let v = store::accept_receipts(&mut e.pg, &[ack_new]).await.unwrap();
+    assert_eq!(v, vec![Accepted::Verdict(ReceiptVerdict::Primary)]);
+    // A receipt claiming the old destination for the migrated event: the absence proof
+    // would have been wrong. Quarantined, never accepted.
+    let mut conflict = ack_old.clone();
+    conflict.event_id = ids[1];
+    conflict.destination_digest = a.outgoing[0].destination_digest;
+    let v = store::accept_receipts(&mut e.pg, &[conflict])
+        .await
+        .unwrap();
+    assert_eq!(
+        v,
+        vec![Accepted::Verdict(ReceiptVerdict::Quarantine(
+            QuarantineReason::MigrationConflict
+        ))]
+    );
+    let m: i64 =
+        e.pg.query_one("SELECT count(*) FROM sealpost.migration", &[])
+            .await
+            .unwrap()
+            .get(0);
+    assert_eq!(m, 1, "one migration receipt");
+    // The unknown event still publishes to its frozen destination.
+    let v = store::accept_receipts(&mut e.pg, &[ack_old]).await.unwrap();
+    assert_eq!(v, vec![Accepted::Verdict(ReceiptVerdict::Primary)]);
+}
