@@ -150,3 +150,9 @@ CREATE TABLE IF NOT EXISTS sealpost.migration (
     failed_attempts     int NOT NULL,
     at_ms               bigint NOT NULL
 );
+
+-- Queue-table hygiene: rows churn through the claim index quickly; vacuum early so claim
+-- scans do not walk long runs of dead index entries.
+ALTER TABLE sealpost.envelope SET (autovacuum_vacuum_scale_factor = 0.02, autovacuum_vacuum_threshold = 2000,
+                                   autovacuum_analyze_scale_factor = 0.05);
+ALTER TABLE sealpost.attempt SET (autovacuum_vacuum_scale_factor = 0.05);
