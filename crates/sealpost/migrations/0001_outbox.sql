@@ -156,3 +156,37 @@ CREATE TABLE IF NOT EXISTS sealpost.migration (
 ALTER TABLE sealpost.envelope SET (autovacuum_vacuum_scale_factor = 0.02, autovacuum_vacuum_threshold = 2000,
                                    autovacuum_analyze_scale_factor = 0.05);
 ALTER TABLE sealpost.attempt SET (autovacuum_vacuum_scale_factor = 0.05);
+
+-- Consumer side (R17-R19). These live in the consumer's own database; the demo keeps them
+-- in the same one. One row per (consumer, event, member): the consumption receipt.
+CREATE TABLE IF NOT EXISTS sealpost.inbox (
+    consumer_id     text NOT NULL,
+    event_id        uuid NOT NULL,
+    member          smallint NOT NULL,
+    payload_digest  bytea NOT NULL,
+    receipt_id      bigserial,
+    stream          text NOT NULL,
+    sequence        bigint NOT NULL,
+    consumed_at_ms  bigint NOT NULL DEFAULT (extract(epoch from clock_timestamp()) * 1000)::bigint,
+    PRIMARY KEY (consumer_id, event_id, member)
+);
+-- Highest stream position each consumer has committed, kept with the receipts.
+CREATE TABLE IF NOT EXISTS sealpost.consumer_watermark (
+    consumer_id     text NOT NULL,
+    stream          text NOT NULL,
+    high_water      bigint NOT NULL,
+    updated_at_ms   bigint NOT NULL,
+    PRIMARY KEY (consumer_id, stream)
+);
+-- Messages a consumer refused: a payload that does not match its digest, or a different
+-- payload under an event id it already consumed.
+CREATE TABLE IF NOT EXISTS sealpost.inbox_quarantine (
+    quarantine_id   bigserial PRIMARY KEY,
+    consumer_id     text NOT NULL,
+    event_id        uuid NOT NULL,
+    member          smallint NOT NULL,
+    stream          text NOT NULL,
+    sequence        bigint NOT NULL,
+    reason          text NOT NULL,
+    at_ms           bigint NOT NULL
+);

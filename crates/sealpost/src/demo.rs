@@ -12,7 +12,11 @@ use crate::nats::Nats;
 use crate::runtime::{self, Config, Counters, RunError};
 use crate::store;
 
-/// Creates the demo's business table.
+/// The demo's route policy name; `run` points it at the `ORDERS` stream.
+pub const ROUTE: &str = "demo-orders";
+
+/// Creates the demo's business and effect tables. Call once before starting writers or
+/// consumers (concurrent `CREATE TABLE IF NOT EXISTS` can race).
 pub async fn prepare(pg: &tokio_postgres::Client) -> Result<(), RunError> {
     pg.batch_execute(
         "CREATE TABLE IF NOT EXISTS demo_orders (
@@ -20,7 +24,15 @@ pub async fn prepare(pg: &tokio_postgres::Client) -> Result<(), RunError> {
              customer    text NOT NULL,
              total_cents bigint NOT NULL,
              event_id    uuid NOT NULL,
-             created_at  timestamptz NOT NULL DEFAULT now())",
+             created_at  timestamptz NOT NULL DEFAULT now());
+         -- The fulfilment consumer's effect. Deliberately no unique key: a second effect
+         -- for one event would show up as a second row.
+         CREATE TABLE IF NOT EXISTS demo_fulfilment (
+             consumer_id     text NOT NULL,
+             event_id        uuid NOT NULL,
+             order_id        text NOT NULL,
+             idempotency_key text NOT NULL,
+             at              timestamptz NOT NULL DEFAULT now())",
     )
     .await
     .map_err(store::StoreError::from)?;
@@ -53,7 +65,7 @@ pub async fn place_order(
         .map_or(0, |d| d.as_millis() as u64);
     store::enqueue(
         &tx,
-        "orders",
+        ROUTE,
         event_id,
         &NewEvent {
             aggregate_type: "order",
@@ -73,25 +85,45 @@ pub async fn place_order(
     Ok(event_id)
 }
 
-/// Runs the demo; returns true when every event ended `PUBLISHED`.
+/// Distinct events of this run a consumer applied, and its effect rows for them.
+async fn applied_this_run(
+    admin: &tokio_postgres::Client,
+    consumer_id: &str,
+    run_id: u64,
+) -> Result<(i64, i64), RunError> {
+    let r = admin
+        .query_one(
+            "SELECT count(DISTINCT event_id), count(*) FROM demo_fulfilment
+             WHERE consumer_id = $1 AND order_id LIKE $2",
+            &[&consumer_id, &format!("o-{run_id}-%")],
+        )
+        .await
+        .map_err(store::StoreError::from)?;
+    Ok((r.get(0), r.get(1)))
+}
+
+/// Runs the demo; returns true when every event ended `PUBLISHED` and every consumer
+/// applied each of this run's events exactly once.
 pub async fn run(
     cfg: Config,
     orders: u64,
     dispatchers: usize,
+    consumers: usize,
     json: bool,
 ) -> Result<bool, RunError> {
     let admin = runtime::pg_connect(&cfg.database_url).await?;
     store::migrate(&admin).await?;
     prepare(&admin).await?;
-    let exists = admin
+    let current = admin
         .query_opt(
-            "SELECT 1 FROM sealpost.route_policy WHERE name = 'orders'",
-            &[],
+            "SELECT cluster, topic FROM sealpost.route_policy WHERE name = $1",
+            &[&ROUTE],
         )
         .await
         .map_err(store::StoreError::from)?;
-    if exists.is_none() {
-        store::set_route(&admin, "orders", &cfg.nats_cluster, "ORDERS").await?;
+    let wanted = (cfg.nats_cluster.clone(), "ORDERS".to_string());
+    if current.map(|r| (r.get::<_, String>(0), r.get::<_, String>(1))) != Some(wanted) {
+        store::set_route(&admin, ROUTE, &cfg.nats_cluster, "ORDERS").await?;
     }
     let nats = Nats::connect(
         &cfg.nats_url,
@@ -117,6 +149,22 @@ pub async fn run(
         stop.clone(),
         counters.clone(),
     )));
+    let consumed: Vec<Arc<AtomicU64>> = (0..consumers)
+        .map(|_| Arc::new(AtomicU64::new(0)))
+        .collect();
+    let consumer_ids: Vec<String> = (0..consumers)
+        .map(|c| format!("fulfilment-{}", c + 1))
+        .collect();
+    for (c, id) in consumer_ids.iter().enumerate() {
+        tasks.push(tokio::spawn(runtime::consumer(
+            cfg.clone(),
+            nats.clone(),
+            id.clone(),
+            "ORDERS".to_string(),
+            stop.clone(),
+            consumed[c].clone(),
+        )));
+    }
     let written = Arc::new(AtomicU64::new(0));
     let run_id = runtime::owner_id() % 1_000_000;
     let writers_n = 4u64;
@@ -157,11 +205,26 @@ pub async fn run(
                 s.quarantined
             );
         }
-        if w == orders && pending == 0 && s.unknown == 0 {
+        let mut applied = Vec::with_capacity(consumers);
+        for id in &consumer_ids {
+            applied.push(applied_this_run(&admin, id, run_id).await?.0);
+        }
+        if !json && consumers > 0 {
+            eprint!("consumed {applied:?}   ");
+        }
+        if w == orders
+            && pending == 0
+            && s.unknown == 0
+            && applied.iter().all(|a| *a == orders as i64)
+        {
             ok = true;
             break;
         }
         if Instant::now() > deadline {
+            break;
+        }
+        if tasks.iter().any(|t| t.is_finished()) {
+            // A dispatcher, reconciler or consumer stopped early: report its error below.
             break;
         }
     }
@@ -177,16 +240,25 @@ pub async fn run(
     }
     let s = store::status(&admin).await?;
     let elapsed = started.elapsed().as_secs_f64();
+    // Every consumer applied every order of this run exactly once.
+    let mut exactly_once = true;
+    for id in &consumer_ids {
+        let (distinct, total) = applied_this_run(&admin, id, run_id).await?;
+        if !json {
+            println!("consumer {id}: {distinct} distinct events applied, {total} effects");
+        }
+        exactly_once &= distinct == orders as i64 && total == orders as i64;
+    }
     if json {
         println!("{}", serde_json::to_string(&s).unwrap_or_default());
     } else {
         println!(
-            "demo: {orders} orders with {dispatchers} dispatcher(s) in {elapsed:.1} s ({:.0} events/s); duplicates {}; reconciled {}",
+            "demo: {orders} orders with {dispatchers} dispatcher(s), end to end in {elapsed:.1} s ({:.0} orders/s written, published and consumed); duplicate receipts {}; reconciled {}",
             orders as f64 / elapsed,
             counters.duplicates.load(Ordering::Relaxed),
             counters.reconciled.load(Ordering::Relaxed)
         );
         crate::print_status(&s);
     }
-    Ok(ok && s.quarantined == 0)
+    Ok(ok && s.quarantined == 0 && exactly_once)
 }

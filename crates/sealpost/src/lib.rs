@@ -3,6 +3,7 @@
 
 pub mod bench;
 pub mod demo;
+pub mod inbox;
 pub mod nats;
 pub mod runtime;
 #[cfg(feature = "sqlx")]

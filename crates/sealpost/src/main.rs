@@ -41,6 +41,15 @@ enum Cmd {
         #[arg(long)]
         no_reconciler: bool,
     },
+    /// Run the example fulfilment consumer (inbox + effect in one transaction) until Ctrl-C.
+    Consume {
+        /// Consumer id (also the durable JetStream consumer name).
+        #[arg(long)]
+        consumer: String,
+        /// Stream to consume.
+        #[arg(long, default_value = "ORDERS")]
+        topic: String,
+    },
     /// Write orders while dispatchers publish them; print the status at the end.
     Demo {
         /// Orders to write.
@@ -49,6 +58,9 @@ enum Cmd {
         /// Dispatcher tasks.
         #[arg(long, default_value_t = 3)]
         dispatchers: usize,
+        /// Fulfilment consumers (each applies every event once).
+        #[arg(long, default_value_t = 0)]
+        consumers: usize,
         /// Print the final status as JSON.
         #[arg(long)]
         json: bool,
@@ -180,9 +192,10 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
         Cmd::Demo {
             orders,
             dispatchers,
+            consumers,
             json,
         } => {
-            let ok = sealpost::demo::run(cfg, orders, dispatchers, json)
+            let ok = sealpost::demo::run(cfg, orders, dispatchers, consumers, json)
                 .await
                 .map_err(e)?;
             Ok(if ok { 0 } else { 1 })
@@ -211,6 +224,28 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
                     r.events, r.sealpost_events_per_s, r.naive_events_per_s, r.ratio, r.latency_ms_p50, r.latency_ms_p99
                 );
             }
+            Ok(0)
+        }
+        Cmd::Consume { consumer, topic } => {
+            let nats = Nats::connect(
+                &cfg.nats_url,
+                &cfg.nats_cluster,
+                Duration::from_millis(cfg.ack_timeout_ms),
+            )
+            .await
+            .map_err(|x| x.to_string())?;
+            let pg = runtime::pg_connect(&cfg.database_url).await.map_err(e)?;
+            store::migrate(&pg).await.map_err(|x| x.to_string())?;
+            let stop = Arc::new(AtomicBool::new(false));
+            let s2 = stop.clone();
+            tokio::spawn(async move {
+                let _ = tokio::signal::ctrl_c().await;
+                s2.store(true, std::sync::atomic::Ordering::Relaxed);
+            });
+            let consumed = Arc::new(std::sync::atomic::AtomicU64::new(0));
+            runtime::consumer(cfg, nats, consumer, topic, stop, consumed)
+                .await
+                .map_err(e)?;
             Ok(0)
         }
         Cmd::Status { json, check } => {

@@ -44,6 +44,10 @@ pub struct Config {
     /// Failure drills only: sleep this long between a publish and its receipt transaction
     /// (0 in production), so a drill can kill the process in that window.
     pub drill_pause_after_publish_ms: u64,
+    /// How long the broker waits for a consumer's ack before redelivering.
+    pub consumer_ack_wait_ms: u64,
+    /// Failure drills only: the consumer commits but never acks (F9).
+    pub drill_skip_consumer_ack: bool,
 }
 
 impl Default for Config {
@@ -61,6 +65,8 @@ impl Default for Config {
             reconcile_every_ms: 1_000,
             unknown_alert_s: 900,
             drill_pause_after_publish_ms: 0,
+            consumer_ack_wait_ms: 10_000,
+            drill_skip_consumer_ack: false,
         }
     }
 }
@@ -398,4 +404,131 @@ pub async fn reconciler(
         }
     }
     Ok(())
+}
+
+/// The example fulfilment consumer (`sealpost consume`): a durable JetStream pull consumer
+/// whose effect is a row in `demo_fulfilment`, applied through the inbox. The broker message
+/// is acked only after the inbox transaction commits.
+pub async fn consumer(
+    cfg: Config,
+    nats: Nats,
+    consumer_id: String,
+    topic: String,
+    stop: Arc<AtomicBool>,
+    consumed: Arc<AtomicU64>,
+) -> Result<(), RunError> {
+    use async_nats::jetstream::consumer::{pull, AckPolicy};
+    use futures::StreamExt;
+    let mut pg = pg_connect(&cfg.database_url).await?;
+    crate::demo::prepare(&pg).await?;
+    let stream = nats
+        .js
+        .get_stream(&topic)
+        .await
+        .map_err(|e| crate::nats::NatsError::Stream {
+            stream: topic.clone(),
+            detail: e.to_string(),
+        })?;
+    let jc = stream
+        .get_or_create_consumer(
+            &consumer_id,
+            pull::Config {
+                durable_name: Some(consumer_id.clone()),
+                filter_subject: format!("sp.{topic}.>"),
+                ack_policy: AckPolicy::Explicit,
+                ack_wait: Duration::from_millis(cfg.consumer_ack_wait_ms),
+                max_ack_pending: 20_000,
+                ..Default::default()
+            },
+        )
+        .await
+        .map_err(|e| crate::nats::NatsError::Stream {
+            stream: topic.clone(),
+            detail: e.to_string(),
+        })?;
+    while !stop.load(Ordering::Relaxed) {
+        let batch = jc
+            .fetch()
+            .max_messages(500)
+            .expires(Duration::from_millis(300))
+            .messages()
+            .await;
+        let mut batch = match batch {
+            Ok(b) => b,
+            Err(e) => {
+                tracing::warn!(error = %e, "fetch failed; retrying");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                continue;
+            }
+        };
+        while let Some(msg) = batch.next().await {
+            let Ok(msg) = msg else { break };
+            let Some(d) = delivery_of(&msg) else {
+                tracing::error!(subject = %msg.subject, "message without Sealpost headers; terminating it");
+                let _ = msg.ack_with(async_nats::jetstream::AckKind::Term).await;
+                continue;
+            };
+            let order_id = serde_json::from_slice::<serde_json::Value>(&msg.payload)
+                .ok()
+                .and_then(|v| {
+                    v.get("order_id")
+                        .and_then(|o| o.as_str())
+                        .map(str::to_string)
+                })
+                .unwrap_or_default();
+            let key = sealpost_core::inbox::idempotency_key(d.event_id, &consumer_id, "fulfil");
+            let cid = consumer_id.clone();
+            let eid = uuid::Uuid::from_bytes(d.event_id.0);
+            let effect: crate::inbox::Effect<'_> = Box::new(move |tx| {
+                Box::pin(async move {
+                    tx.execute(
+                        "INSERT INTO demo_fulfilment (consumer_id, event_id, order_id, idempotency_key)
+                         VALUES ($1, $2, $3, $4)",
+                        &[&cid, &eid, &order_id, &key],
+                    )
+                    .await
+                    .map(|_| ())
+                })
+            });
+            match crate::inbox::process(&mut pg, &consumer_id, &d, effect).await {
+                Ok(outcome) => {
+                    if matches!(outcome, crate::inbox::InboxOutcome::Applied { .. }) {
+                        consumed.fetch_add(1, Ordering::Relaxed);
+                    }
+                    if cfg.drill_skip_consumer_ack {
+                        continue; // drill: committed, then the ack is "lost"
+                    }
+                    if let Err(e) = msg.ack().await {
+                        tracing::warn!(error = %e, "ack lost; the broker will redeliver and the inbox absorbs it");
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "inbox transaction failed; leaving the message for redelivery");
+                    if pg.is_closed() {
+                        pg = pg_connect(&cfg.database_url).await?;
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Reads the Sealpost headers of a delivered message and digests its payload.
+pub fn delivery_of(msg: &async_nats::jetstream::Message) -> Option<crate::inbox::Delivery> {
+    use crate::nats::{H_EVENT_ID, H_MEMBER, H_PAYLOAD_DIGEST};
+    let h = msg.headers.as_ref()?;
+    let get = |n: &str| h.get(n).map(|v| v.as_str().to_string());
+    let info = msg.info().ok()?;
+    Some(crate::inbox::Delivery {
+        event_id: sealpost_core::envelope::EventId::parse(&get(H_EVENT_ID)?)?,
+        member: get(H_MEMBER)?.parse().ok()?,
+        claimed_digest: sealpost_core::Digest::from_hex(&get(H_PAYLOAD_DIGEST)?)?,
+        payload_digest: sealpost_core::Digest::of_bytes(
+            sealpost_core::envelope::PAYLOAD_DOMAIN,
+            &msg.payload,
+        ),
+        stream: info.stream.to_string(),
+        sequence: info.stream_sequence,
+    })
 }
