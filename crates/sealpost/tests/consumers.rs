@@ -259,6 +259,10 @@ async fn consumer_commits_then_loses_its_ack_and_redelivery_has_no_second_effect
             && info.num_pending == 0
             && info.delivered.stream_sequence >= n as u64
         {
+            assert!(
+                info.delivered.consumer_sequence >= 2 * n as u64,
+                "every message must have been redelivered at least once: {info:?}"
+            );
             break;
         }
         let _ = &mut stream;
