@@ -260,5 +260,22 @@ pub async fn run(
         );
         crate::print_status(&s);
     }
-    Ok(ok && s.quarantined == 0 && exactly_once)
+    let mut findings_ok = true;
+    if consumers > 0 {
+        let opts = crate::ops::ReconcileOptions {
+            pending_age_s: 60,
+            unconsumed_age_s: 60,
+            unknown_age_s: cfg.unknown_alert_s,
+            consumers: consumer_ids.clone(),
+            streams: Vec::new(),
+            scan_max: 0,
+        };
+        let r = crate::ops::reconcile(&admin, None, &opts).await?;
+        if !json {
+            println!("reconciliation:");
+            crate::print_reconcile(&r);
+        }
+        findings_ok = r.findings.is_empty();
+    }
+    Ok(ok && s.quarantined == 0 && exactly_once && findings_ok)
 }

@@ -86,6 +86,64 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Compare committed envelopes, accepted receipts, consumers' receipts and the stream
+    /// (R19); exit 1 when a finding is over its threshold.
+    Reconcile {
+        /// PENDING older than this (s) is a finding.
+        #[arg(long, default_value_t = 60)]
+        pending_age_s: u64,
+        /// PUBLISHED without a critical consumer's receipt for longer than this (s).
+        #[arg(long, default_value_t = 300)]
+        unconsumed_age_s: u64,
+        /// UNKNOWN older than this (s).
+        #[arg(long, default_value_t = 900)]
+        unknown_age_s: u64,
+        /// Critical consumer (repeatable; default: every consumer with a watermark).
+        #[arg(long)]
+        consumer: Vec<String>,
+        /// Stream to scan for event ids the outbox never committed (repeatable).
+        #[arg(long, default_value = "ORDERS")]
+        stream: Vec<String>,
+        /// Messages scanned per stream at most.
+        #[arg(long, default_value_t = 1_000_000)]
+        scan_max: u64,
+        /// One JSON object.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Retention (R20): retain, then purge rows past the replay window and every required
+    /// consumer; `--dry-run` shows what would go and why the rest stays.
+    Purge {
+        /// Required consumer (repeatable).
+        #[arg(long)]
+        consumer: Vec<String>,
+        /// Replay window after publication (s).
+        #[arg(long, default_value_t = 86_400)]
+        replay_window_s: u64,
+        /// Rows per transaction.
+        #[arg(long, default_value_t = 500)]
+        batch: i64,
+        /// Only rows of this stream (the required consumers are those of this stream).
+        #[arg(long)]
+        stream: Option<String>,
+        /// Only this event id (an explicit purge request).
+        #[arg(long)]
+        event: Option<String>,
+        /// Decide and report without writing.
+        #[arg(long)]
+        dry_run: bool,
+        /// One JSON object.
+        #[arg(long)]
+        json: bool,
+    },
+    /// The causal chain of one fact: `EVENT-ID` or `AGGREGATE-TYPE/AGGREGATE-ID` (R22).
+    Trace {
+        /// Event id or aggregate-type/aggregate-id.
+        key: String,
+        /// JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
     /// Row counts per state, oldest PENDING and UNKNOWN ages, quarantine count.
     Status {
         /// One JSON object.
@@ -247,6 +305,98 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
                 .await
                 .map_err(e)?;
             Ok(0)
+        }
+        Cmd::Reconcile {
+            pending_age_s,
+            unconsumed_age_s,
+            unknown_age_s,
+            consumer,
+            stream,
+            scan_max,
+            json,
+        } => {
+            let pg = runtime::pg_connect(&cfg.database_url).await.map_err(e)?;
+            let nats = Nats::connect(
+                &cfg.nats_url,
+                &cfg.nats_cluster,
+                Duration::from_millis(cfg.ack_timeout_ms),
+            )
+            .await
+            .map_err(|x| x.to_string())?;
+            let opts = sealpost::ops::ReconcileOptions {
+                pending_age_s,
+                unconsumed_age_s,
+                unknown_age_s,
+                consumers: consumer,
+                streams: stream,
+                scan_max,
+            };
+            let r = sealpost::ops::reconcile(&pg, Some(&nats), &opts)
+                .await
+                .map_err(|x| x.to_string())?;
+            if json {
+                println!("{}", serde_json::to_string(&r).map_err(|x| x.to_string())?);
+            } else {
+                sealpost::print_reconcile(&r);
+            }
+            Ok(i32::from(!r.findings.is_empty()))
+        }
+        Cmd::Purge {
+            consumer,
+            stream,
+            replay_window_s,
+            batch,
+            event,
+            dry_run,
+            json,
+        } => {
+            let only = match event {
+                Some(s) => Some(
+                    sealpost_core::EventId::parse(&s)
+                        .ok_or_else(|| format!("--event `{s}` is not an event id (UUID)"))?,
+                ),
+                None => None,
+            };
+            let mut pg = runtime::pg_connect(&cfg.database_url).await.map_err(e)?;
+            let r = sealpost::ops::purge(
+                &mut pg,
+                &consumer,
+                stream.as_deref(),
+                replay_window_s,
+                batch,
+                only,
+                dry_run,
+            )
+            .await
+            .map_err(|x| x.to_string())?;
+            if json {
+                println!("{}", serde_json::to_string(&r).map_err(|x| x.to_string())?);
+            } else {
+                let verb = if dry_run { "would purge" } else { "purged" };
+                println!("{verb} {}; retained {}", r.purged, r.retained);
+                for (why, n) in &r.kept {
+                    println!("kept {n:>8}: {why}");
+                }
+                for (id, why) in &r.examples {
+                    println!("  {id}: {why}");
+                }
+            }
+            Ok(i32::from(only.is_some() && r.purged == 0))
+        }
+        Cmd::Trace { key, json } => {
+            let pg = runtime::pg_connect(&cfg.database_url).await.map_err(e)?;
+            let t = sealpost::ops::trace(&pg, &key)
+                .await
+                .map_err(|x| x.to_string())?;
+            if json {
+                println!("{t}");
+            } else {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&t).map_err(|x| x.to_string())?
+                );
+            }
+            Ok(i32::from(t["found"] != serde_json::Value::Bool(true)))
         }
         Cmd::Status { json, check } => {
             let pg = runtime::pg_connect(&cfg.database_url).await.map_err(e)?;

@@ -1,0 +1,590 @@
+//! Operator tools over the three sets (R19–R22): the reconciliation report comparing
+//! committed envelopes, accepted receipts, consumers' receipts and the stream; retention
+//! and purge; and the causal trace of one business fact.
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use sealpost_core::cleanup::{decide_purge, PurgeRefusal, RetentionPolicy, Watermark};
+use sealpost_core::envelope::EventId;
+use sealpost_core::state::State;
+use serde::Serialize;
+use serde_json::{json, Value};
+use uuid::Uuid;
+
+use crate::nats::{Nats, H_EVENT_ID};
+use crate::store::{self, Result};
+
+/// One reconciliation finding.
+#[derive(Clone, Debug, Serialize)]
+pub struct Finding {
+    /// `pending_over_age`, `published_unconsumed`, `unknown_over_age` or `out_of_band`.
+    pub kind: String,
+    /// The consumer, for `published_unconsumed`.
+    pub consumer: Option<String>,
+    /// How many.
+    pub count: i64,
+    /// Up to 20 of the event ids.
+    pub event_ids: Vec<String>,
+    /// Threshold in seconds that made it a finding.
+    pub threshold_s: u64,
+}
+
+/// Thresholds of the report.
+#[derive(Clone, Debug)]
+pub struct ReconcileOptions {
+    /// PENDING older than this is a finding (a dispatcher missed it).
+    pub pending_age_s: u64,
+    /// PUBLISHED without a critical consumer's receipt for longer than this.
+    pub unconsumed_age_s: u64,
+    /// DISPATCH_UNKNOWN / RECONCILING older than this.
+    pub unknown_age_s: u64,
+    /// Critical consumers (default: every consumer with a watermark).
+    pub consumers: Vec<String>,
+    /// Streams to scan for event ids the outbox never committed.
+    pub streams: Vec<String>,
+    /// Stop scanning a stream after this many messages.
+    pub scan_max: u64,
+}
+
+/// The reconciliation report (R19).
+#[derive(Clone, Debug, Serialize)]
+pub struct ReconcileReport {
+    /// Envelopes committed.
+    pub committed: i64,
+    /// Envelopes with an accepted primary receipt (published, retained or purged).
+    pub published: i64,
+    /// Consumption receipts per critical consumer.
+    pub consumed: std::collections::BTreeMap<String, i64>,
+    /// Stream messages scanned.
+    pub stream_messages_scanned: u64,
+    /// Findings over their thresholds.
+    pub findings: Vec<Finding>,
+}
+
+fn ids(rows: &[tokio_postgres::Row]) -> Vec<String> {
+    rows.iter()
+        .map(|r| r.get::<_, Uuid>(0).to_string())
+        .collect()
+}
+
+/// Builds the report.
+pub async fn reconcile(
+    pg: &tokio_postgres::Client,
+    nats: Option<&Nats>,
+    opts: &ReconcileOptions,
+) -> Result<ReconcileReport> {
+    let now_ms = store::db_now_ms(pg).await? as i64;
+    let r = pg
+        .query_one(
+            "SELECT count(*), count(*) FILTER (WHERE state IN ('PUBLISHED', 'RETAINED', 'PURGED')) FROM sealpost.envelope",
+            &[],
+        )
+        .await?;
+    let mut report = ReconcileReport {
+        committed: r.get(0),
+        published: r.get(1),
+        consumed: Default::default(),
+        stream_messages_scanned: 0,
+        findings: Vec::new(),
+    };
+    let mut add = |kind: &str,
+                   consumer: Option<String>,
+                   count: i64,
+                   event_ids: Vec<String>,
+                   threshold_s: u64| {
+        if count > 0 {
+            report_findings_push(
+                &mut report.findings,
+                kind,
+                consumer,
+                count,
+                event_ids,
+                threshold_s,
+            );
+        }
+    };
+    for (kind, states, col, threshold_s) in [
+        (
+            "pending_over_age",
+            "('PENDING', 'CLAIMED')",
+            "created_at_ms",
+            opts.pending_age_s,
+        ),
+        (
+            "unknown_over_age",
+            "('DISPATCH_UNKNOWN', 'RECONCILING')",
+            "unknown_since_ms",
+            opts.unknown_age_s,
+        ),
+    ] {
+        let cutoff = now_ms - (threshold_s as i64) * 1000;
+        let q = format!(
+            "SELECT event_id, count(*) OVER () FROM sealpost.envelope WHERE state IN {states} AND {col} < $1
+             ORDER BY {col} LIMIT 20"
+        );
+        let rows = pg.query(q.as_str(), &[&cutoff]).await?;
+        let count = rows.first().map_or(0, |r| r.get::<_, i64>(1));
+        add(kind, None, count, ids(&rows), threshold_s);
+    }
+    let consumers: Vec<String> = if opts.consumers.is_empty() {
+        pg.query(
+            "SELECT DISTINCT consumer_id FROM sealpost.consumer_watermark ORDER BY 1",
+            &[],
+        )
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
+    } else {
+        opts.consumers.clone()
+    };
+    for c in &consumers {
+        let n: i64 = pg
+            .query_one(
+                "SELECT count(*) FROM sealpost.inbox WHERE consumer_id = $1",
+                &[c],
+            )
+            .await?
+            .get(0);
+        let cutoff = now_ms - (opts.unconsumed_age_s as i64) * 1000;
+        let rows = pg
+            .query(
+                "SELECT e.event_id, count(*) OVER () FROM sealpost.envelope e
+                 WHERE e.state IN ('PUBLISHED', 'RETAINED') AND e.published_at_ms < $2
+                   AND e.dest_topic IN (SELECT stream FROM sealpost.consumer_watermark WHERE consumer_id = $1)
+                   AND NOT EXISTS (SELECT 1 FROM sealpost.inbox i
+                                   WHERE i.consumer_id = $1 AND i.event_id = e.event_id AND i.member = e.member)
+                 ORDER BY e.published_at_ms LIMIT 20",
+                &[c, &cutoff],
+            )
+            .await?;
+        let count = rows.first().map_or(0, |r| r.get::<_, i64>(1));
+        add(
+            "published_unconsumed",
+            Some(c.clone()),
+            count,
+            ids(&rows),
+            opts.unconsumed_age_s,
+        );
+        report.consumed.insert(c.clone(), n);
+    }
+    if let Some(nats) = nats {
+        for s in &opts.streams {
+            let (scanned, foreign) = scan_stream(pg, nats, s, opts.scan_max).await?;
+            report.stream_messages_scanned += scanned;
+            let count = foreign.len() as i64;
+            add(
+                "out_of_band",
+                None,
+                count,
+                foreign.into_iter().take(20).collect(),
+                0,
+            );
+        }
+    }
+    Ok(report)
+}
+
+fn report_findings_push(
+    findings: &mut Vec<Finding>,
+    kind: &str,
+    consumer: Option<String>,
+    count: i64,
+    event_ids: Vec<String>,
+    threshold_s: u64,
+) {
+    findings.push(Finding {
+        kind: kind.to_string(),
+        consumer,
+        count,
+        event_ids,
+        threshold_s,
+    });
+}
+
+/// Reads a stream from the start (bounded) and returns the event ids it holds that the
+/// outbox never committed: an out-of-band publisher.
+async fn scan_stream(
+    pg: &tokio_postgres::Client,
+    nats: &Nats,
+    stream: &str,
+    scan_max: u64,
+) -> Result<(u64, Vec<String>)> {
+    use async_nats::jetstream::consumer::{pull, DeliverPolicy};
+    use futures::StreamExt;
+    let Ok(st) = nats.js.get_stream(stream).await else {
+        return Ok((0, Vec::new()));
+    };
+    let Ok(c) = st
+        .create_consumer(pull::OrderedConfig {
+            deliver_policy: DeliverPolicy::All,
+            ..Default::default()
+        })
+        .await
+    else {
+        return Ok((0, Vec::new()));
+    };
+    let Ok(mut msgs) = c.messages().await else {
+        return Ok((0, Vec::new()));
+    };
+    let mut scanned = 0u64;
+    let mut seen: Vec<Uuid> = Vec::new();
+    let mut foreign = Vec::new();
+    let mut pending_left = u64::MAX;
+    while scanned < scan_max && pending_left > 0 {
+        let next = tokio::time::timeout(Duration::from_millis(500), msgs.next()).await;
+        let Ok(Some(Ok(m))) = next else { break };
+        scanned += 1;
+        pending_left = m.info().map_or(0, |i| i.pending);
+        let id = m
+            .headers
+            .as_ref()
+            .and_then(|h| h.get(H_EVENT_ID))
+            .and_then(|v| EventId::parse(v.as_str()));
+        match id {
+            Some(id) => seen.push(Uuid::from_bytes(id.0)),
+            None => foreign.push(format!("{} (no Sealpost headers)", m.subject)),
+        }
+        if seen.len() >= 1000 || pending_left == 0 {
+            foreign.extend(unknown_ids(pg, &std::mem::take(&mut seen)).await?);
+        }
+    }
+    foreign.extend(unknown_ids(pg, &seen).await?);
+    Ok((scanned, foreign))
+}
+
+async fn unknown_ids(pg: &tokio_postgres::Client, batch: &[Uuid]) -> Result<Vec<String>> {
+    if batch.is_empty() {
+        return Ok(Vec::new());
+    }
+    let known: HashSet<Uuid> = pg
+        .query(
+            "SELECT DISTINCT event_id FROM sealpost.envelope WHERE event_id = ANY($1)",
+            &[&batch],
+        )
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    Ok(batch
+        .iter()
+        .filter(|u| !known.contains(u))
+        .map(|u| u.to_string())
+        .collect())
+}
+
+/// Counts of a purge pass.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct PurgeReport {
+    /// Rows purged (or that would be, with `--dry-run`).
+    pub purged: u64,
+    /// Rows moved to RETAINED (consumed by all, inside the replay window).
+    pub retained: u64,
+    /// Rows kept, per reason.
+    pub kept: std::collections::BTreeMap<String, u64>,
+    /// A few kept event ids with their reason.
+    pub examples: Vec<(String, String)>,
+}
+
+fn reason_key(r: &PurgeRefusal) -> String {
+    match r {
+        PurgeRefusal::NotPublished(_) => "not published".into(),
+        PurgeRefusal::ReplayWindow { .. } => "inside the replay window".into(),
+        PurgeRefusal::ConsumerBehind { .. } => "a required consumer has not consumed it".into(),
+    }
+}
+
+/// Retention (R20): moves published rows to `RETAINED` once every required consumer has
+/// them, and purges them (payload, attempts and duplicate receipts removed; a tombstone with
+/// the id, digests and primary position stays) after the replay window as well. Works in
+/// batches of `batch_size_max`, one short transaction each. `only` restricts it to one
+/// event (an explicit purge request); `dry_run` decides without writing.
+///
+/// # Transactions and locks
+/// Each batch locks its rows with `FOR UPDATE SKIP LOCKED`, so it never waits on
+/// dispatchers, and commits before the next batch.
+pub async fn purge(
+    pg: &mut tokio_postgres::Client,
+    required: &[String],
+    stream: Option<&str>,
+    replay_window_s: u64,
+    batch_size_max: i64,
+    only: Option<EventId>,
+    dry_run: bool,
+) -> Result<PurgeReport> {
+    let policy = RetentionPolicy {
+        replay_window_ms: replay_window_s * 1000,
+    };
+    let mut report = PurgeReport::default();
+    let mut after_seq: i64 = -1;
+    loop {
+        let tx = pg.transaction().await?;
+        let now_ms = store::db_now_ms(&tx).await?;
+        let rows = tx
+            .query(
+                "SELECT event_id, member, state, primary_sequence, published_at_ms, committed_seq
+                 FROM sealpost.envelope
+                 WHERE committed_seq > $1 AND ($3::uuid IS NULL OR event_id = $3)
+                   AND ($4::text IS NULL OR dest_topic = $4)
+                   AND ($3::uuid IS NOT NULL OR state IN ('PUBLISHED', 'RETAINED'))
+                 ORDER BY committed_seq LIMIT $2 FOR UPDATE SKIP LOCKED",
+                &[
+                    &after_seq,
+                    &batch_size_max,
+                    &only.map(|e| Uuid::from_bytes(e.0)),
+                    &stream,
+                ],
+            )
+            .await?;
+        if rows.is_empty() {
+            tx.commit().await?;
+            break;
+        }
+        let mut purge_keys: (Vec<Uuid>, Vec<i16>) = (Vec::new(), Vec::new());
+        let mut retain_keys: (Vec<Uuid>, Vec<i16>) = (Vec::new(), Vec::new());
+        for r in &rows {
+            after_seq = r.get(5);
+            let id: Uuid = r.get(0);
+            let member: i16 = r.get(1);
+            let state_s: String = r.get(2);
+            let state = State::parse(&state_s).unwrap_or(State::Pending);
+            let seq: Option<i64> = r.get(3);
+            // The snapshot the decision needs: state, slot and publication time.
+            let mut row = sealpost_core::row::EventRow::new_pending(
+                EventId(*id.as_bytes()),
+                member as u16,
+                sealpost_core::Digest::default(),
+                sealpost_core::envelope::Destination {
+                    cluster: String::new(),
+                    topic: String::new(),
+                    routing_key: String::new(),
+                    partition_algorithm: sealpost_core::envelope::PartitionAlgorithm::None,
+                    route_policy_generation: 0,
+                    serializer: String::new(),
+                    durability: String::new(),
+                    required_ack: String::new(),
+                },
+            );
+            row.state = state;
+            row.published_at_ms = r.get::<_, Option<i64>>(4).map(|v| v as u64);
+            row.primary = seq.map(|s| sealpost_core::Receipt {
+                event_id: row.event_id,
+                member: row.member,
+                envelope_generation: 1,
+                attempt_id: 0,
+                payload_digest: row.payload_digest,
+                destination_digest: row.destination_digest,
+                cluster: String::new(),
+                stream: String::new(),
+                partition: None,
+                sequence: s as u64,
+                broker_duplicate: false,
+                source: sealpost_core::receipt::ReceiptSource::Ack,
+            });
+            // A consumer "has passed" the event exactly when its inbox holds it.
+            let mut marks = Vec::with_capacity(required.len());
+            for (i, c) in required.iter().enumerate() {
+                let has: bool = tx
+                    .query_one(
+                        "SELECT EXISTS (SELECT 1 FROM sealpost.inbox WHERE consumer_id = $1 AND event_id = $2 AND member = $3)",
+                        &[c, &id, &member],
+                    )
+                    .await?
+                    .get(0);
+                marks.push(Watermark {
+                    consumer: i as u32,
+                    watermark: if has { seq.map(|s| s as u64) } else { None },
+                });
+            }
+            match decide_purge(&row, now_ms, policy, &marks) {
+                Ok(()) => {
+                    report.purged += 1;
+                    purge_keys.0.push(id);
+                    purge_keys.1.push(member);
+                }
+                Err(PurgeRefusal::ReplayWindow { .. }) if state == State::Published => {
+                    report.retained += 1;
+                    retain_keys.0.push(id);
+                    retain_keys.1.push(member);
+                    *report
+                        .kept
+                        .entry("inside the replay window".into())
+                        .or_default() += 1;
+                }
+                Err(refusal) => {
+                    let refusal = match refusal {
+                        PurgeRefusal::ConsumerBehind { consumer, position, watermark } => format!(
+                            "required consumer `{}` has not consumed position {position} (its inbox has no receipt; watermark {watermark:?})",
+                            required[consumer as usize]
+                        ),
+                        other => other.to_string(),
+                    };
+                    *report.kept.entry(reason_key_str(&refusal)).or_default() += 1;
+                    if report.examples.len() < 20 {
+                        report.examples.push((id.to_string(), refusal));
+                    }
+                }
+            }
+        }
+        if !dry_run {
+            if !retain_keys.0.is_empty() {
+                tx.execute(
+                    "UPDATE sealpost.envelope e SET state = 'RETAINED' FROM unnest($1::uuid[], $2::int2[]) AS k(id, m)
+                     WHERE e.event_id = k.id AND e.member = k.m AND e.state = 'PUBLISHED'",
+                    &[&retain_keys.0, &retain_keys.1],
+                )
+                .await?;
+            }
+            if !purge_keys.0.is_empty() {
+                tx.execute(
+                    "UPDATE sealpost.envelope e SET state = 'PURGED', payload = '\\x'::bytea
+                     FROM unnest($1::uuid[], $2::int2[]) AS k(id, m) WHERE e.event_id = k.id AND e.member = k.m",
+                    &[&purge_keys.0, &purge_keys.1],
+                )
+                .await?;
+                tx.execute(
+                    "DELETE FROM sealpost.attempt a USING unnest($1::uuid[], $2::int2[]) AS k(id, m)
+                     WHERE a.event_id = k.id AND a.member = k.m",
+                    &[&purge_keys.0, &purge_keys.1],
+                )
+                .await?;
+                tx.execute(
+                    "DELETE FROM sealpost.receipt r USING unnest($1::uuid[], $2::int2[]) AS k(id, m)
+                     WHERE r.event_id = k.id AND r.member = k.m AND r.kind <> 'primary'",
+                    &[&purge_keys.0, &purge_keys.1],
+                )
+                .await?;
+            }
+        }
+        tx.commit().await?;
+        if only.is_some() {
+            break;
+        }
+    }
+    Ok(report)
+}
+
+fn reason_key_str(refusal: &str) -> String {
+    if refusal.starts_with("required consumer") {
+        reason_key(&PurgeRefusal::ConsumerBehind {
+            consumer: 0,
+            position: 0,
+            watermark: None,
+        })
+    } else if refusal.starts_with("inside the replay window") {
+        reason_key(&PurgeRefusal::ReplayWindow { remaining_ms: 0 })
+    } else {
+        reason_key(&PurgeRefusal::NotPublished(State::Pending))
+    }
+}
+
+/// The causal chain of one business fact (R22), by event id or `aggregate-type/aggregate-id`.
+pub async fn trace(pg: &tokio_postgres::Client, key: &str) -> Result<Value> {
+    let rows = if let Some(id) = EventId::parse(key) {
+        pg.query(
+            "SELECT event_id, member FROM sealpost.envelope WHERE event_id = $1 ORDER BY member",
+            &[&Uuid::from_bytes(id.0)],
+        )
+        .await?
+    } else if let Some((t, a)) = key.split_once('/') {
+        pg.query(
+            "SELECT event_id, member FROM sealpost.envelope WHERE aggregate_type = $1 AND aggregate_id = $2
+             ORDER BY committed_seq, member",
+            &[&t, &a],
+        )
+        .await?
+    } else {
+        Vec::new()
+    };
+    let mut out = Vec::new();
+    for r in rows {
+        let id: Uuid = r.get(0);
+        let member: i16 = r.get(1);
+        let e = pg
+            .query_one(
+                "SELECT state, envelope_generation, aggregate_type, aggregate_id, aggregate_version, event_type,
+                        encode(payload_digest, 'hex'), encode(destination_digest, 'hex'),
+                        encode(envelope_digest, 'hex'), dest_cluster, dest_topic, dest_policy_generation,
+                        creating_txid, created_at_ms, published_at_ms, primary_stream, primary_sequence,
+                        primary_attempt_id, attempt_generation
+                 FROM sealpost.envelope WHERE event_id = $1 AND member = $2",
+                &[&id, &member],
+            )
+            .await?;
+        let q = |sql: &'static str| {
+            let id = id;
+            async move { pg.query(sql, &[&id, &member]).await }
+        };
+        let attempts: Vec<Value> = q("SELECT attempt_id, attempt_generation, claim_generation, owner, status, started_at_ms
+                                      FROM sealpost.attempt WHERE event_id = $1 AND member = $2 ORDER BY attempt_id")
+        .await?
+        .iter()
+        .map(|a| {
+            json!({"attempt_id": a.get::<_, i64>(0), "attempt_generation": a.get::<_, i32>(1),
+                   "claim_generation": a.get::<_, i64>(2), "owner": a.get::<_, i64>(3),
+                   "status": a.get::<_, String>(4), "started_at_ms": a.get::<_, i64>(5)})
+        })
+        .collect();
+        let receipts: Vec<Value> = q("SELECT kind, source, attempt_id, cluster, stream, sequence, broker_duplicate
+                                      FROM sealpost.receipt WHERE event_id = $1 AND member = $2 ORDER BY receipt_id")
+        .await?
+        .iter()
+        .map(|a| {
+            json!({"kind": a.get::<_, String>(0), "source": a.get::<_, String>(1), "attempt_id": a.get::<_, i64>(2),
+                   "cluster": a.get::<_, String>(3), "stream": a.get::<_, String>(4),
+                   "sequence": a.get::<_, i64>(5), "broker_duplicate": a.get::<_, bool>(6)})
+        })
+        .collect();
+        let consumers: Vec<Value> = q("SELECT consumer_id, receipt_id, stream, sequence, consumed_at_ms
+                                       FROM sealpost.inbox WHERE event_id = $1 AND member = $2 ORDER BY consumer_id")
+        .await?
+        .iter()
+        .map(|a| {
+            json!({"consumer": a.get::<_, String>(0), "receipt_id": a.get::<_, i64>(1),
+                   "stream": a.get::<_, String>(2), "sequence": a.get::<_, i64>(3),
+                   "consumed_at_ms": a.get::<_, i64>(4)})
+        })
+        .collect();
+        let quarantine: Vec<Value> = q("SELECT reason, detail, at_ms FROM sealpost.quarantine
+                                        WHERE event_id = $1 AND member = $2 ORDER BY quarantine_id")
+        .await?
+        .iter()
+        .map(|a| json!({"reason": a.get::<_, String>(0), "detail": a.get::<_, String>(1), "at_ms": a.get::<_, i64>(2)}))
+        .collect();
+        let audit: Vec<Value> = q("SELECT what, detail, at_ms FROM sealpost.audit
+                                   WHERE event_id = $1 AND member = $2 ORDER BY audit_id")
+        .await?
+        .iter()
+        .map(|a| json!({"what": a.get::<_, String>(0), "detail": a.get::<_, String>(1), "at_ms": a.get::<_, i64>(2)}))
+        .collect();
+        out.push(json!({
+            "event_id": id.to_string(),
+            "member": member,
+            "committed": true,
+            "state": e.get::<_, String>(0),
+            "envelope": {
+                "generation": e.get::<_, i32>(1),
+                "aggregate": format!("{}/{}@{}", e.get::<_, String>(2), e.get::<_, String>(3), e.get::<_, i64>(4)),
+                "event_type": e.get::<_, String>(5),
+                "payload_digest": format!("sha256:{}", e.get::<_, String>(6)),
+                "destination_digest": format!("sha256:{}", e.get::<_, String>(7)),
+                "envelope_digest": format!("sha256:{}", e.get::<_, String>(8)),
+                "destination": format!("{}/{}@route-{}", e.get::<_, String>(9), e.get::<_, String>(10), e.get::<_, i64>(11)),
+                "creating_txid": e.get::<_, i64>(12),
+                "created_at_ms": e.get::<_, i64>(13),
+                "attempt_generation": e.get::<_, i32>(18),
+            },
+            "attempts": attempts,
+            "broker_position": e.get::<_, Option<i64>>(16).map(|s| json!({
+                "stream": e.get::<_, Option<String>>(15), "sequence": s,
+                "primary_attempt_id": e.get::<_, Option<i64>>(17),
+                "published_at_ms": e.get::<_, Option<i64>>(14)})),
+            "receipts": receipts,
+            "consumers": consumers,
+            "quarantine": quarantine,
+            "audit": audit,
+        }));
+    }
+    Ok(json!({ "query": key, "found": !out.is_empty(), "events": out }))
+}
