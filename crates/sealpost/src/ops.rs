@@ -512,10 +512,7 @@ pub async fn trace(pg: &tokio_postgres::Client, key: &str) -> Result<Value> {
                 &[&id, &member],
             )
             .await?;
-        let q = |sql: &'static str| {
-            let id = id;
-            async move { pg.query(sql, &[&id, &member]).await }
-        };
+        let q = |sql: &'static str| async move { pg.query(sql, &[&id, &member]).await };
         let attempts: Vec<Value> = q("SELECT attempt_id, attempt_generation, claim_generation, owner, status, started_at_ms
                                       FROM sealpost.attempt WHERE event_id = $1 AND member = $2 ORDER BY attempt_id")
         .await?
