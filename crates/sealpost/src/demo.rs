@@ -109,6 +109,7 @@ pub async fn run(
     orders: u64,
     dispatchers: usize,
     consumers: usize,
+    topic: &str,
     json: bool,
 ) -> Result<bool, RunError> {
     let admin = runtime::pg_connect(&cfg.database_url).await?;
@@ -121,9 +122,9 @@ pub async fn run(
         )
         .await
         .map_err(store::StoreError::from)?;
-    let wanted = (cfg.nats_cluster.clone(), "ORDERS".to_string());
+    let wanted = (cfg.nats_cluster.clone(), topic.to_string());
     if current.map(|r| (r.get::<_, String>(0), r.get::<_, String>(1))) != Some(wanted) {
-        store::set_route(&admin, ROUTE, &cfg.nats_cluster, "ORDERS").await?;
+        store::set_route(&admin, ROUTE, &cfg.nats_cluster, topic).await?;
     }
     let nats = Nats::connect(
         &cfg.nats_url,
@@ -131,7 +132,7 @@ pub async fn run(
         Duration::from_millis(cfg.ack_timeout_ms),
     )
     .await?;
-    nats.ensure_stream("ORDERS").await?;
+    nats.ensure_stream(topic).await?;
     let stop = Arc::new(AtomicBool::new(false));
     let counters = Arc::new(Counters::default());
     let mut tasks = Vec::new();
@@ -160,7 +161,7 @@ pub async fn run(
             cfg.clone(),
             nats.clone(),
             id.clone(),
-            "ORDERS".to_string(),
+            topic.to_string(),
             stop.clone(),
             consumed[c].clone(),
         )));
@@ -267,10 +268,10 @@ pub async fn run(
             unconsumed_age_s: 60,
             unknown_age_s: cfg.unknown_alert_s,
             consumers: consumer_ids.clone(),
-            streams: Vec::new(),
-            scan_max: 0,
+            streams: vec![topic.to_string()],
+            scan_max: 10_000_000,
         };
-        let r = crate::ops::reconcile(&admin, None, &opts).await?;
+        let r = crate::ops::reconcile(&admin, Some(&nats), &opts).await?;
         if !json {
             println!("reconciliation:");
             crate::print_reconcile(&r);

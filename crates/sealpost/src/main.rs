@@ -61,6 +61,9 @@ enum Cmd {
         /// Fulfilment consumers (each applies every event once).
         #[arg(long, default_value_t = 0)]
         consumers: usize,
+        /// Stream the demo's route policy points at.
+        #[arg(long, default_value = "ORDERS")]
+        topic: String,
         /// Print the final status as JSON.
         #[arg(long)]
         json: bool,
@@ -251,9 +254,10 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
             orders,
             dispatchers,
             consumers,
+            topic,
             json,
         } => {
-            let ok = sealpost::demo::run(cfg, orders, dispatchers, consumers, json)
+            let ok = sealpost::demo::run(cfg, orders, dispatchers, consumers, &topic, json)
                 .await
                 .map_err(e)?;
             Ok(if ok { 0 } else { 1 })
