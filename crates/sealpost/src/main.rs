@@ -395,10 +395,7 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
             if json {
                 println!("{t}");
             } else {
-                println!(
-                    "{}",
-                    serde_json::to_string_pretty(&t).map_err(|x| x.to_string())?
-                );
+                sealpost::print_trace(&t);
             }
             Ok(i32::from(t["found"] != serde_json::Value::Bool(true)))
         }
