@@ -7,8 +7,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use sealpost_core::envelope::{EventId, NewEvent};
-
 use crate::nats::Nats;
 use crate::runtime::{self, Config, Counters, RunError};
 use crate::store::{self, StoreError};
@@ -59,26 +57,7 @@ async fn prefill(
     while i < n {
         let m = (n - i).min(2_000);
         let keys: Vec<String> = (i..i + m).map(|k| format!("o-{k}")).collect();
-        let events: Vec<(EventId, NewEvent<'_>, String)> = keys
-            .iter()
-            .map(|k| {
-                (
-                    EventId(*uuid::Uuid::now_v7().as_bytes()),
-                    NewEvent {
-                        aggregate_type: "order",
-                        aggregate_id: k,
-                        aggregate_version: 1,
-                        event_type: "order.created.v1",
-                        payload_schema: "order.created.v1",
-                        payload,
-                        tenant: "bench",
-                        occurred_at_ms: 0,
-                        creating_txid: 0,
-                    },
-                    k.clone(),
-                )
-            })
-            .collect();
+        let events = crate::demo::order_batch(&keys, payload);
         let tx = pg.transaction().await.map_err(db)?;
         store::enqueue_many(&tx, route, &events).await?;
         tx.commit().await.map_err(db)?;
@@ -170,26 +149,7 @@ pub async fn run(mut cfg: Config, args: BenchArgs, json: bool) -> Result<BenchRe
         let due = t0 + Duration::from_millis(t * tick_ms);
         tokio::time::sleep_until(due.into()).await;
         let keys: Vec<String> = (0..per_tick).map(|k| format!("l-{t}-{k}")).collect();
-        let events: Vec<(EventId, NewEvent<'_>, String)> = keys
-            .iter()
-            .map(|k| {
-                (
-                    EventId(*uuid::Uuid::now_v7().as_bytes()),
-                    NewEvent {
-                        aggregate_type: "order",
-                        aggregate_id: k,
-                        aggregate_version: 1,
-                        event_type: "order.created.v1",
-                        payload_schema: "order.created.v1",
-                        payload: &payload,
-                        tenant: "bench",
-                        occurred_at_ms: 0,
-                        creating_txid: 0,
-                    },
-                    k.clone(),
-                )
-            })
-            .collect();
+        let events = crate::demo::order_batch(&keys, &payload);
         let tx = pg.transaction().await.map_err(db)?;
         store::enqueue_many(&tx, &route, &events).await?;
         tx.commit().await.map_err(db)?;

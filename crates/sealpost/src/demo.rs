@@ -44,6 +44,32 @@ pub fn mint_event_id() -> EventId {
     EventId(*uuid::Uuid::now_v7().as_bytes())
 }
 
+/// The demo's `order.created.v1` fact for one order (also used by the bench and the tests).
+pub fn order_created<'a>(order_id: &'a str, payload: &'a [u8]) -> NewEvent<'a> {
+    NewEvent {
+        aggregate_type: "order",
+        aggregate_id: order_id,
+        aggregate_version: 1,
+        event_type: "order.created.v1",
+        payload_schema: "order.created.v1",
+        payload,
+        tenant: "tenant-1",
+        occurred_at_ms: 0,
+        creating_txid: 0,
+    }
+}
+
+/// A batch for [`store::enqueue_many`]: one fresh event id per order, routed by order id.
+pub fn order_batch<'a>(
+    order_ids: &'a [String],
+    payload: &'a [u8],
+) -> Vec<(EventId, NewEvent<'a>, String)> {
+    order_ids
+        .iter()
+        .map(|k| (mint_event_id(), order_created(k, payload), k.clone()))
+        .collect()
+}
+
 /// Writes one order and its envelope in one transaction (R4).
 pub async fn place_order(
     pg: &mut tokio_postgres::Client,

@@ -11,7 +11,7 @@ use sealpost::inbox::{self, Delivery, Effect, InboxOutcome};
 use sealpost::nats::{Nats, PublishResult};
 use sealpost::runtime::{self, Config};
 use sealpost::store;
-use sealpost_core::envelope::{EventId, NewEvent, PAYLOAD_DOMAIN};
+use sealpost_core::envelope::{EventId, PAYLOAD_DOMAIN};
 use sealpost_core::Digest;
 
 static LOCK: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -172,23 +172,7 @@ async fn consumer_commits_then_loses_its_ack_and_redelivery_has_no_second_effect
     let n = 20;
     let tx = pg.transaction().await.unwrap();
     let keys: Vec<String> = (0..n).map(|i| format!("o-{i}")).collect();
-    let events: Vec<(EventId, NewEvent<'_>, String)> = keys
-        .iter()
-        .map(|k| {
-            let ev = NewEvent {
-                aggregate_type: "order",
-                aggregate_id: k,
-                aggregate_version: 1,
-                event_type: "order.created.v1",
-                payload_schema: "order.created.v1",
-                payload: br#"{"order_id":"x"}"#,
-                tenant: "t",
-                occurred_at_ms: 1,
-                creating_txid: 0,
-            };
-            (EventId(*uuid::Uuid::now_v7().as_bytes()), ev, k.clone())
-        })
-        .collect();
+    let events = sealpost::demo::order_batch(&keys, br#"{"order_id":"x"}"#);
     store::enqueue_many(&tx, &route, &events).await.unwrap();
     tx.commit().await.unwrap();
     let mut claimed = Vec::new();

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use sealpost::nats::Nats;
 use sealpost::runtime::{self, Config};
 use sealpost::store;
-use sealpost_core::envelope::{EventId, NewEvent};
+use sealpost_core::envelope::EventId;
 use sealpost_core::reconcile::Lookup;
 
 static LOCK: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -74,23 +74,7 @@ async fn drill(tag: &str, n: usize) -> Drill {
     while i < n {
         let m = (n - i).min(2_000);
         let keys: Vec<String> = (i..i + m).map(|k| format!("o-{k}")).collect();
-        let events: Vec<(EventId, NewEvent<'_>, String)> = keys
-            .iter()
-            .map(|k| {
-                let ev = NewEvent {
-                    aggregate_type: "order",
-                    aggregate_id: k,
-                    aggregate_version: 1,
-                    event_type: "order.created.v1",
-                    payload_schema: "order.created.v1",
-                    payload: &payload,
-                    tenant: "t",
-                    occurred_at_ms: 1,
-                    creating_txid: 0,
-                };
-                (EventId(*uuid::Uuid::now_v7().as_bytes()), ev, k.clone())
-            })
-            .collect();
+        let events = sealpost::demo::order_batch(&keys, &payload);
         let tx = pg.transaction().await.unwrap();
         store::enqueue_many(&tx, "orders", &events).await.unwrap();
         tx.commit().await.unwrap();

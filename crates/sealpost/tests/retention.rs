@@ -12,30 +12,14 @@ use sealpost::nats::{Nats, PublishResult};
 use sealpost::ops;
 use sealpost::runtime::{self, Config, Counters};
 use sealpost::store::{self, Accepted};
-use sealpost_core::envelope::{EventId, NewEvent};
+use sealpost_core::envelope::EventId;
 use sealpost_core::{ReceiptVerdict, RejectReason};
 
 static LOCK: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 async fn enqueue(pg: &mut tokio_postgres::Client, route: &str, n: usize) -> Vec<EventId> {
     let keys: Vec<String> = (0..n).map(|i| format!("o-{i}")).collect();
-    let events: Vec<(EventId, NewEvent<'_>, String)> = keys
-        .iter()
-        .map(|k| {
-            let ev = NewEvent {
-                aggregate_type: "order",
-                aggregate_id: k,
-                aggregate_version: 1,
-                event_type: "order.created.v1",
-                payload_schema: "order.created.v1",
-                payload: br#"{"order_id":"r"}"#,
-                tenant: "t",
-                occurred_at_ms: 1,
-                creating_txid: 0,
-            };
-            (EventId(*uuid::Uuid::now_v7().as_bytes()), ev, k.clone())
-        })
-        .collect();
+    let events = sealpost::demo::order_batch(&keys, br#"{"order_id":"r"}"#);
     let tx = pg.transaction().await.unwrap();
     store::enqueue_many(&tx, route, &events).await.unwrap();
     tx.commit().await.unwrap();
