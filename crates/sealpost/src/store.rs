@@ -1204,3 +1204,16 @@ pub async fn migrate_event(
     tx.commit().await?;
     Ok(Ok(grant))
 }
+
+/// Reads the current snapshots of `keys`, attempts included (row locks are held only for the
+/// read and released by a rollback): what the decisions
+/// would see. For operators' tools and for tests that compare the store with the core.
+pub async fn snapshot(
+    client: &mut tokio_postgres::Client,
+    keys: &[(EventId, u16)],
+) -> Result<Vec<EventRow>> {
+    let tx = client.transaction().await?;
+    let rows = lock_rows(&tx, keys).await?;
+    tx.rollback().await?;
+    Ok(rows)
+}
