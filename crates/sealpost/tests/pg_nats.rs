@@ -30,7 +30,7 @@ async fn env(tag: &str) -> Env {
         .expect("PostgreSQL must be running");
     store::migrate(&pg).await.expect("migrate");
     pg.batch_execute(
-        "TRUNCATE sealpost.envelope, sealpost.attempt, sealpost.receipt, sealpost.quarantine, sealpost.audit",
+        "TRUNCATE sealpost.envelope, sealpost.attempt, sealpost.receipt, sealpost.quarantine, sealpost.audit, sealpost.migration",
     )
     .await
     .expect("truncate");
@@ -528,10 +528,13 @@ async fn migration_refused_while_unknown_and_old_receipt_after_migration_is_a_co
         ))]
     );
     let m: i64 =
-        e.pg.query_one("SELECT count(*) FROM sealpost.migration", &[])
-            .await
-            .unwrap()
-            .get(0);
+        e.pg.query_one(
+            "SELECT count(*) FROM sealpost.migration WHERE event_id = $1",
+            &[&uuid::Uuid::from_bytes(ids[1].0)],
+        )
+        .await
+        .unwrap()
+        .get(0);
     assert_eq!(m, 1, "one migration receipt");
     // The unknown event still publishes to its frozen destination.
     let v = store::accept_receipts(&mut e.pg, &[ack_old]).await.unwrap();
