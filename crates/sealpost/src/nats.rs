@@ -93,7 +93,8 @@ impl Nats {
     ) -> Result<Nats, NatsError> {
         let client = async_nats::ConnectOptions::new()
             .connection_timeout(Duration::from_secs(5))
-            .retry_on_initial_connect()
+            // Fail fast at startup with a clear error; once connected, the client reconnects
+            // by itself and sends in the meantime end as unknown outcomes for the reconciler.
             .connect(url)
             .await
             .map_err(|source| NatsError::Connect {
