@@ -113,22 +113,8 @@ pub async fn run(mut cfg: Config, args: BenchArgs, json: bool) -> Result<BenchRe
     let stop = Arc::new(AtomicBool::new(false));
     let counters = Arc::new(Counters::default());
     let started = Instant::now();
-    let mut tasks = Vec::new();
-    for _ in 0..args.dispatchers {
-        tasks.push(tokio::spawn(runtime::dispatcher(
-            cfg.clone(),
-            nats.clone(),
-            stop.clone(),
-            counters.clone(),
-        )));
-    }
     // As in production, a reconciler runs beside the dispatchers.
-    tasks.push(tokio::spawn(runtime::reconciler(
-        cfg.clone(),
-        nats.clone(),
-        stop.clone(),
-        counters.clone(),
-    )));
+    let tasks = runtime::spawn_fleet(&cfg, &nats, args.dispatchers, true, &stop, &counters);
     while count_left(&pg, &topic).await? > 0 {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }

@@ -161,21 +161,7 @@ pub async fn run(
     nats.ensure_stream(topic).await?;
     let stop = Arc::new(AtomicBool::new(false));
     let counters = Arc::new(Counters::default());
-    let mut tasks = Vec::new();
-    for _ in 0..dispatchers {
-        tasks.push(tokio::spawn(runtime::dispatcher(
-            cfg.clone(),
-            nats.clone(),
-            stop.clone(),
-            counters.clone(),
-        )));
-    }
-    tasks.push(tokio::spawn(runtime::reconciler(
-        cfg.clone(),
-        nats.clone(),
-        stop.clone(),
-        counters.clone(),
-    )));
+    let mut tasks = runtime::spawn_fleet(&cfg, &nats, dispatchers, true, &stop, &counters);
     let consumed: Vec<Arc<AtomicU64>> = (0..consumers)
         .map(|_| Arc::new(AtomicU64::new(0)))
         .collect();

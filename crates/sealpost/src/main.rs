@@ -222,23 +222,8 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
             .map_err(|x| x.to_string())?;
             let stop = Arc::new(AtomicBool::new(false));
             let counters = Arc::new(Counters::default());
-            let mut tasks = Vec::new();
-            for _ in 0..dispatchers {
-                tasks.push(tokio::spawn(runtime::dispatcher(
-                    cfg.clone(),
-                    nats.clone(),
-                    stop.clone(),
-                    counters.clone(),
-                )));
-            }
-            if !no_reconciler {
-                tasks.push(tokio::spawn(runtime::reconciler(
-                    cfg.clone(),
-                    nats.clone(),
-                    stop.clone(),
-                    counters.clone(),
-                )));
-            }
+            let tasks =
+                runtime::spawn_fleet(&cfg, &nats, dispatchers, !no_reconciler, &stop, &counters);
             let s2 = stop.clone();
             tokio::spawn(async move {
                 let _ = tokio::signal::ctrl_c().await;

@@ -532,3 +532,34 @@ pub fn delivery_of(msg: &async_nats::jetstream::Message) -> Option<crate::inbox:
         sequence: info.stream_sequence,
     })
 }
+
+/// Spawns `dispatchers` dispatcher tasks and, if asked, one reconciler beside them, all
+/// stopping on `stop`. The demo, the bench and `sealpost dispatch` run the same fleet.
+pub fn spawn_fleet(
+    cfg: &Config,
+    nats: &Nats,
+    dispatchers: usize,
+    with_reconciler: bool,
+    stop: &Arc<AtomicBool>,
+    counters: &Arc<Counters>,
+) -> Vec<tokio::task::JoinHandle<Result<(), RunError>>> {
+    let mut tasks: Vec<_> = (0..dispatchers)
+        .map(|_| {
+            tokio::spawn(dispatcher(
+                cfg.clone(),
+                nats.clone(),
+                stop.clone(),
+                counters.clone(),
+            ))
+        })
+        .collect();
+    if with_reconciler {
+        tasks.push(tokio::spawn(reconciler(
+            cfg.clone(),
+            nats.clone(),
+            stop.clone(),
+            counters.clone(),
+        )));
+    }
+    tasks
+}
