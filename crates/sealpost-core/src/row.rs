@@ -62,6 +62,21 @@ pub struct Superseded {
     pub destination_digest: Digest,
 }
 
+/// When the loops may next touch a row. Persisted with the row, so every dispatcher and
+/// reconciler honours it, whichever process made the last attempt.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Pacing {
+    /// Not claimable for dispatch before this time (database clock): set with a backoff after
+    /// a "never sent" outcome, so a row that cannot leave does not starve newer ones.
+    pub not_before_ms: u64,
+    /// "Never sent" outcomes since the row was last sent.
+    pub never_sent: u32,
+    /// The reconciler does not look the row up again before this time (database clock).
+    pub next_lookup_at_ms: u64,
+    /// Inconclusive lookups ("stay unknown") in the current unknown episode.
+    pub lookups: u32,
+}
+
 /// Snapshot of one envelope row (one member of a delivery set, usually member 0).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EventRow {
@@ -97,6 +112,8 @@ pub struct EventRow {
     pub published_at_ms: Option<u64>,
     /// Destinations left behind by migrations.
     pub superseded: Vec<Superseded>,
+    /// Backoff of the dispatch and reconcile loops.
+    pub pacing: Pacing,
 }
 
 impl EventRow {
@@ -135,6 +152,7 @@ impl EventRow {
             unknown_since_ms: None,
             published_at_ms: None,
             superseded: Vec::new(),
+            pacing: Pacing::default(),
         }
     }
 

@@ -19,13 +19,16 @@ use sealpost_core::receipt::{
 use sealpost_core::reconcile::{
     apply_reconcile, decide_reconcile, Lookup, ReconcileDecision, ReconcilePolicy,
 };
-use sealpost_core::row::{Attempt, AttemptStatus, Claim, EventRow, Superseded};
+use sealpost_core::row::{Attempt, AttemptStatus, Claim, EventRow, Pacing, Superseded};
 use sealpost_core::state::State;
 use tokio_postgres::{GenericClient, Transaction};
 use uuid::Uuid;
 
 /// The embedded schema migrations, in order.
-pub const MIGRATIONS: &[(i32, &str)] = &[(1, include_str!("../migrations/0001_outbox.sql"))];
+pub const MIGRATIONS: &[(i32, &str)] = &[
+    (1, include_str!("../migrations/0001_outbox.sql")),
+    (2, include_str!("../migrations/0002_pacing.sql")),
+];
 
 /// Largest payload accepted by `enqueue` (NATS' default max_payload is 1 MiB; headers need room).
 pub const PAYLOAD_BYTES_MAX: usize = 900 * 1024;
@@ -320,7 +323,10 @@ const ROW_COLS: &str =
     dest_required_ack, destination_digest, state, claim_owner, claim_generation, lease_until_ms,
     attempt_generation, rejections, unknown_since_ms, published_at_ms, primary_attempt_id,
     primary_cluster, primary_stream, primary_partition, primary_sequence, superseded_generations,
-    superseded_digests";
+    superseded_digests, not_before_ms, never_sent, next_lookup_at_ms, lookups";
+
+/// Number of columns in [`ROW_COLS`]; extra selected columns start here.
+const ROW_COLS_LEN: usize = 32;
 
 fn parse_row(r: &tokio_postgres::Row) -> Result<EventRow> {
     let alg: String = r.get(7);
@@ -394,6 +400,12 @@ fn parse_row(r: &tokio_postgres::Row) -> Result<EventRow> {
         unknown_since_ms: r.get::<_, Option<i64>>(19).map(|v| v as u64),
         published_at_ms: r.get::<_, Option<i64>>(20).map(|v| v as u64),
         superseded,
+        pacing: Pacing {
+            not_before_ms: r.get::<_, i64>(28) as u64,
+            never_sent: r.get::<_, i32>(29) as u32,
+            next_lookup_at_ms: r.get::<_, i64>(30) as u64,
+            lookups: r.get::<_, i32>(31) as u32,
+        },
     })
 }
 
@@ -493,6 +505,10 @@ async fn persist(tx: &impl GenericClient, before: &[EventRow], after: &[EventRow
     let mut u_pstream: Vec<Option<String>> = Vec::new();
     let mut u_ppart: Vec<Option<i32>> = Vec::new();
     let mut u_pseq: Vec<Option<i64>> = Vec::new();
+    let mut u_nb: Vec<i64> = Vec::new();
+    let mut u_ns: Vec<i32> = Vec::new();
+    let mut u_nl: Vec<i64> = Vec::new();
+    let mut u_lk: Vec<i32> = Vec::new();
     let mut a_id = Vec::new();
     let mut a_event = Vec::new();
     let mut a_member = Vec::new();
@@ -514,7 +530,8 @@ async fn persist(tx: &impl GenericClient, before: &[EventRow], after: &[EventRow
             || b.rejections != a.rejections
             || b.unknown_since_ms != a.unknown_since_ms
             || b.published_at_ms != a.published_at_ms
-            || b.primary != a.primary;
+            || b.primary != a.primary
+            || b.pacing != a.pacing;
         if row_changed {
             u_id.push(uuid_of(a.event_id));
             u_member.push(a.member as i16);
@@ -535,6 +552,10 @@ async fn persist(tx: &impl GenericClient, before: &[EventRow], after: &[EventRow
                     .and_then(|p| p.partition.map(|x| x as i32)),
             );
             u_pseq.push(a.primary.as_ref().map(|p| p.sequence as i64));
+            u_nb.push(a.pacing.not_before_ms as i64);
+            u_ns.push(a.pacing.never_sent as i32);
+            u_nl.push(a.pacing.next_lookup_at_ms as i64);
+            u_lk.push(a.pacing.lookups as i32);
         }
         for at in &a.attempts {
             match b.attempt(at.id) {
@@ -564,15 +585,16 @@ async fn persist(tx: &impl GenericClient, before: &[EventRow], after: &[EventRow
                 lease_until_ms = u.lease, attempt_generation = u.agen, rejections = u.rej,
                 unknown_since_ms = u.unk, published_at_ms = u.pub, primary_attempt_id = u.pa,
                 primary_cluster = u.pc, primary_stream = u.ps, primary_partition = u.pp,
-                primary_sequence = u.pq
+                primary_sequence = u.pq, not_before_ms = u.nb, never_sent = u.ns,
+                next_lookup_at_ms = u.nl, lookups = u.lk
              FROM unnest($1::uuid[], $2::int2[], $3::text[], $4::int8[], $5::int8[], $6::int8[], $7::int4[],
                          $8::int4[], $9::int8[], $10::int8[], $11::int8[], $12::text[], $13::text[],
-                         $14::int4[], $15::int8[])
-                  AS u(id, m, state, owner, cgen, lease, agen, rej, unk, pub, pa, pc, ps, pp, pq)
+                         $14::int4[], $15::int8[], $16::int8[], $17::int4[], $18::int8[], $19::int4[])
+                  AS u(id, m, state, owner, cgen, lease, agen, rej, unk, pub, pa, pc, ps, pp, pq, nb, ns, nl, lk)
              WHERE e.event_id = u.id AND e.member = u.m",
             &[
                 &u_id, &u_member, &u_state, &u_owner, &u_cgen, &u_lease, &u_agen, &u_rej, &u_unknown, &u_pub,
-                &u_pattempt, &u_pcluster, &u_pstream, &u_ppart, &u_pseq,
+                &u_pattempt, &u_pcluster, &u_pstream, &u_ppart, &u_pseq, &u_nb, &u_ns, &u_nl, &u_lk,
             ],
         )
         .await?;
@@ -660,7 +682,7 @@ pub async fn claim_batch(
     let mut payloads = Vec::with_capacity(found.len());
     for r in &found {
         before.push(parse_row(r)?);
-        payloads.push(r.get::<_, Vec<u8>>(28));
+        payloads.push(r.get::<_, Vec<u8>>(ROW_COLS_LEN));
     }
     load_attempts(&tx, &mut before).await?;
     let mut after = before.clone();

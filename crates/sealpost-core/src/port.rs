@@ -1,0 +1,136 @@
+//! The broker port: what Sealpost needs from a broker, as one small trait, and what an
+//! adapter declares it can do, as data. NATS JetStream is the first adapter
+//! (`sealpost-nats`); Kafka and RabbitMQ follow behind the same trait.
+//!
+//! The trait has two questions and nothing else:
+//! * "send this batch before this deadline" — each message ends as a receipt, provably never
+//!   sent, permanently refused (with a reason), already stored (the broker itself refused a
+//!   second copy), or no answer;
+//! * "did you store event X at destination D?" — found (with its receipt), absent,
+//!   unavailable, or cannot be asked ([`Lookup`]).
+//!
+//! The adapter's limits are [`Capabilities`], read by the dispatcher and reconciler machines
+//! and by the core's decisions; a caller never guesses them from behaviour.
+//!
+//! *Invariant:* an adapter never sends a message once its batch deadline has passed: it
+//! answers [`SendResult::NeverSent`] with [`NeverSentReason::DeadlinePassed`] instead. The
+//! deadline is derived from the claim's lease on the database clock
+//! ([`crate::dispatcher::send_deadline_ms`]), so a send can never leave after another
+//! dispatcher or the reconciler may have taken the row over (R9).
+
+use std::future::Future;
+
+use crate::encoding::Digest;
+use crate::envelope::{Destination, EventId};
+use crate::receipt::Receipt;
+pub use crate::reconcile::Lookup;
+
+/// What an adapter can do, declared once. The core's decisions take these into account.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Capabilities {
+    /// The broker can answer "did you store event X at destination D?" (R13). Without it the
+    /// reconciler may only retry to the same destination (R14).
+    pub lookup_by_event_id: bool,
+    /// The broker drops a re-publish of the same message id within this window, answering
+    /// with the original position. `None`: no deduplication by id.
+    pub duplicate_window_ms: Option<u64>,
+    /// The broker itself refuses a second copy of an event forever (NATS
+    /// `Nats-Expected-Last-Subject-Sequence: 0` on a per-event subject). A second stored copy
+    /// at such a broker is a protocol violation, not a consumer's problem.
+    pub create_if_absent: bool,
+    /// Messages with the same routing key keep their order (Kafka partitions).
+    pub per_key_ordering: bool,
+}
+
+/// One message of a batch: an attempt registered in the store before it leaves.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SendRequest {
+    /// The event's one id (R3).
+    pub event_id: EventId,
+    /// Delivery-set member.
+    pub member: u16,
+    /// Envelope generation sent.
+    pub envelope_generation: u32,
+    /// The registered attempt.
+    pub attempt_id: u64,
+    /// Sealed payload digest (carried as a header).
+    pub payload_digest: Digest,
+    /// The frozen destination; the only place this message may go.
+    pub destination: Destination,
+    /// Its digest (carried as a header).
+    pub destination_digest: Digest,
+    /// Payload bytes as sealed.
+    pub payload: Vec<u8>,
+}
+
+/// Why a message provably never left the process.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum NeverSentReason {
+    /// The batch deadline (lease end minus margin) passed before the message could leave.
+    DeadlinePassed,
+    /// The destination names a cluster this adapter is not connected to.
+    WrongCluster(String),
+    /// No connection to the broker when the message would have left.
+    NotConnected(String),
+    /// The destination does not exist at the broker (e.g. the stream was deleted); the
+    /// broker answered before storing anything. An operator alert, not a hot loop.
+    NoSuchDestination(String),
+}
+
+/// Why the broker permanently refused a message (it will refuse it again): poison.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RefusalKind {
+    /// The payload is over the broker's size limit.
+    PayloadTooLarge,
+    /// The producer has no permission to publish there.
+    NotPermitted,
+    /// Any other definite, repeatable "no" (an unroutable message, a rejected schema).
+    Rejected,
+}
+
+/// The outcome of one message of a batch.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SendResult {
+    /// The broker's receipt (its position). A receipt without a position is not proof of
+    /// anything; the dispatcher machine treats it as no answer.
+    Receipt(Receipt),
+    /// Provably not stored and never left.
+    NeverSent(NeverSentReason),
+    /// The broker said a definite, permanent no; nothing was stored.
+    Refused {
+        /// Kind of refusal.
+        kind: RefusalKind,
+        /// The broker's own words.
+        detail: String,
+    },
+    /// The broker refused because a copy of this event is already stored
+    /// (create-if-absent). The outcome is a lookup away.
+    AlreadyStored,
+    /// No answer in time: the message may or may not be stored.
+    NoAnswer,
+}
+
+/// A broker adapter. Implementations know the broker's wire format and nothing of SQL.
+pub trait Broker: Send + Sync + 'static {
+    /// Cluster identity this adapter is connected to (matches `Destination::cluster`).
+    fn cluster(&self) -> &str;
+
+    /// What the adapter can do.
+    fn capabilities(&self) -> Capabilities;
+
+    /// Sends every request of `batch`, in order, none after `deadline`; returns one result
+    /// per request, in the same order.
+    fn send_batch(
+        &self,
+        batch: Vec<SendRequest>,
+        deadline: std::time::Instant,
+    ) -> impl Future<Output = Vec<SendResult>> + Send;
+
+    /// "Did you store event `event_id` (member `member`) at `destination`?" (R13).
+    fn lookup(
+        &self,
+        destination: &Destination,
+        event_id: EventId,
+        member: u16,
+    ) -> impl Future<Output = Lookup> + Send;
+}

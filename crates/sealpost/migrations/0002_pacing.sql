@@ -1,0 +1,24 @@
+-- Sealpost outbox schema, version 2: loop pacing persisted with the row, so every
+-- dispatcher and reconciler honours the same backoff (issue: "never sent" loops and a
+-- spinning reconciler). Applied by `sealpost migrate` (idempotent).
+ALTER TABLE sealpost.envelope ADD COLUMN IF NOT EXISTS not_before_ms bigint NOT NULL DEFAULT 0;
+ALTER TABLE sealpost.envelope ADD COLUMN IF NOT EXISTS never_sent int NOT NULL DEFAULT 0;
+ALTER TABLE sealpost.envelope ADD COLUMN IF NOT EXISTS next_lookup_at_ms bigint NOT NULL DEFAULT 0;
+ALTER TABLE sealpost.envelope ADD COLUMN IF NOT EXISTS lookups int NOT NULL DEFAULT 0;
+-- The last reason a row could not leave or was refused (shown by `status` and `trace`).
+ALTER TABLE sealpost.envelope ADD COLUMN IF NOT EXISTS last_error text;
+
+-- The reconciler takes unknown rows in the order they are due, so every unknown row is
+-- looked up in turn and none is retried ahead of its backoff.
+DROP INDEX IF EXISTS sealpost.envelope_unknown;
+CREATE INDEX IF NOT EXISTS envelope_unknown_due
+    ON sealpost.envelope (next_lookup_at_ms)
+    WHERE state IN ('DISPATCH_UNKNOWN', 'RECONCILING');
+
+-- Published rows are re-checked at the broker in a rolling pass (R31); the cursor lives here.
+CREATE TABLE IF NOT EXISTS sealpost.verify_cursor (
+    name        text PRIMARY KEY,
+    after_seq   bigint NOT NULL
+);
+
+INSERT INTO sealpost.schema_version (version) VALUES (2) ON CONFLICT DO NOTHING;
