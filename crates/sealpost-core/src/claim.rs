@@ -56,8 +56,43 @@ pub enum ClaimDecision {
     Skip,
 }
 
+/// The first backoff after a "never sent" outcome or a refusal; it doubles per repeat.
+pub const NEVER_SENT_BACKOFF_MS_MIN: u64 = 1_000;
+/// The longest backoff: a row that cannot leave (a deleted stream, a cluster nobody serves)
+/// is retried at most this often, however long the cause lasts.
+pub const NEVER_SENT_BACKOFF_MS_MAX: u64 = 60_000;
+/// "Never sent" outcomes after which the row is reported as stuck (`status`, the alert log).
+pub const NEVER_SENT_ALERT_COUNT: u32 = 5;
+
+/// The wait before a row that could not leave `count` times may be claimed again.
+pub fn never_sent_backoff_ms(count: u32) -> u64 {
+    let shift = count.saturating_sub(1).min(16);
+    (NEVER_SENT_BACKOFF_MS_MIN << shift).min(NEVER_SENT_BACKOFF_MS_MAX)
+}
+
+/// Does a dispatcher that serves `clusters` claim rows bound for `row`'s frozen destination?
+/// A dispatcher never claims a row it cannot send (it would only come back "never sent").
+pub fn serves(clusters: &[String], row: &EventRow) -> bool {
+    clusters.iter().any(|c| *c == row.destination.cluster)
+}
+
+/// The claim decision of a dispatcher serving `clusters`: [`decide_dispatch_claim`] for the
+/// rows of its clusters, `Skip` for every other row.
+pub fn decide_dispatch_claim_for(
+    row: &EventRow,
+    clusters: &[String],
+    now_ms: u64,
+    lease_ms: u64,
+) -> ClaimDecision {
+    if !serves(clusters, row) {
+        return ClaimDecision::Skip;
+    }
+    decide_dispatch_claim(row, now_ms, lease_ms)
+}
+
 /// The dispatcher's claim decision for one row (R7). `lease_ms` is added to the database's
-/// `now_ms`; a worker's clock is never consulted.
+/// `now_ms`; a worker's clock is never consulted. A `PENDING` row that could not leave waits
+/// out its backoff ([`never_sent_backoff_ms`]).
 pub fn decide_dispatch_claim(row: &EventRow, now_ms: u64, lease_ms: u64) -> ClaimDecision {
     let expired = row
         .claim
@@ -70,6 +105,7 @@ pub fn decide_dispatch_claim(row: &EventRow, now_ms: u64, lease_ms: u64) -> Clai
         superseding,
     };
     match row.state {
+        State::Pending if row.pacing.not_before_ms > now_ms => ClaimDecision::Skip,
         State::Pending => grant(State::Claimed, false),
         State::Claimed if expired => grant(State::Claimed, true),
         State::RetryClaimed if expired => grant(State::RetryClaimed, row.claim.is_some()),
@@ -78,14 +114,16 @@ pub fn decide_dispatch_claim(row: &EventRow, now_ms: u64, lease_ms: u64) -> Clai
     }
 }
 
-/// The reconciler's claim decision: `DISPATCH_UNKNOWN` (or a `RECONCILING` row whose
-/// reconciler lease ran out) moves to `RECONCILING` under a new claim generation.
+/// The reconciler's claim decision: `DISPATCH_UNKNOWN` whose next lookup is due (or a
+/// `RECONCILING` row whose reconciler lease ran out) moves to `RECONCILING` under a new claim
+/// generation.
 pub fn decide_reconcile_claim(row: &EventRow, now_ms: u64, lease_ms: u64) -> ClaimDecision {
     let expired = row
         .claim
         .as_ref()
         .is_none_or(|c| c.lease_until_ms <= now_ms);
     match row.state {
+        State::DispatchUnknown if row.pacing.next_lookup_at_ms > now_ms => ClaimDecision::Skip,
         State::DispatchUnknown | State::Reconciling if expired => ClaimDecision::Grant {
             next: State::Reconciling,
             generation: row.claim_generation + 1,
@@ -302,6 +340,23 @@ pub fn apply_send_outcome(
     if outcome == SendOutcome::Rejected {
         row.rejections += 1;
     }
+    match outcome {
+        SendOutcome::NeverSent => {
+            row.pacing.never_sent += 1;
+            if next == State::Pending {
+                row.pacing.not_before_ms = now_ms + never_sent_backoff_ms(row.pacing.never_sent);
+            }
+        }
+        SendOutcome::Rejected if next == State::Pending => {
+            row.pacing.not_before_ms = now_ms + never_sent_backoff_ms(row.rejections);
+        }
+        SendOutcome::Rejected | SendOutcome::AckTimeout => {}
+    }
+    if next == State::DispatchUnknown && decision == SendOutcomeDecision::ToUnknown {
+        // Look it up at once: the broker may already hold it (create-if-absent refusals
+        // arrive here too).
+        row.pacing.next_lookup_at_ms = now_ms;
+    }
     if next == State::DispatchUnknown {
         row.unknown_since_ms.get_or_insert(now_ms);
     }
@@ -336,6 +391,7 @@ pub fn decide_release_quarantine(row: &EventRow) -> Result<State, TransitionErro
 pub fn apply_release_quarantine(row: &mut EventRow) -> Result<(), TransitionError> {
     row.state = decide_release_quarantine(row)?;
     row.rejections = 0;
+    row.pacing = crate::row::Pacing::default();
     row.claim = None;
     Ok(())
 }

@@ -9,6 +9,7 @@
 pub mod claim;
 pub mod cleanup;
 pub mod delivery_set;
+pub mod dispatcher;
 pub mod encoding;
 pub mod envelope;
 pub mod inbox;
@@ -16,6 +17,7 @@ pub mod migration;
 pub mod port;
 pub mod receipt;
 pub mod reconcile;
+pub mod reconciler;
 pub mod row;
 pub mod state;
 

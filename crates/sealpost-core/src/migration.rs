@@ -88,5 +88,7 @@ pub fn apply_migration(
     row.destination_digest = grant.to_digest;
     row.claim = None;
     row.rejections = 0;
+    // A new destination is tried at once, without the old one's backoff.
+    row.pacing = crate::row::Pacing::default();
     Ok(())
 }

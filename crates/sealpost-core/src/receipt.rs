@@ -121,6 +121,24 @@ pub fn decide_receipt(row: &EventRow, r: &Receipt) -> ReceiptVerdict {
         if r.destination_digest != row.destination_digest {
             return Quarantine(QuarantineReason::DestinationDigestMismatch);
         }
+        if adoptable(row, r) {
+            // A copy the broker itself holds, found by the reconciler's lookup, whose event
+            // id, payload digest, destination digest, envelope generation and coordinates
+            // all match the sealed envelope, but whose attempt this database never saw (it
+            // was restored from a backup taken before the send). The copy *is* the
+            // publication: it fills the slot instead of being sent a second time.
+            return match &row.primary {
+                Some(p)
+                    if p.stream == r.stream
+                        && p.partition == r.partition
+                        && p.sequence == r.sequence =>
+                {
+                    Duplicate(DuplicateKind::SamePosition)
+                }
+                Some(_) => Duplicate(DuplicateKind::SecondCopy),
+                None => Primary,
+            };
+        }
         return Reject(RejectReason::UnregisteredAttempt);
     };
     if r.destination_digest != attempt.destination_digest
@@ -162,6 +180,26 @@ pub fn decide_receipt(row: &EventRow, r: &Receipt) -> ReceiptVerdict {
     }
 }
 
+/// The evidence that lets a copy from an attempt the store never registered fill the slot:
+/// it was read from the broker by a lookup (not reported by a sender, who could forge it),
+/// and everything sealed matches: event id and member (checked by the caller), payload and
+/// destination digests, envelope generation, the broker coordinates of the frozen
+/// destination, and a real position; and the row is waiting for exactly this answer.
+pub fn adoptable(row: &EventRow, r: &Receipt) -> bool {
+    r.source == ReceiptSource::Lookup
+        && r.payload_digest == row.payload_digest
+        && r.destination_digest == row.destination_digest
+        && r.envelope_generation == row.envelope_generation
+        && r.cluster == row.destination.cluster
+        && r.stream == row.destination.topic
+        && r.partition == row.destination.partition()
+        && r.sequence != 0
+        && matches!(
+            row.state,
+            State::Sending | State::DispatchUnknown | State::Reconciling | State::RetryClaimed
+        )
+}
+
 /// Applies a verdict to the in-memory row (the simulator's persistence; the Postgres store
 /// writes the same changes in SQL). Quarantine and reject change nothing on the row.
 pub fn apply_receipt(
@@ -177,6 +215,7 @@ pub fn apply_receipt(
             row.claim = None;
             row.published_at_ms = Some(now_ms);
             row.unknown_since_ms = None;
+            row.pacing = crate::row::Pacing::default();
             if let Some(a) = row.attempt_mut(r.attempt_id) {
                 a.status = AttemptStatus::Acked;
             }

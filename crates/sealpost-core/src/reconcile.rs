@@ -22,6 +22,18 @@ pub enum Lookup {
     Unavailable,
 }
 
+/// The first wait after an inconclusive lookup; it doubles per repeat.
+pub const LOOKUP_BACKOFF_MS_MIN: u64 = 1_000;
+/// The longest wait between lookups of one unknown row (G3 asks for p99 within 15 minutes;
+/// a broker outage of any length costs at most this much on top).
+pub const LOOKUP_BACKOFF_MS_MAX: u64 = 30_000;
+
+/// The wait before an unknown row is looked up again after `lookups` inconclusive answers.
+pub fn lookup_backoff_ms(lookups: u32) -> u64 {
+    let shift = lookups.saturating_sub(1).min(16);
+    (LOOKUP_BACKOFF_MS_MIN << shift).min(LOOKUP_BACKOFF_MS_MAX)
+}
+
 /// Reconciler policy.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ReconcilePolicy {
@@ -102,10 +114,11 @@ pub fn apply_reconcile(
     decision: &ReconcileDecision,
     now_ms: u64,
 ) -> Result<(), TransitionError> {
-    let _ = now_ms;
     match decision {
         ReconcileDecision::RetrySameDestination { .. } => {
             row.state = transition(row.state, State::RetryClaimed)?;
+            row.pacing.lookups = 0;
+            row.pacing.next_lookup_at_ms = 0;
             row.attempt_generation += 1;
             row.claim = None;
             for a in &mut row.attempts {
@@ -118,6 +131,10 @@ pub fn apply_reconcile(
         ReconcileDecision::StayUnknown => {
             row.state = transition(row.state, State::DispatchUnknown)?;
             row.claim = None;
+            // "Row missing means stay unknown" and "broker unavailable" both land here: the
+            // row waits out a growing backoff so other unknown rows get their turn.
+            row.pacing.lookups += 1;
+            row.pacing.next_lookup_at_ms = now_ms + lookup_backoff_ms(row.pacing.lookups);
         }
         ReconcileDecision::Accept(_) | ReconcileDecision::Fenced(_) => {}
     }

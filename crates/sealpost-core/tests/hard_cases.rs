@@ -6,7 +6,7 @@
 use sealpost_core::claim::{
     apply_begin_send, apply_claim, apply_send_outcome, check_fence, decide_begin_send,
     decide_dispatch_claim, decide_reconcile_claim, decide_release, decide_release_quarantine,
-    decide_send_outcome, Fenced,
+    decide_send_outcome, never_sent_backoff_ms, Fenced, NEVER_SENT_BACKOFF_MS_MAX,
 };
 use sealpost_core::cleanup::{decide_purge, PurgeRefusal, RetentionPolicy, Watermark};
 use sealpost_core::envelope::{NewEvent, PartitionAlgorithm, PAYLOAD_DOMAIN};
@@ -790,8 +790,10 @@ fn database_restored_from_backup_before_publication_keeps_event_ids_and_no_secon
     );
 
     // A row restored in SENDING with a long-gone lease goes to UNKNOWN, not PENDING; the
-    // lookup finds the pre-restore copy (attempt unknown to this database) and redelivers
-    // to the same frozen destination under the same id.
+    // lookup finds the pre-restore copy (attempt unknown to this database). Event id,
+    // digests, envelope generation and coordinates all match the sealed envelope, so the
+    // copy the broker holds fills the slot: no second copy is sent, however long ago the
+    // duplicate window closed.
     let (mut s, _) = sending();
     let now = T0 + 10 * LEASE;
     let d = decide_dispatch_claim(&s, now, LEASE);
@@ -806,20 +808,30 @@ fn database_restored_from_backup_before_publication_keeps_event_ids_and_no_secon
         NO_REDELIVER,
         now + 2,
     );
-    assert_eq!(
-        d,
-        ReconcileDecision::RetrySameDestination {
-            destination_digest: orders().digest(),
-            quarantine: None
-        }
-    );
-    apply_reconcile(&mut s, &d, now + 2).unwrap();
-    assert_eq!(s.state, State::RetryClaimed);
+    let ReconcileDecision::Accept(adopted) = d else {
+        panic!("expected the copy to be adopted, got {d:?}");
+    };
+    assert_eq!(accept(&mut s, &adopted, now + 2), ReceiptVerdict::Primary);
+    assert_eq!(s.state, State::Published);
     assert_eq!(s.event_id, event_id());
     assert_eq!(
-        s.primary, None,
-        "the unregistered copy is not accepted as a receipt"
+        s.primary.as_ref().map(|p| p.sequence),
+        Some(found(&pre_restore).sequence)
     );
+
+    // The same unregistered attempt reported by a *sender* (not read from the broker) is
+    // never adopted: anyone can claim an attempt id.
+    let (s2, _) = sending();
+    let mut forged = found(&pre_restore);
+    forged.source = ReceiptSource::Ack;
+    assert_eq!(
+        decide_receipt(&s2, &forged),
+        ReceiptVerdict::Reject(RejectReason::UnregisteredAttempt)
+    );
+    // Nor is a found copy whose payload differs from the sealed one.
+    let mut other = found(&pre_restore);
+    other.payload_digest = Digest([0xab; 32]);
+    assert!(!sealpost_core::receipt::adoptable(&s2, &other));
 }
 
 #[test]
@@ -1092,11 +1104,20 @@ fn send_outcome_never_sent_returns_to_pending_with_failed_attempt() {
     assert_eq!(row.claim, None);
     assert_eq!(row.rejections, 0, "never sent is not a broker rejection");
     assert_eq!(row.unknown_since_ms, None);
+    assert_eq!(row.pacing.never_sent, 1);
 
+    // Not claimable again before its backoff: a row that cannot leave must not be
+    // re-claimed on every poll and starve newer rows.
+    let due = T0 + 2 + never_sent_backoff_ms(1);
+    assert_eq!(row.pacing.not_before_ms, due);
+    assert_eq!(
+        decide_dispatch_claim(&row, due - 1, LEASE),
+        ClaimDecision::Skip
+    );
     // The next claim is a new send authorisation; the failed attempt stays registered.
-    let t2 = claim(&mut row, 2, T0 + 3);
+    let t2 = claim(&mut row, 2, due);
     assert_eq!(row.attempt_generation, 2);
-    begin(&mut row, t2, 2, T0 + 4);
+    begin(&mut row, t2, 2, due + 1);
     assert_eq!(row.attempts.len(), 2);
     assert_eq!(row.attempt(1).unwrap().status, AttemptStatus::Failed);
 }
@@ -1105,7 +1126,7 @@ fn send_outcome_never_sent_returns_to_pending_with_failed_attempt() {
 fn send_outcome_rejected_up_to_rejection_limit_goes_to_quarantine() {
     let mut row = pending();
     for i in 1..=u64::from(LIMIT) {
-        let now = T0 + i * 10;
+        let now = T0 + i * 10 * NEVER_SENT_BACKOFF_MS_MAX;
         let t = claim(&mut row, 1, now);
         begin(&mut row, t, i, now + 1);
         let d = report(&mut row, t, i, SendOutcome::Rejected, now + 2);
@@ -1378,9 +1399,10 @@ fn late_ack_of_unknown_attempt_converges_even_if_the_retry_attempt_never_left() 
 fn migration_granted_for_pending_row_whose_attempts_all_failed() {
     let (mut row, t) = sending();
     report(&mut row, t, 1, SendOutcome::Rejected, T0 + 2);
-    let t2 = claim(&mut row, 1, T0 + 3);
-    begin(&mut row, t2, 2, T0 + 4);
-    report(&mut row, t2, 2, SendOutcome::NeverSent, T0 + 5);
+    let later = T0 + 2 + NEVER_SENT_BACKOFF_MS_MAX;
+    let t2 = claim(&mut row, 1, later);
+    begin(&mut row, t2, 2, later + 1);
+    report(&mut row, t2, 2, SendOutcome::NeverSent, later + 2);
     assert_eq!(row.state, State::Pending);
     assert!(row
         .attempts

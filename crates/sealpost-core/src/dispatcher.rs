@@ -1,0 +1,648 @@
+//! The dispatcher as a sans-IO state machine (the `quinn-proto` shape). It decides *when* to
+//! claim, what deadline a send carries, how each broker answer becomes a receipt or an
+//! outcome report, and when to retry a failed receipt transaction. It never sleeps, reads a
+//! clock or touches a socket: the tokio shell (`sealpost::runtime`) and the simulator both
+//! feed it what happened (`handle_*`, with the time injected) and ask it what to do next
+//! ([`DispatcherMachine::poll_action`], [`DispatcherMachine::poll_timeout`]). The simulator
+//! therefore runs the same scheduling, batching, deadlines and retries that production runs.
+//!
+//! One batch is in flight at a time: claim (one short transaction that also registers every
+//! attempt), send before the deadline (no transaction open), submit receipts and outcome
+//! reports (one transaction). Times are milliseconds of the shell's monotonic clock, except
+//! where a name says `db_`.
+
+use std::collections::VecDeque;
+
+use crate::claim::{ClaimToken, SendOutcome};
+use crate::envelope::EventId;
+use crate::port::{NeverSentReason, SendRequest, SendResult};
+use crate::receipt::Receipt;
+
+/// Limits and timings of one dispatcher.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DispatcherConfig {
+    /// Rows claimed per claim transaction.
+    pub batch_size_max: usize,
+    /// Claim lease (database clock).
+    pub lease_ms: u64,
+    /// A send must leave at least this long before its lease ends; the room left for the
+    /// broker's answer. The batch deadline is the lease end minus this margin.
+    pub send_margin_ms: u64,
+    /// Sleep when a claim found nothing.
+    pub idle_poll_ms: u64,
+    /// Wait after a failed claim or receipt transaction.
+    pub error_backoff_ms: u64,
+    /// Receipt transaction attempts before the batch is left to the reconciler.
+    pub submit_tries_max: u32,
+}
+
+impl Default for DispatcherConfig {
+    fn default() -> Self {
+        DispatcherConfig {
+            batch_size_max: 500,
+            lease_ms: 10_000,
+            send_margin_ms: 5_000,
+            idle_poll_ms: 50,
+            error_backoff_ms: 500,
+            submit_tries_max: 5,
+        }
+    }
+}
+
+/// The local time by which a send must have left: the lease end (database clock) mapped onto
+/// the local clock, minus the margin. `claim_started_ms` is read *before* the claim
+/// transaction starts, so the mapping errs early: the local clock cannot reach the lease end
+/// before the database clock does (equal clock rates assumed; the margin absorbs drift).
+pub fn send_deadline_ms(
+    claim_started_ms: u64,
+    db_now_ms: u64,
+    db_lease_until_ms: u64,
+    send_margin_ms: u64,
+) -> u64 {
+    claim_started_ms + db_lease_until_ms.saturating_sub(db_now_ms + send_margin_ms)
+}
+
+/// One send the claim transaction authorised (the attempt is registered).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ClaimedSend {
+    /// What goes on the wire.
+    pub request: SendRequest,
+    /// The claim to present with the outcome report.
+    pub token: ClaimToken,
+    /// Lease end of the claim (database clock).
+    pub db_lease_until_ms: u64,
+}
+
+/// What a claim transaction returned.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Claimed {
+    /// Local time read just before the claim transaction started.
+    pub claim_started_ms: u64,
+    /// The database clock inside the claim transaction.
+    pub db_now_ms: u64,
+    /// Sends authorised, in claim order.
+    pub sends: Vec<ClaimedSend>,
+}
+
+/// A sender's report on its own attempt, without a receipt.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OutcomeReport {
+    /// Event id.
+    pub event_id: EventId,
+    /// Member.
+    pub member: u16,
+    /// The claim the send was made under.
+    pub token: ClaimToken,
+    /// Attempt.
+    pub attempt_id: u64,
+    /// Outcome.
+    pub outcome: SendOutcome,
+    /// The broker's or adapter's words, kept as evidence (`last_error`, quarantine reason).
+    pub detail: String,
+}
+
+/// Receipts and outcome reports that commit in one transaction.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Submission {
+    /// Receipts for the acceptance point.
+    pub receipts: Vec<Receipt>,
+    /// Outcome reports.
+    pub reports: Vec<OutcomeReport>,
+}
+
+impl Submission {
+    /// True when there is nothing to write.
+    pub fn is_empty(&self) -> bool {
+        self.receipts.is_empty() && self.reports.is_empty()
+    }
+}
+
+/// What the shell must do next.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DispatchAction {
+    /// Run one claim transaction for at most this many rows; answer with
+    /// [`DispatcherMachine::handle_claimed`] or [`DispatcherMachine::handle_claim_failed`].
+    Claim {
+        /// Batch size.
+        batch_size_max: usize,
+    },
+    /// Send the batch, no message after `deadline_ms`; answer with
+    /// [`DispatcherMachine::handle_sent`].
+    Send {
+        /// Requests, in order.
+        batch: Vec<SendRequest>,
+        /// Local time after which nothing may leave.
+        deadline_ms: u64,
+    },
+    /// Commit receipts and reports in one transaction; answer with
+    /// [`DispatcherMachine::handle_submitted`].
+    Submit(Submission),
+}
+
+/// Counts of what the machine saw, for progress lines and metrics.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DispatchCounts {
+    /// Batches claimed (non-empty).
+    pub batches: u64,
+    /// Receipts handed to the acceptance point.
+    pub receipts: u64,
+    /// Sends with no answer (unknown outcome).
+    pub no_answer: u64,
+    /// Sends refused by a create-if-absent broker because a copy exists.
+    pub already_stored: u64,
+    /// Sends that never left (deadline, connection, missing destination).
+    pub never_sent: u64,
+    /// Of those, because the deadline had passed.
+    pub deadline_passed: u64,
+    /// Permanent refusals.
+    pub refused: u64,
+    /// Receipt transactions given up after every retry (left to the reconciler).
+    pub submits_abandoned: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Phase {
+    /// Waiting until `wake_at_ms` to claim.
+    Idle { wake_at_ms: u64 },
+    /// A claim transaction is running.
+    Claiming,
+    /// A batch is on the wire.
+    Sending {
+        sends: Vec<(ClaimToken, EventId, u16, u64)>,
+    },
+    /// A submission waits for its transaction (`due_ms`: when to (re)issue it).
+    Submitting {
+        submission: Submission,
+        tries: u32,
+        due_ms: u64,
+        issued: bool,
+        /// Claim again at once afterwards (the batch was not empty).
+        busy: bool,
+    },
+}
+
+/// The dispatcher state machine.
+#[derive(Clone, Debug)]
+pub struct DispatcherMachine {
+    cfg: DispatcherConfig,
+    phase: Phase,
+    /// Receipts that arrived after their batch was settled (late ACKs, R11).
+    late: VecDeque<Receipt>,
+    counts: DispatchCounts,
+}
+
+impl DispatcherMachine {
+    /// A machine that claims at `now_ms`.
+    pub fn new(cfg: DispatcherConfig, now_ms: u64) -> DispatcherMachine {
+        DispatcherMachine {
+            cfg,
+            phase: Phase::Idle { wake_at_ms: now_ms },
+            late: VecDeque::new(),
+            counts: DispatchCounts::default(),
+        }
+    }
+
+    /// What the machine saw so far.
+    pub fn counts(&self) -> DispatchCounts {
+        self.counts
+    }
+
+    /// True while no claim, send or submission is outstanding (safe to stop).
+    pub fn is_idle(&self) -> bool {
+        matches!(self.phase, Phase::Idle { .. }) && self.late.is_empty()
+    }
+
+    /// The next action, if one is due at `now_ms`. Call until it returns `None`, then wait
+    /// for an answer or until [`DispatcherMachine::poll_timeout`].
+    pub fn poll_action(&mut self, now_ms: u64) -> Option<DispatchAction> {
+        match &mut self.phase {
+            Phase::Idle { wake_at_ms } => {
+                if !self.late.is_empty() {
+                    // Late receipts first: they may fill a slot (R11).
+                    let submission = Submission {
+                        receipts: self.late.drain(..).collect(),
+                        reports: Vec::new(),
+                    };
+                    let wake = *wake_at_ms;
+                    self.phase = Phase::Submitting {
+                        submission: submission.clone(),
+                        tries: 1,
+                        due_ms: now_ms,
+                        issued: true,
+                        busy: wake <= now_ms,
+                    };
+                    return Some(DispatchAction::Submit(submission));
+                }
+                if now_ms >= *wake_at_ms {
+                    self.phase = Phase::Claiming;
+                    return Some(DispatchAction::Claim {
+                        batch_size_max: self.cfg.batch_size_max,
+                    });
+                }
+                None
+            }
+            Phase::Submitting {
+                submission,
+                due_ms,
+                issued,
+                ..
+            } if !*issued && now_ms >= *due_ms => {
+                *issued = true;
+                Some(DispatchAction::Submit(submission.clone()))
+            }
+            _ => None,
+        }
+    }
+
+    /// When the machine wants to be polled again without any answer arriving.
+    pub fn poll_timeout(&self) -> Option<u64> {
+        match &self.phase {
+            Phase::Idle { wake_at_ms } => Some(*wake_at_ms),
+            Phase::Submitting {
+                due_ms,
+                issued: false,
+                ..
+            } => Some(*due_ms),
+            _ => None,
+        }
+    }
+
+    /// New work was committed (LISTEN/NOTIFY): claim now if idle.
+    pub fn handle_notify(&mut self, now_ms: u64) {
+        if let Phase::Idle { wake_at_ms } = &mut self.phase {
+            *wake_at_ms = (*wake_at_ms).min(now_ms);
+        }
+    }
+
+    /// The claim transaction committed. Returns the send action at once if the batch is not
+    /// empty (the same one [`DispatcherMachine::poll_action`] would return).
+    pub fn handle_claimed(&mut self, now_ms: u64, claimed: Claimed) -> Option<DispatchAction> {
+        debug_assert_eq!(self.phase, Phase::Claiming);
+        if claimed.sends.is_empty() {
+            self.phase = Phase::Idle {
+                wake_at_ms: now_ms + self.cfg.idle_poll_ms,
+            };
+            return None;
+        }
+        self.counts.batches += 1;
+        let lease_until = claimed
+            .sends
+            .iter()
+            .map(|s| s.db_lease_until_ms)
+            .min()
+            .unwrap_or(claimed.db_now_ms);
+        let deadline_ms = send_deadline_ms(
+            claimed.claim_started_ms,
+            claimed.db_now_ms,
+            lease_until,
+            self.cfg.send_margin_ms,
+        );
+        let mut sends = Vec::with_capacity(claimed.sends.len());
+        let mut batch = Vec::with_capacity(claimed.sends.len());
+        for s in claimed.sends {
+            sends.push((
+                s.token,
+                s.request.event_id,
+                s.request.member,
+                s.request.attempt_id,
+            ));
+            batch.push(s.request);
+        }
+        self.phase = Phase::Sending { sends };
+        Some(DispatchAction::Send { batch, deadline_ms })
+    }
+
+    /// The claim transaction failed (database down, serialization failure): try again later.
+    pub fn handle_claim_failed(&mut self, now_ms: u64) {
+        self.phase = Phase::Idle {
+            wake_at_ms: now_ms + self.cfg.error_backoff_ms,
+        };
+    }
+
+    /// Every message of the batch has an outcome (`results` in request order). Returns the
+    /// submission to commit.
+    pub fn handle_sent(&mut self, now_ms: u64, results: Vec<SendResult>) -> Option<DispatchAction> {
+        let Phase::Sending { sends } =
+            std::mem::replace(&mut self.phase, Phase::Idle { wake_at_ms: now_ms })
+        else {
+            debug_assert!(false, "handle_sent outside a send");
+            return None;
+        };
+        debug_assert_eq!(sends.len(), results.len());
+        let mut submission = Submission::default();
+        for ((token, event_id, member, attempt_id), result) in sends.into_iter().zip(results) {
+            let report = |outcome: SendOutcome, detail: String| OutcomeReport {
+                event_id,
+                member,
+                token,
+                attempt_id,
+                outcome,
+                detail,
+            };
+            match classify(result) {
+                Classified::Receipt(r) => {
+                    self.counts.receipts += 1;
+                    submission.receipts.push(r);
+                }
+                Classified::Report(outcome, detail) => {
+                    match outcome {
+                        SendOutcome::AckTimeout if detail == ALREADY_STORED => {
+                            self.counts.already_stored += 1
+                        }
+                        SendOutcome::AckTimeout => self.counts.no_answer += 1,
+                        SendOutcome::NeverSent => {
+                            self.counts.never_sent += 1;
+                            if detail == DEADLINE_PASSED {
+                                self.counts.deadline_passed += 1;
+                            }
+                        }
+                        SendOutcome::Rejected => self.counts.refused += 1,
+                    }
+                    submission.reports.push(report(outcome, detail));
+                }
+            }
+        }
+        submission.receipts.extend(self.late.drain(..));
+        self.phase = Phase::Submitting {
+            submission: submission.clone(),
+            tries: 1,
+            due_ms: now_ms,
+            issued: true,
+            busy: true,
+        };
+        Some(DispatchAction::Submit(submission))
+    }
+
+    /// A receipt arrived after its batch was settled (a late ACK): it goes to the acceptance
+    /// point with the next submission, never dropped (R11).
+    pub fn handle_late_receipt(&mut self, receipt: Receipt) {
+        if receipt.sequence != 0 {
+            self.late.push_back(receipt);
+        }
+    }
+
+    /// The submission's transaction committed (`ok`) or failed.
+    pub fn handle_submitted(&mut self, now_ms: u64, ok: bool) {
+        let Phase::Submitting {
+            submission,
+            tries,
+            busy,
+            ..
+        } = &mut self.phase
+        else {
+            debug_assert!(false, "handle_submitted outside a submission");
+            return;
+        };
+        let wake_at_ms = if *busy {
+            now_ms
+        } else {
+            now_ms + self.cfg.idle_poll_ms
+        };
+        if ok {
+            self.phase = Phase::Idle { wake_at_ms };
+            return;
+        }
+        if *tries >= self.cfg.submit_tries_max {
+            // The rows stay SENDING; their leases run out, they become unknown and the
+            // reconciler's lookup fills the slot (R13). Nothing is lost, only delayed.
+            self.counts.submits_abandoned += 1;
+            self.phase = Phase::Idle { wake_at_ms };
+            return;
+        }
+        *tries += 1;
+        let submission = std::mem::take(submission);
+        let tries = *tries;
+        let busy = *busy;
+        self.phase = Phase::Submitting {
+            submission,
+            tries,
+            due_ms: now_ms + self.cfg.error_backoff_ms * u64::from(tries - 1),
+            issued: false,
+            busy,
+        };
+    }
+}
+
+/// Detail of an outcome report for a create-if-absent refusal.
+pub const ALREADY_STORED: &str =
+    "already stored at the broker (create-if-absent refused a second copy); look it up";
+/// Detail of an outcome report for a send that missed its deadline.
+pub const DEADLINE_PASSED: &str = "deadline passed before the message could leave";
+
+enum Classified {
+    Receipt(Receipt),
+    Report(SendOutcome, String),
+}
+
+/// How one broker answer counts (the sequence-0 rule lives here: a "receipt" without a
+/// position proves nothing and is an unknown outcome).
+fn classify(result: SendResult) -> Classified {
+    match result {
+        SendResult::Receipt(r) if r.sequence != 0 => Classified::Receipt(r),
+        SendResult::Receipt(_) => Classified::Report(
+            SendOutcome::AckTimeout,
+            "broker answered without a position (sequence 0)".to_string(),
+        ),
+        SendResult::NoAnswer => {
+            Classified::Report(SendOutcome::AckTimeout, "no answer in time".to_string())
+        }
+        SendResult::AlreadyStored => {
+            Classified::Report(SendOutcome::AckTimeout, ALREADY_STORED.to_string())
+        }
+        SendResult::NeverSent(why) => Classified::Report(
+            SendOutcome::NeverSent,
+            match why {
+                NeverSentReason::DeadlinePassed => DEADLINE_PASSED.to_string(),
+                NeverSentReason::WrongCluster(c) => format!("not connected to cluster `{c}`"),
+                NeverSentReason::NotConnected(e) => format!("not connected: {e}"),
+                NeverSentReason::NoSuchDestination(e) => {
+                    format!("destination missing at the broker: {e}")
+                }
+            },
+        ),
+        SendResult::Refused { kind, detail } => {
+            Classified::Report(SendOutcome::Rejected, format!("{kind:?}: {detail}"))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::encoding::Digest;
+    use crate::envelope::{PartitionAlgorithm, RoutePolicy};
+
+    fn request(attempt_id: u64) -> SendRequest {
+        let d = RoutePolicy {
+            generation: 1,
+            cluster: "c".into(),
+            topic: "T".into(),
+            partition_algorithm: PartitionAlgorithm::None,
+            serializer: "json.v1".into(),
+            durability: "file".into(),
+            required_ack: "stream".into(),
+        }
+        .resolve("k");
+        SendRequest {
+            event_id: EventId([attempt_id as u8; 16]),
+            member: 0,
+            envelope_generation: 1,
+            attempt_id,
+            payload_digest: Digest([1; 32]),
+            destination_digest: d.digest(),
+            destination: d,
+            payload: vec![],
+        }
+    }
+
+    fn claimed(n: u64, started: u64, db_now: u64, lease_ms: u64) -> Claimed {
+        Claimed {
+            claim_started_ms: started,
+            db_now_ms: db_now,
+            sends: (1..=n)
+                .map(|i| ClaimedSend {
+                    request: request(i),
+                    token: ClaimToken {
+                        owner: 7,
+                        generation: i,
+                    },
+                    db_lease_until_ms: db_now + lease_ms,
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn deadline_is_the_lease_end_on_the_local_clock_minus_the_margin() {
+        // Local clock 1_000 when the claim started; database clock 50_000 inside it.
+        assert_eq!(send_deadline_ms(1_000, 50_000, 60_000, 4_000), 7_000);
+        // A margin larger than the lease leaves no time at all: never later than the start.
+        assert_eq!(send_deadline_ms(1_000, 50_000, 60_000, 20_000), 1_000);
+    }
+
+    #[test]
+    fn a_batch_goes_claim_send_submit_then_claims_again_at_once() {
+        let cfg = DispatcherConfig::default();
+        let mut m = DispatcherMachine::new(cfg, 0);
+        assert_eq!(
+            m.poll_action(0),
+            Some(DispatchAction::Claim {
+                batch_size_max: cfg.batch_size_max
+            })
+        );
+        assert_eq!(m.poll_action(0), None, "one claim at a time");
+        let send = m
+            .handle_claimed(5, claimed(2, 0, 100, cfg.lease_ms))
+            .unwrap();
+        let DispatchAction::Send { batch, deadline_ms } = send else {
+            panic!("{send:?}")
+        };
+        assert_eq!(batch.len(), 2);
+        assert_eq!(deadline_ms, cfg.lease_ms - cfg.send_margin_ms);
+        assert_eq!(
+            m.poll_action(6),
+            None,
+            "nothing while the batch is on the wire"
+        );
+        let sub = m
+            .handle_sent(
+                9,
+                vec![
+                    SendResult::NoAnswer,
+                    SendResult::NeverSent(NeverSentReason::DeadlinePassed),
+                ],
+            )
+            .unwrap();
+        let DispatchAction::Submit(s) = sub else {
+            panic!()
+        };
+        assert!(s.receipts.is_empty());
+        assert_eq!(s.reports[0].outcome, SendOutcome::AckTimeout);
+        assert_eq!(s.reports[1].outcome, SendOutcome::NeverSent);
+        assert_eq!(m.counts().deadline_passed, 1);
+        m.handle_submitted(10, true);
+        assert!(matches!(
+            m.poll_action(10),
+            Some(DispatchAction::Claim { .. })
+        ));
+        m.handle_claimed(11, Claimed::default());
+        assert_eq!(m.poll_action(11), None, "an empty claim sleeps");
+        assert_eq!(m.poll_timeout(), Some(11 + cfg.idle_poll_ms));
+    }
+
+    #[test]
+    fn sequence_zero_and_already_stored_are_unknown_outcomes_not_receipts() {
+        let mut m = DispatcherMachine::new(DispatcherConfig::default(), 0);
+        m.poll_action(0);
+        m.handle_claimed(0, claimed(2, 0, 0, 10_000));
+        let mut zero = Receipt {
+            event_id: EventId([1; 16]),
+            member: 0,
+            envelope_generation: 1,
+            attempt_id: 1,
+            payload_digest: Digest([1; 32]),
+            destination_digest: Digest([2; 32]),
+            cluster: "c".into(),
+            stream: "T".into(),
+            partition: None,
+            sequence: 0,
+            broker_duplicate: true,
+            source: crate::receipt::ReceiptSource::Ack,
+        };
+        let Some(DispatchAction::Submit(s)) = m.handle_sent(
+            1,
+            vec![SendResult::Receipt(zero.clone()), SendResult::AlreadyStored],
+        ) else {
+            panic!()
+        };
+        assert!(s.receipts.is_empty());
+        assert!(s
+            .reports
+            .iter()
+            .all(|r| r.outcome == SendOutcome::AckTimeout));
+        // A late receipt with a position is kept for the next submission; sequence 0 is not.
+        m.handle_late_receipt(zero.clone());
+        zero.sequence = 9;
+        m.handle_late_receipt(zero.clone());
+        m.handle_submitted(2, true);
+        assert_eq!(
+            m.poll_action(2),
+            Some(DispatchAction::Submit(Submission {
+                receipts: vec![zero],
+                reports: vec![]
+            }))
+        );
+    }
+
+    #[test]
+    fn failed_submissions_retry_with_backoff_then_give_up_to_the_reconciler() {
+        let cfg = DispatcherConfig {
+            submit_tries_max: 3,
+            ..DispatcherConfig::default()
+        };
+        let mut m = DispatcherMachine::new(cfg, 0);
+        m.poll_action(0);
+        m.handle_claimed(0, claimed(1, 0, 0, 10_000));
+        m.handle_sent(1, vec![SendResult::NoAnswer]);
+        m.handle_submitted(2, false);
+        assert_eq!(m.poll_action(2), None, "not before the backoff");
+        let due = m.poll_timeout().unwrap();
+        assert!(due > 2);
+        assert!(matches!(
+            m.poll_action(due),
+            Some(DispatchAction::Submit(_))
+        ));
+        m.handle_submitted(due, false);
+        let due = m.poll_timeout().unwrap();
+        assert!(matches!(
+            m.poll_action(due),
+            Some(DispatchAction::Submit(_))
+        ));
+        m.handle_submitted(due, false);
+        assert_eq!(m.counts().submits_abandoned, 1);
+        assert!(matches!(
+            m.poll_action(due),
+            Some(DispatchAction::Claim { .. })
+        ));
+    }
+}
