@@ -73,7 +73,7 @@ pub fn never_sent_backoff_ms(count: u32) -> u64 {
 /// Does a dispatcher that serves `clusters` claim rows bound for `row`'s frozen destination?
 /// A dispatcher never claims a row it cannot send (it would only come back "never sent").
 pub fn serves(clusters: &[String], row: &EventRow) -> bool {
-    clusters.iter().any(|c| *c == row.destination.cluster)
+    clusters.contains(&row.destination.cluster)
 }
 
 /// The claim decision of a dispatcher serving `clusters`: [`decide_dispatch_claim`] for the

@@ -127,17 +127,7 @@ pub fn decide_receipt(row: &EventRow, r: &Receipt) -> ReceiptVerdict {
             // all match the sealed envelope, but whose attempt this database never saw (it
             // was restored from a backup taken before the send). The copy *is* the
             // publication: it fills the slot instead of being sent a second time.
-            return match &row.primary {
-                Some(p)
-                    if p.stream == r.stream
-                        && p.partition == r.partition
-                        && p.sequence == r.sequence =>
-                {
-                    Duplicate(DuplicateKind::SamePosition)
-                }
-                Some(_) => Duplicate(DuplicateKind::SecondCopy),
-                None => Primary,
-            };
+            return adopt(row);
         }
         return Reject(RejectReason::UnregisteredAttempt);
     };
@@ -158,6 +148,13 @@ pub fn decide_receipt(row: &EventRow, r: &Receipt) -> ReceiptVerdict {
     if r.sequence == 0 {
         return Reject(RejectReason::NoPosition);
     }
+    if attempt.status == AttemptStatus::Failed && adoptable(row, r) {
+        // The broker holds a copy under an attempt id this store recorded as "not stored".
+        // After a restore, attempt ids restart from the backup and can name a later,
+        // different attempt; the broker's own answer is the better evidence, and the row is
+        // still waiting for an outcome.
+        return adopt(row);
+    }
     if attempt.status == AttemptStatus::Failed {
         // We declared this attempt "provably not stored"; a receipt says otherwise. The
         // row may already have re-entered the main path, so the receipt is not accepted
@@ -177,6 +174,17 @@ pub fn decide_receipt(row: &EventRow, r: &Receipt) -> ReceiptVerdict {
             State::Sending | State::DispatchUnknown | State::Reconciling | State::RetryClaimed,
         ) => Primary,
         (None, s) => Reject(RejectReason::NotInFlight(s)),
+    }
+}
+
+/// The verdict for an adopted copy: the slot if it is empty (a copy found by lookup is the
+/// publication), else a duplicate.
+fn adopt(row: &EventRow) -> ReceiptVerdict {
+    match row.primary {
+        // A lookup returns the last copy; if it is not the primary's position, it is a
+        // second copy, a finding.
+        Some(_) => ReceiptVerdict::Duplicate(DuplicateKind::SecondCopy),
+        None => ReceiptVerdict::Primary,
     }
 }
 

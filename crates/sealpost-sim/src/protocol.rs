@@ -8,6 +8,7 @@ use sealpost_core::encoding::Digest;
 use sealpost_core::envelope::EventId;
 use sealpost_core::inbox::{self, InboxDecision, InboxRecord};
 use sealpost_core::receipt::{self, Receipt, ReceiptVerdict, RejectReason};
+use sealpost_core::reconcile::{self, Lookup, ReconcileDecision, ReconcilePolicy};
 use sealpost_core::row::EventRow;
 use sealpost_core::state::State;
 use sealpost_core::QuarantineReason;
@@ -31,11 +32,20 @@ pub enum Mutant {
     ConsumerDedupOutsideTx,
     /// Cleanup purges as soon as the event is published.
     PurgeAtAck,
+    /// The adapter sends a batch whatever its deadline (lease end minus margin) says.
+    SendPastDeadline,
+    /// "Never sent" outcomes go straight back to `PENDING` without count or backoff.
+    UnboundedNeverSent,
+    /// The adapter publishes without create-if-absent although it declares it.
+    NoCreateIfAbsent,
+    /// A copy found at the broker under an attempt the store never registered (a restore)
+    /// is retried instead of filling the slot.
+    RetryOverFoundCopy,
 }
 
 impl Mutant {
     /// Every mutant, in `--list-mutants` order.
-    pub const ALL: [Mutant; 8] = [
+    pub const ALL: [Mutant; 12] = [
         Mutant::AcceptWithoutDigestCheck,
         Mutant::RetryToOtherDestination,
         Mutant::AcceptUnregisteredAttempt,
@@ -44,6 +54,10 @@ impl Mutant {
         Mutant::NewEventIdOnRetry,
         Mutant::ConsumerDedupOutsideTx,
         Mutant::PurgeAtAck,
+        Mutant::SendPastDeadline,
+        Mutant::UnboundedNeverSent,
+        Mutant::NoCreateIfAbsent,
+        Mutant::RetryOverFoundCopy,
     ];
 
     /// The CLI name.
@@ -57,6 +71,10 @@ impl Mutant {
             Mutant::NewEventIdOnRetry => "new-event-id-on-retry",
             Mutant::ConsumerDedupOutsideTx => "consumer-dedup-outside-tx",
             Mutant::PurgeAtAck => "purge-at-ack",
+            Mutant::SendPastDeadline => "send-past-deadline",
+            Mutant::UnboundedNeverSent => "unbounded-never-sent",
+            Mutant::NoCreateIfAbsent => "no-create-if-absent",
+            Mutant::RetryOverFoundCopy => "retry-over-found-copy",
         }
     }
 
@@ -212,6 +230,57 @@ impl Protocol {
         payload_digest: Digest,
     ) -> InboxDecision {
         inbox::decide_inbox(existing, payload_digest)
+    }
+
+    /// May a request leave at `now_ms` under a batch deadline? (The adapter's rule; the
+    /// real adapters compare the same deadline against their monotonic clock.)
+    pub fn may_leave(&self, now_ms: u64, deadline_ms: u64) -> bool {
+        self.is(Mutant::SendPastDeadline) || now_ms < deadline_ms
+    }
+
+    /// Does a request to a broker that declares create-if-absent carry the condition?
+    pub fn create_if_absent(&self, declared: bool) -> bool {
+        declared && !self.is(Mutant::NoCreateIfAbsent)
+    }
+
+    /// Applies a send-outcome verdict (the unbounded-never-sent mutant forgets the count and
+    /// the backoff afterwards).
+    pub fn apply_send_outcome(
+        &self,
+        row: &mut EventRow,
+        decision: claim::SendOutcomeDecision,
+        attempt_id: u64,
+        outcome: claim::SendOutcome,
+        now_ms: u64,
+    ) -> Result<(), sealpost_core::TransitionError> {
+        claim::apply_send_outcome(row, decision, attempt_id, outcome, now_ms)?;
+        if self.is(Mutant::UnboundedNeverSent) && outcome == claim::SendOutcome::NeverSent {
+            row.pacing.never_sent = 0;
+            row.pacing.not_before_ms = 0;
+        }
+        Ok(())
+    }
+
+    /// The reconciler's decision on a lookup.
+    pub fn decide_reconcile(
+        &self,
+        row: &EventRow,
+        token: ClaimToken,
+        lookup: &Lookup,
+        now_ms: u64,
+    ) -> ReconcileDecision {
+        let d = reconcile::decide_reconcile(row, token, lookup, ReconcilePolicy::default(), now_ms);
+        match (&d, lookup) {
+            (ReconcileDecision::Accept(r), Lookup::Found(_))
+                if self.is(Mutant::RetryOverFoundCopy) && row.attempt(r.attempt_id).is_none() =>
+            {
+                ReconcileDecision::RetrySameDestination {
+                    destination_digest: row.destination_digest,
+                    quarantine: None,
+                }
+            }
+            _ => d,
+        }
     }
 
     /// True when cleanup should also run right at acceptance (only the purge-at-ack mutant).

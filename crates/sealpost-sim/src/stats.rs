@@ -20,13 +20,19 @@ pub enum Violation {
     UntraceableUnknowns,
     /// A purge before the replay window and every required consumer.
     EarlyPurges,
-    /// After faults stop, an event not published, or not applied exactly once per consumer.
+    /// After faults stop, an event not published, or not applied exactly once per consumer;
+    /// or a trace that hit its step bound (a loop that spins instead of waiting).
     Liveness,
+    /// A second stored copy of an event at a broker whose adapter declared create-if-absent.
+    SecondCopies,
+    /// A request that left the process after its claim's lease ended (R9: an expired claim
+    /// cannot start a new send).
+    SendsPastLease,
 }
 
 impl Violation {
     /// Every class, in JSON order.
-    pub const ALL: [Violation; 8] = [
+    pub const ALL: [Violation; 10] = [
         Violation::LostEvents,
         Violation::SecondEventIds,
         Violation::CrossDestinationRetries,
@@ -35,6 +41,8 @@ impl Violation {
         Violation::UntraceableUnknowns,
         Violation::EarlyPurges,
         Violation::Liveness,
+        Violation::SecondCopies,
+        Violation::SendsPastLease,
     ];
 
     /// JSON key.
@@ -48,13 +56,15 @@ impl Violation {
             Violation::UntraceableUnknowns => "untraceable_unknowns",
             Violation::EarlyPurges => "early_purges",
             Violation::Liveness => "liveness",
+            Violation::SecondCopies => "second_copies",
+            Violation::SendsPastLease => "sends_past_lease",
         }
     }
 }
 
 /// Counts per violation class.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Violations(pub [u64; 8]);
+pub struct Violations(pub [u64; 10]);
 
 impl Violations {
     /// Adds one.
@@ -123,11 +133,19 @@ pub enum Fault {
     CorruptAck,
     /// A poison message refused by the broker.
     PoisonRejected,
+    /// A dispatcher stalled between its claim and the moment the batch leaves.
+    StallBeforeSend,
+    /// A destination stream deleted for a while (its sends come back "never sent").
+    StreamDeleted,
+    /// A create-if-absent broker refused a second copy.
+    CopyRefused,
+    /// A send refused at its deadline (it would have left after the lease).
+    DeadlineRefused,
 }
 
 impl Fault {
     /// Every fault, in report order.
-    pub const ALL: [Fault; 22] = [
+    pub const ALL: [Fault; 26] = [
         Fault::CrashBeforeCommit,
         Fault::CrashAfterCommit,
         Fault::AckLate,
@@ -150,6 +168,10 @@ impl Fault {
         Fault::ForgedAck,
         Fault::CorruptAck,
         Fault::PoisonRejected,
+        Fault::StallBeforeSend,
+        Fault::StreamDeleted,
+        Fault::CopyRefused,
+        Fault::DeadlineRefused,
     ];
 
     /// Label for the report, with the SPEC number where there is one.
@@ -177,13 +199,17 @@ impl Fault {
             Fault::ForgedAck => "ACK for unregistered attempt",
             Fault::CorruptAck => "ACK with altered payload digest",
             Fault::PoisonRejected => "poison refused by broker",
+            Fault::StallBeforeSend => "dispatcher stalled between claim and send",
+            Fault::StreamDeleted => "destination stream deleted",
+            Fault::CopyRefused => "second copy refused (create-if-absent)",
+            Fault::DeadlineRefused => "send refused at its deadline",
         }
     }
 }
 
 /// Counts per fault.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Faults(pub [u64; 22]);
+pub struct Faults(pub [u64; 26]);
 
 impl Faults {
     /// Adds one.
@@ -291,6 +317,12 @@ pub struct TraceStats {
     pub purges_refused: u64,
     /// Quarantined rows released by the operator path.
     pub quarantine_released: u64,
+    /// Unknown-age alerts raised by the reconciler machine.
+    pub unknown_alerts: u64,
+    /// Published rows re-checked at the broker by the verification pass (R31).
+    pub verified: u64,
+    /// "Never sent" outcomes reported by dispatchers.
+    pub never_sent: u64,
 }
 
 impl TraceStats {
@@ -310,6 +342,9 @@ impl TraceStats {
         self.rejected_receipts += o.rejected_receipts;
         self.fenced_writes += o.fenced_writes;
         self.second_copies += o.second_copies;
+        self.unknown_alerts += o.unknown_alerts;
+        self.verified += o.verified;
+        self.never_sent += o.never_sent;
         self.inbox_duplicates += o.inbox_duplicates;
         self.inbox_quarantined += o.inbox_quarantined;
         self.migrations_granted += o.migrations_granted;

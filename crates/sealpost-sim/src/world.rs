@@ -11,20 +11,25 @@ use rand_chacha::ChaCha8Rng;
 use rand_core::{Rng, SeedableRng};
 
 use sealpost_core::claim::{
-    apply_begin_send, apply_claim, apply_release_quarantine, apply_send_outcome,
-    decide_dispatch_claim, decide_reconcile_claim, decide_send_outcome, ClaimDecision, ClaimToken,
-    SendOutcome,
+    apply_begin_send, apply_claim, apply_release_quarantine, decide_dispatch_claim_for,
+    decide_reconcile_claim, decide_send_outcome, ClaimDecision, ClaimToken, SendOutcome,
 };
 use sealpost_core::cleanup::{PurgeRefusal, RetentionPolicy, Watermark};
+use sealpost_core::dispatcher::{
+    Claimed, ClaimedSend, DispatchAction, DispatcherConfig, DispatcherMachine, OutcomeReport,
+    Submission,
+};
 use sealpost_core::encoding::Digest;
 use sealpost_core::envelope::{
     Destination, EventId, PartitionAlgorithm, RoutePolicy, PAYLOAD_DOMAIN,
 };
 use sealpost_core::inbox::{InboxDecision, InboxRecord};
 use sealpost_core::migration::{apply_migration, decide_migration};
+use sealpost_core::port::{Capabilities, NeverSentReason, RefusalKind, SendRequest, SendResult};
 use sealpost_core::receipt::{apply_receipt, Receipt, ReceiptSource, ReceiptVerdict};
-use sealpost_core::reconcile::{
-    apply_reconcile, decide_reconcile, Lookup, ReconcileDecision, ReconcilePolicy,
+use sealpost_core::reconcile::{apply_reconcile, Lookup, ReconcileDecision};
+use sealpost_core::reconciler::{
+    ReconcileAction, ReconcileItem, ReconcilerConfig, ReconcilerMachine, VerifyItem,
 };
 use sealpost_core::row::{AttemptStatus, EventRow};
 use sealpost_core::state::{transition, State};
@@ -38,14 +43,17 @@ const TOPICS: [&str; 3] = ["ORDERS", "ORDERS_V2", "BILLING"];
 const LEASE_MS: u64 = 10_000;
 const ACK_TIMEOUT_MS: u64 = 3_000;
 const DISPATCH_IDLE_POLL_MS: u64 = 10_000;
-const DISPATCH_BUSY_POLL_MS: u64 = 1_000;
 const CLAIM_BATCH_MAX: usize = 3;
-const RECONCILE_EVERY_MS: u64 = 15_000;
+const RECONCILE_IDLE_POLL_MS: u64 = 5_000;
 const RECONCILE_LEASE_MS: u64 = 5_000;
 const CONSUMER_IDLE_POLL_MS: u64 = 20_000;
 const CONSUMER_BATCH_MAX: usize = 4;
 const CLEANUP_EVERY_MS: u64 = 30_000;
 const DEDUP_WINDOW_MS: u64 = 120_000;
+const STREAM_DELETED_MAX_MS: u64 = 300_000;
+/// Retry budget (R28: every failure window has a retry limit): send attempts one row may
+/// register in a trace. With the backoff, a ten-minute outage costs about fifteen.
+const ATTEMPTS_PER_ROW_MAX: usize = 100;
 const REPLAY_WINDOW_MS: u64 = 60_000;
 const REJECTION_LIMIT: u32 = 3;
 const DRAIN_MAX_MS: u64 = 3_600_000;
@@ -58,8 +66,13 @@ struct Config {
     facts: usize,
     dispatchers: usize,
     consumers: usize,
-    queryable: bool,
+    /// What the broker adapter declares (NATS-like, lookup only, or cannot be asked).
+    caps: Capabilities,
+    /// The broker's duplicate window: often shorter than a restore's gap.
+    dup_window_ms: u64,
     fault_end_ms: u64,
+    /// Per batch: the dispatcher stalls between its claim and the send.
+    p_stall: u32,
     p_ack_loss: u32,
     p_ack_dup: u32,
     p_ack_late: u32,
@@ -77,8 +90,11 @@ struct Config {
 struct PubReq {
     d: u8,
     inc: u32,
+    batch: u32,
+    slot: u16,
     row: u32,
-    token: ClaimToken,
+    /// Ghost: the lease end of the claim the request was made under.
+    lease_until_ms: u64,
     event_id: EventId,
     member: u16,
     envelope_generation: u32,
@@ -86,6 +102,17 @@ struct PubReq {
     payload_digest: Digest,
     destination_digest: Digest,
     stream: u8,
+    /// The adapter asks the broker to refuse a second copy.
+    create_if_absent: bool,
+}
+
+/// A batch handed to the adapter model, until every message has an outcome.
+#[derive(Clone, Debug)]
+struct Batch {
+    id: u32,
+    reqs: Vec<PubReq>,
+    results: Vec<Option<SendResult>>,
+    deadline_ms: u64,
 }
 
 #[derive(Clone, Debug)]
@@ -93,15 +120,14 @@ enum Ev {
     WriterCommit {
         fact: u32,
     },
-    DispatchTick {
+    DispatchWake {
         d: u8,
         inc: u32,
     },
-    BeginSend {
+    Leave {
         d: u8,
         inc: u32,
-        row: u32,
-        token: ClaimToken,
+        batch: u32,
     },
     BrokerReceive {
         req: PubReq,
@@ -109,31 +135,26 @@ enum Ev {
     AckArrive {
         d: u8,
         inc: u32,
-        row: u32,
-        receipt: Box<Receipt>,
-        genuine: bool,
+        batch: u32,
+        slot: u16,
+        result: Box<SendResult>,
     },
-    AckTimeout {
+    BatchTimeout {
         d: u8,
         inc: u32,
-        row: u32,
-        token: ClaimToken,
-        attempt: u64,
+        batch: u32,
     },
     DispatcherRestart {
         d: u8,
     },
-    ReconcileTick,
-    ReconcileLookup {
+    ReconcileWake {
         epoch: u32,
-        row: u32,
-        token: ClaimToken,
     },
-    ReconcileDecide {
+    LookupDone {
         epoch: u32,
-        row: u32,
-        token: ClaimToken,
+        item: Box<ReconcileItem>,
         lookup: Box<Lookup>,
+        verify: bool,
     },
     ConsumerTick {
         c: u8,
@@ -150,6 +171,10 @@ enum Ev {
         cluster: u8,
         until: u64,
     },
+    StreamDeleted {
+        stream: u8,
+        until: u64,
+    },
     PauseDispatcher {
         d: u8,
         until: u64,
@@ -160,6 +185,7 @@ enum Ev {
     Snapshot,
     Restore,
     FaultsEnd,
+    OperatorRelease,
 }
 
 #[derive(Clone, Debug)]
@@ -199,15 +225,61 @@ struct Stream {
     dedup: Vec<(EventId, u16, u64, u64)>,
 }
 
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 struct Dispatcher {
     inc: u32,
     alive: bool,
     paused_until: u64,
     owner: u64,
-    /// Attempts this incarnation sent and has not yet seen an ACK for.
-    waiting: Vec<u64>,
-    tick_scheduled: bool,
+    /// The clusters this process is connected to and claims rows for.
+    clusters: Vec<String>,
+    /// The production state machine.
+    machine: DispatcherMachine,
+    /// The batch on the wire.
+    batch: Option<Batch>,
+    next_batch: u32,
+    /// Row, stream and claim of each send of the last claim, in order.
+    claim_meta: Vec<(u32, u8, ClaimToken)>,
+    /// The earliest wake-up already queued.
+    wake_at: Option<u64>,
+}
+
+#[derive(Clone, Debug)]
+struct Reconciler {
+    machine: ReconcilerMachine,
+    wake_at: Option<u64>,
+    /// Rolling verification cursor (row index).
+    verify_after: usize,
+}
+
+fn dispatcher_config() -> DispatcherConfig {
+    DispatcherConfig {
+        batch_size_max: CLAIM_BATCH_MAX,
+        lease_ms: LEASE_MS,
+        send_margin_ms: ACK_TIMEOUT_MS,
+        idle_poll_ms: DISPATCH_IDLE_POLL_MS,
+        error_backoff_ms: 500,
+        submit_tries_max: 5,
+    }
+}
+
+fn reconciler(caps: Capabilities, now_ms: u64) -> Reconciler {
+    let cfg = ReconcilerConfig {
+        batch_max: 8,
+        lease_ms: RECONCILE_LEASE_MS,
+        lookups_in_flight_max: 4,
+        idle_poll_ms: RECONCILE_IDLE_POLL_MS,
+        error_backoff_ms: 1_000,
+        unknown_alert_ms: 900_000,
+        age_check_every_ms: 60_000,
+        verify_every_ms: 30_000,
+        verify_batch_max: 3,
+    };
+    Reconciler {
+        machine: ReconcilerMachine::new(cfg, caps, now_ms),
+        wake_at: None,
+        verify_after: 0,
+    }
 }
 
 #[derive(Clone, Debug, Default)]
@@ -239,7 +311,9 @@ pub struct World {
     snapshot: Option<Db>,
     streams: Vec<Stream>,
     broker_down_until: [u64; 2],
+    stream_deleted_until: Vec<u64>,
     dispatchers: Vec<Dispatcher>,
+    reconciler: Reconciler,
     consumers: Vec<Consumer>,
     faults_on: bool,
     /// Ghost: receipts the store accepted (row, stream, sequence), to check none vanish.
@@ -295,8 +369,36 @@ impl World {
             facts: range(&mut rng, 1, 4) as usize,
             dispatchers: range(&mut rng, 1, 3) as usize,
             consumers: 2,
-            queryable: chance(&mut rng, 500),
+            caps: match range(&mut rng, 0, 9) {
+                // NATS JetStream: lookup by subject, duplicate window, create-if-absent.
+                0..=3 => Capabilities {
+                    lookup_by_event_id: true,
+                    duplicate_window_ms: Some(DEDUP_WINDOW_MS),
+                    create_if_absent: true,
+                    per_key_ordering: false,
+                },
+                // A broker that can be asked but does not refuse second copies.
+                4..=6 => Capabilities {
+                    lookup_by_event_id: true,
+                    duplicate_window_ms: Some(DEDUP_WINDOW_MS),
+                    create_if_absent: false,
+                    per_key_ordering: false,
+                },
+                // A broker that cannot be asked (RabbitMQ): retries, inboxes dedupe.
+                _ => Capabilities {
+                    lookup_by_event_id: false,
+                    duplicate_window_ms: Some(DEDUP_WINDOW_MS),
+                    create_if_absent: false,
+                    per_key_ordering: false,
+                },
+            },
+            dup_window_ms: if chance(&mut rng, 500) {
+                DEDUP_WINDOW_MS
+            } else {
+                range(&mut rng, 2_000, 30_000)
+            },
             fault_end_ms: range(&mut rng, 20_000, 240_000),
+            p_stall: range(&mut rng, 0, 120) as u32,
             p_ack_loss: range(&mut rng, 0, 250) as u32,
             p_ack_dup: range(&mut rng, 0, 200) as u32,
             p_ack_late: range(&mut rng, 0, 300) as u32,
@@ -319,13 +421,30 @@ impl World {
                 });
             }
         }
-        let dispatchers = (0..cfg.dispatchers)
-            .map(|i| Dispatcher {
-                alive: true,
-                owner: 100 + i as u64,
-                ..Dispatcher::default()
+        let n = cfg.dispatchers;
+        let dispatchers = (0..n)
+            .map(|i| {
+                // Dispatcher 0 serves every cluster; others may serve one only, so rows of
+                // clusters a process does not serve are always present.
+                let clusters = match (i, range(&mut rng, 0, 2)) {
+                    (0, _) | (_, 0) => CLUSTERS.iter().map(|c| c.to_string()).collect(),
+                    (_, k) => vec![CLUSTERS[(k - 1) as usize].to_string()],
+                };
+                Dispatcher {
+                    inc: 0,
+                    alive: true,
+                    paused_until: 0,
+                    owner: 100 + i as u64,
+                    clusters,
+                    machine: DispatcherMachine::new(dispatcher_config(), 0),
+                    batch: None,
+                    next_batch: 0,
+                    claim_meta: Vec::new(),
+                    wake_at: None,
+                }
             })
             .collect();
+        let reconciler = reconciler(cfg.caps, 0);
         let consumers = (0..cfg.consumers)
             .map(|_| Consumer {
                 alive: true,
@@ -348,9 +467,11 @@ impl World {
                 ..Db::default()
             },
             snapshot: None,
+            stream_deleted_until: vec![0; streams.len()],
             streams,
             broker_down_until: [0; 2],
             dispatchers,
+            reconciler,
             consumers,
             faults_on: true,
             accepted: Vec::new(),
@@ -403,15 +524,16 @@ impl World {
         }
         for d in 0..self.cfg.dispatchers as u8 {
             let t = range(&mut self.rng, 0, DISPATCH_IDLE_POLL_MS);
-            self.at(t, Ev::DispatchTick { d, inc: 0 });
-            self.dispatchers[d as usize].tick_scheduled = true;
+            self.at(t, Ev::DispatchWake { d, inc: 0 });
+            self.dispatchers[d as usize].wake_at = Some(t);
         }
         for c in 0..self.cfg.consumers as u8 {
             let t = range(&mut self.rng, 0, 1000);
             self.at(t, Ev::ConsumerTick { c, inc: 0 });
             self.consumers[c as usize].tick_scheduled = true;
         }
-        self.at(RECONCILE_EVERY_MS, Ev::ReconcileTick);
+        self.at(RECONCILE_IDLE_POLL_MS, Ev::ReconcileWake { epoch: 0 });
+        self.reconciler.wake_at = Some(RECONCILE_IDLE_POLL_MS);
         self.at(CLEANUP_EVERY_MS, Ev::CleanupTick);
         self.at(end, Ev::FaultsEnd);
         // Faults with a time of their own.
@@ -427,6 +549,12 @@ impl World {
         for _ in 0..range(&mut self.rng, 0, 2) {
             let t = range(&mut self.rng, 0, end + 120_000);
             self.at(t, Ev::EarlyPurgeAttempt);
+        }
+        if chance(&mut self.rng, 200) {
+            let stream = (self.rng.next_u32() as usize % self.streams.len()) as u8;
+            let t = range(&mut self.rng, 0, end);
+            let until = t + range(&mut self.rng, 1_000, STREAM_DELETED_MAX_MS);
+            self.at(t, Ev::StreamDeleted { stream, until });
         }
         if chance(&mut self.rng, 350) {
             let cluster = (self.rng.next_u32() % 2) as u8;
@@ -512,40 +640,25 @@ impl World {
     fn step(&mut self, ev: Ev) {
         match ev {
             Ev::WriterCommit { fact } => self.writer_commit(fact),
-            Ev::DispatchTick { d, inc } => self.dispatch_tick(d, inc),
-            Ev::BeginSend { d, inc, row, token } => self.begin_send(d, inc, row, token),
+            Ev::DispatchWake { d, inc } => self.dispatch_wake(d, inc),
+            Ev::Leave { d, inc, batch } => self.leave(d, inc, batch),
             Ev::BrokerReceive { req } => self.broker_receive(req),
             Ev::AckArrive {
                 d,
                 inc,
-                row,
-                receipt,
-                genuine,
-            } => self.ack_arrive(d, inc, row, *receipt, genuine),
-            Ev::AckTimeout {
-                d,
-                inc,
-                row,
-                token,
-                attempt,
-            } => self.ack_timeout(d, inc, row, token, attempt),
-            Ev::DispatcherRestart { d } => {
-                let disp = &mut self.dispatchers[d as usize];
-                disp.alive = true;
-                disp.inc += 1;
-                disp.waiting.clear();
-                let inc = disp.inc;
-                disp.tick_scheduled = true;
-                self.at(self.now, Ev::DispatchTick { d, inc });
-            }
-            Ev::ReconcileTick => self.reconcile_tick(),
-            // The reconciler restarts with a restored database: older work is dropped.
-            Ev::ReconcileLookup { epoch, .. } | Ev::ReconcileDecide { epoch, .. }
-                if epoch != self.epoch => {}
-            Ev::ReconcileLookup { row, token, .. } => self.reconcile_lookup(row, token),
-            Ev::ReconcileDecide {
-                row, token, lookup, ..
-            } => self.reconcile_decide(row, token, *lookup),
+                batch,
+                slot,
+                result,
+            } => self.ack_arrive(d, inc, batch, slot, *result),
+            Ev::BatchTimeout { d, inc, batch } => self.batch_timeout(d, inc, batch),
+            Ev::DispatcherRestart { d } => self.restart_dispatcher(d),
+            Ev::ReconcileWake { epoch } => self.reconcile_wake(epoch),
+            Ev::LookupDone {
+                epoch,
+                item,
+                lookup,
+                verify,
+            } => self.lookup_done(epoch, *item, *lookup, verify),
             Ev::ConsumerTick { c, inc } => self.consumer_tick(c, inc),
             Ev::ConsumerRestart { c } => {
                 let con = &mut self.consumers[c as usize];
@@ -579,6 +692,13 @@ impl World {
                     until.min(self.cfg.fault_end_ms.max(until));
                 self.note(|| format!("broker {} down until {until}", CLUSTERS[cluster as usize]));
             }
+            Ev::StreamDeleted { stream, until } => {
+                if self.faults_on {
+                    self.fault(Fault::StreamDeleted);
+                    self.stream_deleted_until[stream as usize] = until;
+                    self.note(|| format!("stream {stream} deleted until {until}"));
+                }
+            }
             Ev::PauseDispatcher { d, until } => {
                 if self.faults_on {
                     self.fault(Fault::DispatcherPaused);
@@ -605,21 +725,32 @@ impl World {
             Ev::FaultsEnd => {
                 self.faults_on = false;
                 self.broker_down_until = [0; 2];
+                self.stream_deleted_until.iter_mut().for_each(|u| *u = 0);
                 for d in &mut self.dispatchers {
                     d.paused_until = 0;
                 }
-                // Operator exit path for poison (R6): release quarantined rows.
-                for i in 0..self.db.rows.len() {
-                    if self.db.rows[i].state == State::Quarantined {
-                        match apply_release_quarantine(&mut self.db.rows[i]) {
-                            Ok(()) => self.stats.quarantine_released += 1,
-                            Err(e) => self.violation(Violation::Liveness, || e.to_string()),
-                        }
-                    }
-                }
-                self.wake_dispatchers();
+                self.operator_release();
                 self.note(|| "faults end; draining".into());
             }
+            Ev::OperatorRelease => self.operator_release(),
+        }
+    }
+
+    /// The operator's exit path for poison (R6), once faults stop: release quarantined rows
+    /// (`sealpost release`), and look again a minute later while anything is unpublished
+    /// (a refusal decided before the faults ended may be reported after).
+    fn operator_release(&mut self) {
+        for i in 0..self.db.rows.len() {
+            if self.db.rows[i].state == State::Quarantined {
+                match apply_release_quarantine(&mut self.db.rows[i]) {
+                    Ok(()) => self.stats.quarantine_released += 1,
+                    Err(e) => self.violation(Violation::Liveness, || e.to_string()),
+                }
+            }
+        }
+        self.wake_dispatchers();
+        if self.db.rows.iter().any(|r| !r.state.is_published()) {
+            self.at(self.now + 60_000, Ev::OperatorRelease);
         }
     }
 
@@ -663,20 +794,40 @@ impl World {
     }
 
     fn wake_dispatchers(&mut self) {
-        // LISTEN/NOTIFY: a commit wakes one idle dispatcher soon.
+        // LISTEN/NOTIFY: a commit wakes the idle dispatchers soon.
+        let t = self.now + 5;
         for d in 0..self.dispatchers.len() {
-            let disp = &self.dispatchers[d];
-            if disp.alive && !disp.tick_scheduled {
-                let inc = disp.inc;
-                self.dispatchers[d].tick_scheduled = true;
-                let t = self.now + 5;
-                self.at(t, Ev::DispatchTick { d: d as u8, inc });
-                return;
+            let disp = &mut self.dispatchers[d];
+            if disp.alive && disp.machine.is_idle() {
+                disp.machine.handle_notify(t);
+                if disp.wake_at.is_none_or(|w| t < w) {
+                    disp.wake_at = Some(t);
+                    let inc = disp.inc;
+                    self.at(t, Ev::DispatchWake { d: d as u8, inc });
+                }
             }
         }
     }
 
+    /// A new dispatcher process: a fresh machine, nothing in flight.
+    fn restart_dispatcher(&mut self, d: u8) {
+        let now = self.now;
+        let disp = &mut self.dispatchers[d as usize];
+        disp.alive = true;
+        disp.inc += 1;
+        disp.machine = DispatcherMachine::new(dispatcher_config(), now);
+        disp.batch = None;
+        disp.claim_meta.clear();
+        disp.wake_at = Some(now);
+        let inc = disp.inc;
+        self.at(now, Ev::DispatchWake { d, inc });
+    }
+
     // ---------------------------------------------------------------- dispatchers
+    //
+    // Each dispatcher is a `DispatcherMachine` from the core, the same one the tokio shell
+    // drives: this section only performs its actions against the simulated store, adapter,
+    // network and broker, and feeds it the answers at virtual times.
 
     /// True if the event must wait (dispatcher paused), re-queued at the pause end.
     fn deferred(&mut self, d: u8, ev: &Ev) -> bool {
@@ -688,25 +839,79 @@ impl World {
         false
     }
 
-    fn dispatch_tick(&mut self, d: u8, inc: u32) {
-        if self.dispatchers[d as usize].inc != inc || !self.dispatchers[d as usize].alive {
+    fn live(&self, d: u8, inc: u32) -> bool {
+        let disp = &self.dispatchers[d as usize];
+        disp.alive && disp.inc == inc
+    }
+
+    fn dispatch_wake(&mut self, d: u8, inc: u32) {
+        if !self.live(d, inc) {
             return;
         }
-        if self.deferred(d, &Ev::DispatchTick { d, inc }) {
+        if self.deferred(d, &Ev::DispatchWake { d, inc }) {
             return;
         }
-        self.dispatchers[d as usize].tick_scheduled = false;
-        let owner = self.dispatchers[d as usize].owner;
-        let mut granted = 0;
-        let n = self.db.rows.len();
-        let start = if n == 0 {
-            0
-        } else {
-            self.rng.next_u32() as usize % n
+        self.dispatchers[d as usize].wake_at = None;
+        self.drive_dispatcher(d);
+    }
+
+    /// Polls the machine and performs its actions until it waits.
+    fn drive_dispatcher(&mut self, d: u8) {
+        let di = d as usize;
+        while let Some(action) = self.dispatchers[di].machine.poll_action(self.now) {
+            self.dispatch_action(d, action);
+        }
+        if let Some(t) = self.dispatchers[di].machine.poll_timeout() {
+            let t = t.max(self.now);
+            if self.dispatchers[di].wake_at.is_none_or(|w| t < w) {
+                self.dispatchers[di].wake_at = Some(t);
+                let inc = self.dispatchers[di].inc;
+                self.at(t, Ev::DispatchWake { d, inc });
+            }
+        }
+    }
+
+    fn dispatch_action(&mut self, d: u8, action: DispatchAction) {
+        match action {
+            DispatchAction::Claim { batch_size_max } => {
+                let claimed = self.store_claim(d, batch_size_max);
+                let now = self.now;
+                if let Some(send) = self.dispatchers[d as usize]
+                    .machine
+                    .handle_claimed(now, claimed)
+                {
+                    self.dispatch_action(d, send);
+                }
+            }
+            DispatchAction::Send { batch, deadline_ms } => self.start_send(d, batch, deadline_ms),
+            DispatchAction::Submit(sub) => {
+                let ok = self.store_submit(d, &sub);
+                let now = self.now;
+                self.dispatchers[d as usize]
+                    .machine
+                    .handle_submitted(now, ok);
+            }
+        }
+    }
+
+    /// The store's claim transaction (`store::claim_batch`): claim in commit order, only the
+    /// clusters this dispatcher serves, and register each attempt before anything is sent.
+    fn store_claim(&mut self, d: u8, max: usize) -> Claimed {
+        let di = d as usize;
+        let owner = self.dispatchers[di].owner;
+        let clusters = self.dispatchers[di].clusters.clone();
+        let mut claimed = Claimed {
+            claim_started_ms: self.now,
+            db_now_ms: self.now,
+            sends: Vec::new(),
         };
-        for k in 0..n {
-            let i = (start + k) % n;
-            let decision = decide_dispatch_claim(&self.db.rows[i], self.now, LEASE_MS);
+        let mut meta = Vec::new();
+        for i in 0..self.db.rows.len() {
+            if claimed.sends.len() >= max {
+                break;
+            }
+            let decision =
+                decide_dispatch_claim_for(&self.db.rows[i], &clusters, self.now, LEASE_MS);
             if decision == ClaimDecision::Skip {
                 continue;
             }
@@ -717,50 +922,37 @@ impl World {
                 self.fault(Fault::ClaimSuperseded);
             }
             let now = self.now;
-            match apply_claim(&mut self.db.rows[i], &decision, owner, now) {
-                Ok(Some(token)) => {
-                    granted += 1;
-                    let t = self.now + range(&mut self.rng, 0, 20);
-                    self.at(
-                        t,
-                        Ev::BeginSend {
-                            d,
-                            inc,
-                            row: i as u32,
-                            token,
-                        },
-                    );
-                    self.note(|| format!("d{d} claims row {i} gen {}", token.generation));
-                }
+            let token = match apply_claim(&mut self.db.rows[i], &decision, owner, now) {
+                Ok(Some(token)) => token,
                 Ok(None) => {
-                    self.note(|| format!("d{d} expires SENDING row {i} -> DISPATCH_UNKNOWN"))
+                    self.note(|| format!("d{d} expires SENDING row {i} -> DISPATCH_UNKNOWN"));
+                    continue;
                 }
-                Err(e) => self.violation(Violation::Liveness, || format!("claim: {e}")),
-            }
-            if granted >= CLAIM_BATCH_MAX {
-                break;
+                Err(e) => {
+                    self.violation(Violation::Liveness, || format!("claim: {e}"));
+                    continue;
+                }
+            };
+            if let Some((req, stream)) = self.begin_send(d, i, token) {
+                meta.push((i as u32, stream, token));
+                claimed.sends.push(ClaimedSend {
+                    request: req,
+                    token,
+                    db_lease_until_ms: self.db.rows[i]
+                        .claim
+                        .as_ref()
+                        .map_or(now, |c| c.lease_until_ms),
+                });
             }
         }
-        let next = if granted > 0 {
-            DISPATCH_BUSY_POLL_MS
-        } else {
-            DISPATCH_IDLE_POLL_MS
-        };
-        self.dispatchers[d as usize].tick_scheduled = true;
-        let t = self.now + next;
-        self.at(t, Ev::DispatchTick { d, inc });
+        self.dispatchers[di].claim_meta = meta;
+        claimed
     }
 
-    fn begin_send(&mut self, d: u8, inc: u32, row: u32, token: ClaimToken) {
-        if self.dispatchers[d as usize].inc != inc || !self.dispatchers[d as usize].alive {
-            return;
-        }
-        if self.deferred(d, &Ev::BeginSend { d, inc, row, token }) {
-            return;
-        }
-        let r = row as usize;
+    /// Registers the attempt of a fresh claim (same transaction as the claim).
+    fn begin_send(&mut self, d: u8, r: usize, token: ClaimToken) -> Option<(SendRequest, u8)> {
         let fact = self.db.row_fact[r];
-        let policy_dest = member_destination(self.db.policy, fact, self.db.rows[r].member).digest();
+        let policy_dest = member_destination(self.db.policy, fact, self.db.rows[r].member);
         let mut random = [0u8; 10];
         self.rng.fill_bytes(&mut random);
         let fresh = EventId::mint(1_800_000_000_000 + self.now, random);
@@ -768,14 +960,14 @@ impl World {
             &self.db.rows[r],
             token,
             self.now,
-            policy_dest,
+            policy_dest.digest(),
             fresh,
         ) {
             Ok(b) => b,
             Err(f) => {
                 self.stats.fenced_writes += 1;
                 self.note(|| format!("d{d} begin-send on row {r} fenced: {f:?}"));
-                return;
+                return None;
             }
         };
         let attempt_id = self.db.next_attempt_id;
@@ -783,7 +975,14 @@ impl World {
         let now = self.now;
         if let Err(e) = apply_begin_send(&mut self.db.rows[r], &begin, token, attempt_id, now) {
             self.violation(Violation::Liveness, || format!("begin send: {e}"));
-            return;
+            return None;
+        }
+        // Checker: a row that cannot leave is retried with a backoff, not in a hot loop that
+        // starves the rows behind it.
+        if self.db.rows[r].attempts.len() > ATTEMPTS_PER_ROW_MAX {
+            self.violation_of(Violation::Liveness, r as u32, || {
+                format!("row {r} registered more than {ATTEMPTS_PER_ROW_MAX} attempts")
+            });
         }
         // Checker: a send goes only to the row's frozen destination, and never elsewhere
         // while another attempt's outcome is open (R14-R15).
@@ -801,87 +1000,302 @@ impl World {
                 || format!("row {r} attempt {attempt_id} sent off its frozen destination"),
             );
         }
-        // The stream the message is addressed to: resolved from the digest the send carries.
-        let stream = if begin.destination_digest == self.db.rows[r].destination_digest {
-            self.stream_of(&self.db.rows[r].destination.clone())
+        // The message goes where the digest it carries says.
+        let destination = if begin.destination_digest == self.db.rows[r].destination_digest {
+            self.db.rows[r].destination.clone()
         } else {
-            self.stream_of(&member_destination(
-                self.db.policy,
-                fact,
-                self.db.rows[r].member,
-            ))
+            policy_dest
         };
-        let Some(stream) = stream else {
+        let Some(stream) = self.stream_of(&destination) else {
             self.violation(Violation::Liveness, || "destination has no stream".into());
-            return;
-        };
-        let row_ref = &self.db.rows[r];
-        let req = PubReq {
-            d,
-            inc,
-            row,
-            token,
-            event_id: begin.event_id,
-            member: row_ref.member,
-            envelope_generation: begin.envelope_generation,
-            attempt_id,
-            payload_digest: row_ref.payload_digest,
-            destination_digest: begin.destination_digest,
-            stream,
+            return None;
         };
         self.note(|| {
             format!(
-                "d{d} sends row {r} attempt {attempt_id} (gen {})",
-                begin.attempt_generation
+                "d{d} claims row {r} gen {}, registers attempt {attempt_id} (attempt gen {})",
+                token.generation, begin.attempt_generation
             )
         });
-        let cluster = self.streams[stream as usize].cluster as usize;
-        if self.broker_down_until[cluster] > self.now {
-            // Connection refused before anything left: a definite "not stored".
-            self.report_outcome(d, row, token, attempt_id, SendOutcome::NeverSent);
-            return;
-        }
-        self.dispatchers[d as usize].waiting.push(attempt_id);
-        if self.faults_on && chance(&mut self.rng, self.cfg.p_req_loss) {
-            self.fault(Fault::PartitionMidSend);
-        } else {
-            let t = self.now + range(&mut self.rng, 1, 40);
-            self.at(t, Ev::BrokerReceive { req });
-        }
-        let t = self.now + ACK_TIMEOUT_MS;
-        self.at(
-            t,
-            Ev::AckTimeout {
-                d,
-                inc,
-                row,
-                token,
-                attempt: attempt_id,
+        let row_ref = &self.db.rows[r];
+        Some((
+            SendRequest {
+                event_id: begin.event_id,
+                member: row_ref.member,
+                envelope_generation: begin.envelope_generation,
+                attempt_id,
+                payload_digest: row_ref.payload_digest,
+                destination,
+                destination_digest: begin.destination_digest,
+                payload: Vec::new(),
             },
-        );
+            stream,
+        ))
     }
 
-    fn report_outcome(
-        &mut self,
-        d: u8,
-        row: u32,
-        token: ClaimToken,
-        attempt: u64,
-        outcome: SendOutcome,
-    ) {
+    /// Hands a batch to the adapter model. It leaves after a stall: in-flight permits, a
+    /// 10,000-row batch being encoded, a GC pause — or a paused process.
+    fn start_send(&mut self, d: u8, batch: Vec<SendRequest>, deadline_ms: u64) {
+        let di = d as usize;
+        let meta = std::mem::take(&mut self.dispatchers[di].claim_meta);
+        debug_assert_eq!(meta.len(), batch.len());
+        let id = self.dispatchers[di].next_batch;
+        self.dispatchers[di].next_batch += 1;
+        let inc = self.dispatchers[di].inc;
+        let create_if_absent = self.proto.create_if_absent(self.cfg.caps.create_if_absent);
+        let reqs: Vec<PubReq> = batch
+            .into_iter()
+            .zip(meta)
+            .enumerate()
+            .map(|(slot, (s, (row, stream, token)))| PubReq {
+                d,
+                inc,
+                batch: id,
+                slot: slot as u16,
+                row,
+                lease_until_ms: self.db.rows[row as usize]
+                    .claim
+                    .as_ref()
+                    .filter(|c| c.generation == token.generation)
+                    .map_or(self.now, |c| c.lease_until_ms),
+                event_id: s.event_id,
+                member: s.member,
+                envelope_generation: s.envelope_generation,
+                attempt_id: s.attempt_id,
+                payload_digest: s.payload_digest,
+                destination_digest: s.destination_digest,
+                stream,
+                create_if_absent,
+            })
+            .collect();
+        let n = reqs.len();
+        self.dispatchers[di].batch = Some(Batch {
+            id,
+            reqs,
+            results: vec![None; n],
+            deadline_ms,
+        });
+        let stall = if self.faults_on && chance(&mut self.rng, self.cfg.p_stall) {
+            self.fault(Fault::StallBeforeSend);
+            range(&mut self.rng, 1_000, 3 * LEASE_MS)
+        } else {
+            range(&mut self.rng, 0, 20)
+        };
+        self.at(self.now + stall, Ev::Leave { d, inc, batch: id });
+    }
+
+    /// The batch leaves the process: the adapter's deadline check, then the network.
+    fn leave(&mut self, d: u8, inc: u32, batch: u32) {
+        if !self.live(d, inc) {
+            return;
+        }
+        if self.deferred(d, &Ev::Leave { d, inc, batch }) {
+            return;
+        }
+        let di = d as usize;
+        let Some(b) = self.dispatchers[di].batch.clone() else {
+            return;
+        };
+        if b.id != batch {
+            return;
+        }
+        for req in &b.reqs {
+            let slot = req.slot as usize;
+            let result = if !self.proto.may_leave(self.now, b.deadline_ms) {
+                self.fault(Fault::DeadlineRefused);
+                Some(SendResult::NeverSent(NeverSentReason::DeadlinePassed))
+            } else {
+                if self.now >= req.lease_until_ms {
+                    // Checker (R9): nothing leaves once the claim it was made under is over.
+                    let (a, r) = (req.attempt_id, req.row);
+                    self.violation_of(Violation::SendsPastLease, 4_000_000 + a as u32, || {
+                        format!("row {r} attempt {a} left after its lease ended")
+                    });
+                }
+                let s = req.stream as usize;
+                let cluster = self.streams[s].cluster as usize;
+                if self.broker_down_until[cluster] > self.now {
+                    Some(SendResult::NeverSent(NeverSentReason::NotConnected(
+                        "connection refused".into(),
+                    )))
+                } else if self.stream_deleted_until[s] > self.now {
+                    Some(SendResult::NeverSent(NeverSentReason::NoSuchDestination(
+                        "stream not found".into(),
+                    )))
+                } else if self.faults_on && chance(&mut self.rng, self.cfg.p_req_loss) {
+                    self.fault(Fault::PartitionMidSend);
+                    None
+                } else {
+                    let t = self.now + range(&mut self.rng, 1, 40);
+                    self.at(t, Ev::BrokerReceive { req: req.clone() });
+                    None
+                }
+            };
+            if let Some(result) = result {
+                if let Some(bb) = self.dispatchers[di].batch.as_mut() {
+                    bb.results[slot] = Some(result);
+                }
+            }
+        }
+        self.note(|| format!("d{d} batch {batch} leaves ({} request(s))", b.reqs.len()));
+        self.at(
+            self.now + ACK_TIMEOUT_MS,
+            Ev::BatchTimeout { d, inc, batch },
+        );
+        self.settle_if_complete(d);
+    }
+
+    fn settle_if_complete(&mut self, d: u8) {
+        let di = d as usize;
+        let complete = self.dispatchers[di]
+            .batch
+            .as_ref()
+            .is_some_and(|b| b.results.iter().all(Option::is_some));
+        if complete {
+            self.settle(d);
+        }
+    }
+
+    /// Every message of the open batch has an outcome: the machine turns them into one
+    /// submission (receipts and reports in one transaction).
+    fn settle(&mut self, d: u8) {
+        let di = d as usize;
+        let Some(b) = self.dispatchers[di].batch.take() else {
+            return;
+        };
+        let results: Vec<SendResult> = b
+            .results
+            .into_iter()
+            .map(|r| r.unwrap_or(SendResult::NoAnswer))
+            .collect();
+        let now = self.now;
+        if let Some(action) = self.dispatchers[di].machine.handle_sent(now, results) {
+            self.dispatch_action(d, action);
+        }
+        self.drive_dispatcher(d);
+    }
+
+    fn batch_timeout(&mut self, d: u8, inc: u32, batch: u32) {
+        if !self.live(d, inc) {
+            return;
+        }
+        if self.deferred(d, &Ev::BatchTimeout { d, inc, batch }) {
+            return;
+        }
+        if self.dispatchers[d as usize]
+            .batch
+            .as_ref()
+            .is_some_and(|b| b.id == batch)
+        {
+            self.settle(d);
+        }
+    }
+
+    /// The broker's answer reaches the dispatcher (or is late for its batch).
+    fn ack_arrive(&mut self, d: u8, inc: u32, batch: u32, slot: u16, result: SendResult) {
+        if !self.live(d, inc) {
+            return;
+        }
+        let ev = Ev::AckArrive {
+            d,
+            inc,
+            batch,
+            slot,
+            result: Box::new(result),
+        };
+        if self.deferred(d, &ev) {
+            return;
+        }
+        let Ev::AckArrive { result, .. } = ev else {
+            unreachable!()
+        };
+        let di = d as usize;
+        match self.dispatchers[di].batch.as_mut() {
+            Some(b) if b.id == batch && b.results[slot as usize].is_none() => {
+                b.results[slot as usize] = Some(*result);
+                self.settle_if_complete(d);
+            }
+            _ => {
+                // Late: the batch was settled (its outcome reported unknown). A receipt still
+                // goes to the acceptance point (R11); anything else is no news.
+                if let SendResult::Receipt(r) = *result {
+                    self.dispatchers[di].machine.handle_late_receipt(r);
+                    self.drive_dispatcher(d);
+                }
+            }
+        }
+    }
+
+    /// The store's submission transaction: every receipt through the acceptance point and
+    /// every outcome report, all or nothing.
+    fn store_submit(&mut self, d: u8, sub: &Submission) -> bool {
+        if self.faults_on && chance(&mut self.rng, self.cfg.p_receipt_rollback) {
+            // F7: the transaction rolls back; the machine retries it.
+            self.fault(Fault::ReceiptRollback);
+            return false;
+        }
+        for receipt in &sub.receipts {
+            match self.row_of(receipt.event_id, receipt.member) {
+                Some(r) => {
+                    let genuine = self.genuine(receipt);
+                    self.accept(r, receipt, genuine);
+                }
+                None => self.stats.rejected_receipts += 1,
+            }
+        }
+        for rep in &sub.reports {
+            let Some(r) = self.row_of(rep.event_id, rep.member) else {
+                continue;
+            };
+            self.report_outcome(d, r, rep);
+        }
+        true
+    }
+
+    fn row_of(&self, event_id: EventId, member: u16) -> Option<u32> {
+        self.db
+            .rows
+            .iter()
+            .position(|r| r.event_id == event_id && r.member == member)
+            .map(|i| i as u32)
+    }
+
+    /// Ghost knowledge: does the broker hold this very message at the receipt's position?
+    fn genuine(&self, r: &Receipt) -> bool {
+        let s = self.stream_index(&r.cluster, &r.stream) as usize;
+        self.streams
+            .get(s)
+            .and_then(|st| st.msgs.get((r.sequence as usize).wrapping_sub(1)))
+            .is_some_and(|m| {
+                m.event_id == r.event_id
+                    && m.member == r.member
+                    && m.payload_digest == r.payload_digest
+            })
+    }
+
+    fn report_outcome(&mut self, d: u8, row: u32, rep: &OutcomeReport) {
         let r = row as usize;
         let decision = decide_send_outcome(
             &self.db.rows[r],
-            token,
-            attempt,
-            outcome,
+            rep.token,
+            rep.attempt_id,
+            rep.outcome,
             self.now,
             REJECTION_LIMIT,
         );
+        if rep.outcome == SendOutcome::NeverSent {
+            self.stats.never_sent += 1;
+        }
         let now = self.now;
-        if let Err(e) = apply_send_outcome(&mut self.db.rows[r], decision, attempt, outcome, now) {
+        if let Err(e) = self.proto.apply_send_outcome(
+            &mut self.db.rows[r],
+            decision,
+            rep.attempt_id,
+            rep.outcome,
+            now,
+        ) {
             self.violation(Violation::Liveness, || format!("send outcome: {e}"));
         }
+        let (outcome, attempt) = (rep.outcome, rep.attempt_id);
         self.note(|| {
             format!("d{d} reports {outcome:?} for attempt {attempt} on row {r}: {decision:?}")
         });
@@ -894,12 +1308,27 @@ impl World {
             self.note(|| format!("broker down: request for attempt {} lost", req.attempt_id));
             return;
         }
+        let (d, inc, batch, slot) = (req.d, req.inc, req.batch, req.slot);
+        let answer_at = self.now + range(&mut self.rng, 1, 40);
         let fact = self.db.row_fact.get(req.row as usize).copied();
         let poison = fact.is_some_and(|f| self.facts[f as usize].poison) && self.faults_on;
         if poison {
-            // A definite refusal (e.g. schema not registered): nothing stored.
+            // A definite, permanent refusal (e.g. over the size limit): nothing stored.
             self.fault(Fault::PoisonRejected);
-            self.deliver_rejection(&req);
+            let result = SendResult::Refused {
+                kind: RefusalKind::Rejected,
+                detail: "schema not registered".into(),
+            };
+            self.at(
+                answer_at,
+                Ev::AckArrive {
+                    d,
+                    inc,
+                    batch,
+                    slot,
+                    result: Box::new(result),
+                },
+            );
             return;
         }
         // Checker: no second logical id; every stored id belongs to a fact.
@@ -911,14 +1340,35 @@ impl World {
             );
         }
         let now = self.now;
+        let window = self.cfg.dup_window_ms;
         let stream = &mut self.streams[s];
-        stream.dedup.retain(|e| e.3 + DEDUP_WINDOW_MS > now);
-        let (seq, duplicate) = if let Some(e) = stream
+        stream.dedup.retain(|e| e.3 + window > now);
+        let dedup_hit = stream
             .dedup
             .iter()
             .find(|e| e.0 == req.event_id && e.1 == req.member)
-        {
-            (e.2, true)
+            .map(|e| e.2);
+        let held = stream
+            .msgs
+            .iter()
+            .any(|m| m.event_id == req.event_id && m.member == req.member);
+        let (seq, duplicate) = if let Some(seq) = dedup_hit {
+            (seq, true)
+        } else if req.create_if_absent && held {
+            // The broker itself refuses a second copy (NATS: wrong last subject sequence).
+            self.fault(Fault::CopyRefused);
+            self.note(|| format!("broker refuses attempt {}: a copy exists", req.attempt_id));
+            self.at(
+                answer_at,
+                Ev::AckArrive {
+                    d,
+                    inc,
+                    batch,
+                    slot,
+                    result: Box::new(SendResult::AlreadyStored),
+                },
+            );
+            return;
         } else {
             stream.msgs.push(Msg {
                 event_id: req.event_id,
@@ -932,13 +1382,14 @@ impl World {
             stream.dedup.push((req.event_id, req.member, seq, now));
             (seq, false)
         };
-        let copies = stream
-            .msgs
-            .iter()
-            .filter(|m| m.event_id == req.event_id && m.member == req.member)
-            .count();
-        if copies > 1 && !duplicate {
+        if held && !duplicate {
             self.stats.second_copies += 1;
+            if self.cfg.caps.create_if_absent {
+                let a = req.attempt_id;
+                self.violation_of(Violation::SecondCopies, 5_000_000 + a as u32, || {
+                    format!("a create-if-absent broker stored a second copy (attempt {a})")
+                });
+            }
         }
         self.wake_consumers();
         let mut sequence = seq;
@@ -975,7 +1426,13 @@ impl World {
             self.fault(Fault::AckLate);
             delay += range(&mut self.rng, ACK_TIMEOUT_MS, 4 * LEASE_MS);
         }
-        let (d, inc, row) = (req.d, req.inc, req.row);
+        let ack = |result: SendResult| Ev::AckArrive {
+            d,
+            inc,
+            batch,
+            slot,
+            result: Box::new(result),
+        };
         if self.faults_on && chance(&mut self.rng, self.cfg.p_forge) {
             // An ACK for an attempt the store never registered, naming a position that does
             // not hold this event, arrives first.
@@ -984,117 +1441,24 @@ impl World {
             forged.attempt_id = 9_000_000 + u64::from(self.rng.next_u32() % 1000);
             forged.sequence = seq + 1000;
             forged.broker_duplicate = false;
-            self.at(
-                self.now + 1,
-                Ev::AckArrive {
-                    d,
-                    inc,
-                    row,
-                    receipt: Box::new(forged),
-                    genuine: false,
-                },
-            );
+            self.at(self.now + 1, ack(SendResult::Receipt(forged)));
         }
         if self.faults_on && chance(&mut self.rng, self.cfg.p_forge) {
             // The ACK is corrupted on its way back: its payload digest no longer matches.
             self.fault(Fault::CorruptAck);
             let mut bad = receipt;
             bad.payload_digest = Digest([0xee; 32]);
-            self.at(
-                self.now + delay,
-                Ev::AckArrive {
-                    d,
-                    inc,
-                    row,
-                    receipt: Box::new(bad),
-                    genuine: false,
-                },
-            );
+            self.at(self.now + delay, ack(SendResult::Receipt(bad)));
             return;
         }
         if self.faults_on && chance(&mut self.rng, self.cfg.p_ack_dup) {
             self.fault(Fault::AckDuplicated);
             let t = self.now + range(&mut self.rng, 1, 5_000);
-            self.at(
-                t,
-                Ev::AckArrive {
-                    d,
-                    inc,
-                    row,
-                    receipt: Box::new(receipt.clone()),
-                    genuine: true,
-                },
-            );
+            self.at(t, ack(SendResult::Receipt(receipt.clone())));
         }
         let t = self.now + delay;
-        self.at(
-            t,
-            Ev::AckArrive {
-                d,
-                inc,
-                row,
-                receipt: Box::new(receipt),
-                genuine: true,
-            },
-        );
+        self.at(t, ack(SendResult::Receipt(receipt)));
     }
-
-    fn deliver_rejection(&mut self, req: &PubReq) {
-        // The refusal reaches the sender at once (same connection); the sender reports a
-        // definite rejection under its own token, fenced like every other write.
-        let d = req.d;
-        if self.dispatchers[d as usize].inc != req.inc || !self.dispatchers[d as usize].alive {
-            return;
-        }
-        if (req.row as usize) >= self.db.rows.len() {
-            return;
-        }
-        self.dispatchers[d as usize]
-            .waiting
-            .retain(|a| *a != req.attempt_id);
-        self.report_outcome(d, req.row, req.token, req.attempt_id, SendOutcome::Rejected);
-    }
-
-    fn ack_arrive(&mut self, d: u8, inc: u32, row: u32, receipt: Receipt, genuine: bool) {
-        if self.dispatchers[d as usize].inc != inc || !self.dispatchers[d as usize].alive {
-            return;
-        }
-        let ev = Ev::AckArrive {
-            d,
-            inc,
-            row,
-            receipt: Box::new(receipt),
-            genuine,
-        };
-        if self.deferred(d, &ev) {
-            return;
-        }
-        let Ev::AckArrive { receipt, .. } = ev else {
-            unreachable!()
-        };
-        self.dispatchers[d as usize]
-            .waiting
-            .retain(|a| *a != receipt.attempt_id);
-        if self.faults_on && chance(&mut self.rng, self.cfg.p_receipt_rollback) {
-            // F7: the receipt transaction rolls back; the sender retries acceptance.
-            self.fault(Fault::ReceiptRollback);
-            let t = self.now + range(&mut self.rng, 100, 2_000);
-            self.at(
-                t,
-                Ev::AckArrive {
-                    d,
-                    inc,
-                    row,
-                    receipt,
-                    genuine,
-                },
-            );
-            return;
-        }
-        self.accept(row, &receipt, genuine);
-    }
-
-    /// The acceptance point: one "transaction" over the row (R10–R12).
     fn accept(&mut self, row: u32, receipt: &Receipt, genuine: bool) {
         let r = row as usize;
         if r >= self.db.rows.len() || self.db.rows[r].event_id != receipt.event_id {
@@ -1180,122 +1544,246 @@ impl World {
             .map_or(u8::MAX, |i| i as u8)
     }
 
-    fn ack_timeout(&mut self, d: u8, inc: u32, row: u32, token: ClaimToken, attempt: u64) {
-        if self.dispatchers[d as usize].inc != inc || !self.dispatchers[d as usize].alive {
+    // ---------------------------------------------------------------- reconciler
+    //
+    // One reconciler process: the core's `ReconcilerMachine`, driven like the dispatchers.
+    // A database restore restarts it (epoch): answers for the old incarnation are dropped.
+
+    fn reconcile_wake(&mut self, epoch: u32) {
+        if epoch != self.epoch {
             return;
         }
-        if self.deferred(
-            d,
-            &Ev::AckTimeout {
-                d,
-                inc,
-                row,
-                token,
-                attempt,
-            },
-        ) {
-            return;
-        }
-        if !self.dispatchers[d as usize].waiting.contains(&attempt) {
-            return;
-        }
-        self.dispatchers[d as usize]
-            .waiting
-            .retain(|a| *a != attempt);
-        self.report_outcome(d, row, token, attempt, SendOutcome::AckTimeout);
+        self.reconciler.wake_at = None;
+        self.drive_reconciler();
     }
 
-    // ---------------------------------------------------------------- reconciler
-
-    fn reconcile_tick(&mut self) {
-        let owner = 1;
-        for i in 0..self.db.rows.len() {
-            let decision = decide_reconcile_claim(&self.db.rows[i], self.now, RECONCILE_LEASE_MS);
-            if decision == ClaimDecision::Skip {
-                continue;
+    fn drive_reconciler(&mut self) {
+        while let Some(action) = self.reconciler.machine.poll_action(self.now) {
+            self.reconcile_action(action);
+        }
+        if let Some(t) = self.reconciler.machine.poll_timeout() {
+            let t = t.max(self.now);
+            if self.reconciler.wake_at.is_none_or(|w| t < w) {
+                self.reconciler.wake_at = Some(t);
+                let epoch = self.epoch;
+                self.at(t, Ev::ReconcileWake { epoch });
             }
+        }
+    }
+
+    fn reconcile_action(&mut self, action: ReconcileAction) {
+        let epoch = self.epoch;
+        match action {
+            ReconcileAction::ClaimUnknown { max } => {
+                let items = self.claim_unknown(max);
+                let now = self.now;
+                self.reconciler.machine.handle_claimed(now, items);
+            }
+            ReconcileAction::Lookup(item) => {
+                let lookup = self.broker_lookup(&item.destination, item.event_id, item.member);
+                let t = self.now + range(&mut self.rng, 1, 200);
+                self.at(
+                    t,
+                    Ev::LookupDone {
+                        epoch,
+                        item: Box::new(item),
+                        lookup: Box::new(lookup),
+                        verify: false,
+                    },
+                );
+            }
+            ReconcileAction::Finish(item, lookup) => {
+                self.reconcile_decide(&item, lookup);
+                let now = self.now;
+                self.reconciler.machine.handle_finished(now);
+            }
+            ReconcileAction::CheckUnknownAge => {
+                let now = self.now;
+                let unknown = self.db.rows.iter().filter(|r| r.state.is_unknown());
+                let (n, oldest) = unknown.fold((0u64, 0u64), |(n, o), r| {
+                    (
+                        n + 1,
+                        o.max(now - r.unknown_since_ms.unwrap_or(now).min(now)),
+                    )
+                });
+                self.reconciler.machine.handle_unknown_age(now, n, oldest);
+            }
+            ReconcileAction::Alert { .. } => self.stats.unknown_alerts += 1,
+            ReconcileAction::LoadPublished { max } => {
+                let start = self.reconciler.verify_after;
+                let items: Vec<VerifyItem> = self
+                    .db
+                    .rows
+                    .iter()
+                    .enumerate()
+                    .skip(start)
+                    .filter(|(_, r)| r.state == State::Published)
+                    .take(max)
+                    .filter_map(|(i, r)| {
+                        let p = r.primary.as_ref()?;
+                        Some((
+                            i,
+                            VerifyItem {
+                                event_id: r.event_id,
+                                member: r.member,
+                                destination: r.destination.clone(),
+                                sequence: p.sequence,
+                            },
+                        ))
+                    })
+                    .map(|(i, v)| {
+                        self.reconciler.verify_after = i + 1;
+                        v
+                    })
+                    .collect();
+                if items.is_empty() {
+                    self.reconciler.verify_after = 0;
+                }
+                let now = self.now;
+                self.reconciler.machine.handle_verify_batch(now, items);
+            }
+            ReconcileAction::VerifyLookup(v) => {
+                let lookup = self.broker_lookup(&v.destination, v.event_id, v.member);
+                let item = ReconcileItem {
+                    event_id: v.event_id,
+                    member: v.member,
+                    token: ClaimToken {
+                        owner: 0,
+                        generation: v.sequence,
+                    },
+                    destination: v.destination,
+                };
+                let t = self.now + range(&mut self.rng, 1, 200);
+                self.at(
+                    t,
+                    Ev::LookupDone {
+                        epoch,
+                        item: Box::new(item),
+                        lookup: Box::new(lookup),
+                        verify: true,
+                    },
+                );
+            }
+            ReconcileAction::ReportMissing(v) => {
+                // Checker: the simulated brokers never lose a stored message, so a
+                // "published but missing" finding here is a false alarm.
+                self.violation(Violation::LostEvents, || {
+                    format!("verification reported {} missing at the broker", v.event_id)
+                });
+            }
+        }
+    }
+
+    fn lookup_done(&mut self, epoch: u32, item: ReconcileItem, lookup: Lookup, verify: bool) {
+        if epoch != self.epoch {
+            return;
+        }
+        let now = self.now;
+        if verify {
+            self.stats.verified += 1;
+            let v = VerifyItem {
+                event_id: item.event_id,
+                member: item.member,
+                destination: item.destination,
+                sequence: item.token.generation,
+            };
+            self.reconciler
+                .machine
+                .handle_verify_lookup(now, v, &lookup);
+        } else {
+            self.reconciler.machine.handle_lookup(item, lookup);
+        }
+        self.drive_reconciler();
+    }
+
+    /// The store's reconciler claim (`store::claim_unknown`): due rows first, in the order
+    /// their lookups fell due, so every unknown row gets its turn.
+    fn claim_unknown(&mut self, max: usize) -> Vec<ReconcileItem> {
+        let owner = 1;
+        let mut due: Vec<(u64, usize)> = Vec::new();
+        for i in 0..self.db.rows.len() {
+            match decide_reconcile_claim(&self.db.rows[i], self.now, RECONCILE_LEASE_MS) {
+                ClaimDecision::Skip => {}
+                ClaimDecision::ExpireToUnknown => {
+                    let d = ClaimDecision::ExpireToUnknown;
+                    let now = self.now;
+                    if let Err(e) = apply_claim(&mut self.db.rows[i], &d, owner, now) {
+                        self.violation(Violation::Liveness, || format!("expire: {e}"));
+                    }
+                }
+                ClaimDecision::Grant { .. } => {
+                    due.push((self.db.rows[i].pacing.next_lookup_at_ms, i));
+                }
+            }
+        }
+        due.sort_unstable();
+        due.truncate(max);
+        let mut items = Vec::with_capacity(due.len());
+        for (_, i) in due {
+            let decision = decide_reconcile_claim(&self.db.rows[i], self.now, RECONCILE_LEASE_MS);
             let now = self.now;
             match apply_claim(&mut self.db.rows[i], &decision, owner, now) {
-                Ok(Some(token)) => {
-                    let t = self.now + range(&mut self.rng, 1, 200);
-                    let epoch = self.epoch;
-                    self.at(
-                        t,
-                        Ev::ReconcileLookup {
-                            epoch,
-                            row: i as u32,
-                            token,
-                        },
-                    );
-                }
+                Ok(Some(token)) => items.push(ReconcileItem {
+                    event_id: self.db.rows[i].event_id,
+                    member: self.db.rows[i].member,
+                    token,
+                    destination: self.db.rows[i].destination.clone(),
+                }),
                 Ok(None) => {}
                 Err(e) => self.violation(Violation::Liveness, || format!("reconcile claim: {e}")),
             }
         }
-        self.at(self.now + RECONCILE_EVERY_MS, Ev::ReconcileTick);
+        items
     }
 
-    fn reconcile_lookup(&mut self, row: u32, token: ClaimToken) {
-        let r = row as usize;
-        let dest = self.db.rows[r].destination.clone();
-        let lookup = if !self.cfg.queryable {
-            Lookup::Unqueryable
-        } else if let Some(s) = self.stream_of(&dest) {
-            let stream = &self.streams[s as usize];
-            if self.broker_down_until[stream.cluster as usize] > self.now {
-                Lookup::Unavailable
-            } else {
-                let (event_id, member) = (self.db.rows[r].event_id, self.db.rows[r].member);
-                // Last message on the event's own subject (a subject per event id).
-                match stream
-                    .msgs
-                    .iter()
-                    .enumerate()
-                    .rev()
-                    .find(|(_, m)| m.event_id == event_id && m.member == member)
-                {
-                    Some((i, m)) => Lookup::Found(Receipt {
-                        event_id: m.event_id,
-                        member: m.member,
-                        envelope_generation: m.envelope_generation,
-                        attempt_id: m.attempt_id,
-                        payload_digest: m.payload_digest,
-                        destination_digest: m.destination_digest,
-                        cluster: dest.cluster.clone(),
-                        stream: dest.topic.clone(),
-                        partition: None,
-                        sequence: i as u64 + 1,
-                        broker_duplicate: false,
-                        source: ReceiptSource::Lookup,
-                    }),
-                    None => Lookup::Absent,
-                }
-            }
-        } else {
-            Lookup::Unavailable
+    /// "Did you store event X at destination D?" against the simulated broker: the last
+    /// message on the event's own subject (a subject per event id).
+    fn broker_lookup(&mut self, dest: &Destination, event_id: EventId, member: u16) -> Lookup {
+        if !self.cfg.caps.lookup_by_event_id {
+            return Lookup::Unqueryable;
+        }
+        let Some(s) = self.stream_of(dest) else {
+            return Lookup::Unavailable;
         };
-        let t = self.now + range(&mut self.rng, 1, 200);
-        let epoch = self.epoch;
-        self.at(
-            t,
-            Ev::ReconcileDecide {
-                epoch,
-                row,
-                token,
-                lookup: Box::new(lookup),
-            },
-        );
+        let stream = &self.streams[s as usize];
+        if self.broker_down_until[stream.cluster as usize] > self.now
+            || self.stream_deleted_until[s as usize] > self.now
+        {
+            return Lookup::Unavailable;
+        }
+        match stream
+            .msgs
+            .iter()
+            .enumerate()
+            .rev()
+            .find(|(_, m)| m.event_id == event_id && m.member == member)
+        {
+            Some((i, m)) => Lookup::Found(Receipt {
+                event_id: m.event_id,
+                member: m.member,
+                envelope_generation: m.envelope_generation,
+                attempt_id: m.attempt_id,
+                payload_digest: m.payload_digest,
+                destination_digest: m.destination_digest,
+                cluster: dest.cluster.clone(),
+                stream: dest.topic.clone(),
+                partition: None,
+                sequence: i as u64 + 1,
+                broker_duplicate: false,
+                source: ReceiptSource::Lookup,
+            }),
+            None => Lookup::Absent,
+        }
     }
 
-    fn reconcile_decide(&mut self, row: u32, token: ClaimToken, lookup: Lookup) {
+    fn reconcile_decide(&mut self, item: &ReconcileItem, lookup: Lookup) {
+        let Some(row) = self.row_of(item.event_id, item.member) else {
+            return;
+        };
         let r = row as usize;
-        let decision = decide_reconcile(
-            &self.db.rows[r],
-            token,
-            &lookup,
-            ReconcilePolicy::default(),
-            self.now,
-        );
+        let decision = self
+            .proto
+            .decide_reconcile(&self.db.rows[r], item.token, &lookup, self.now);
         self.note(|| {
             format!(
                 "reconcile row {r} lookup {:?}: {decision:?}",
@@ -1303,7 +1791,10 @@ impl World {
             )
         });
         match &decision {
-            ReconcileDecision::Accept(receipt) => self.accept(row, receipt, true),
+            ReconcileDecision::Accept(receipt) => {
+                let genuine = self.genuine(receipt);
+                self.accept(row, receipt, genuine)
+            }
             ReconcileDecision::Fenced(_) => self.stats.fenced_writes += 1,
             ReconcileDecision::RetrySameDestination { quarantine, .. } => {
                 if quarantine.is_some() {
@@ -1348,7 +1839,7 @@ impl World {
                 });
             }
             Err(refusal) => {
-                if self.db.rows[r].state.is_unknown() && !self.cfg.queryable {
+                if self.db.rows[r].state.is_unknown() && !self.cfg.caps.lookup_by_event_id {
                     self.fault(Fault::MigrationWhileUnknownUnqueryable);
                 }
                 self.stats.migrations_refused += 1;
@@ -1618,14 +2109,13 @@ impl World {
         // Operating procedure: dispatchers restart after a restore (their claims died with
         // the old database).
         for d in 0..self.dispatchers.len() {
-            let disp = &mut self.dispatchers[d];
-            disp.inc += 1;
-            disp.alive = true;
-            disp.waiting.clear();
-            disp.tick_scheduled = true;
-            let inc = disp.inc;
-            self.at(self.now + 100, Ev::DispatchTick { d: d as u8, inc });
+            self.restart_dispatcher(d as u8);
         }
+        // So does the reconciler (the epoch drops its outstanding answers).
+        self.reconciler = reconciler(self.cfg.caps, self.now);
+        self.reconciler.wake_at = Some(self.now);
+        let epoch = self.epoch;
+        self.at(self.now, Ev::ReconcileWake { epoch });
         self.note(|| "database restored from backup".into());
     }
 

@@ -44,6 +44,14 @@ fn gate_100k_traces_zero_violations() {
         "G3: p99 {}",
         s.unknown.quantile_s(0.99)
     );
+    assert!(
+        s.never_sent > 0,
+        "the run must exercise sends that never leave (deadline, outage, deleted stream)"
+    );
+    assert!(
+        s.verified > 0,
+        "the verification pass must re-check published rows at the broker"
+    );
     for f in sealpost_sim::Fault::ALL {
         assert!(
             s.faults.get(f) > 0,
@@ -64,6 +72,10 @@ fn expected_class(m: Mutant) -> Option<Violation> {
         Mutant::NewEventIdOnRetry => Some(Violation::SecondEventIds),
         Mutant::ConsumerDedupOutsideTx => Some(Violation::DuplicateEffects),
         Mutant::PurgeAtAck => Some(Violation::EarlyPurges),
+        Mutant::SendPastDeadline => Some(Violation::SendsPastLease),
+        Mutant::UnboundedNeverSent => Some(Violation::Liveness),
+        Mutant::NoCreateIfAbsent => Some(Violation::SecondCopies),
+        Mutant::RetryOverFoundCopy => Some(Violation::Liveness),
     }
 }
 
