@@ -659,7 +659,9 @@ pub struct ClaimBatch {
 /// One transaction: `SELECT ... FOR UPDATE SKIP LOCKED` over the partial claim index in
 /// commit order, so parallel dispatchers take disjoint rows and no one waits; rows of a
 /// transaction that committed late are still `PENDING` and are found by the next scan (the
-/// scan has no cursor to skip past them). The lease end comes from the database clock. The
+/// scan has no cursor to skip past them). `PENDING` rows still waiting out a never-sent
+/// backoff (`not_before_ms`, the core's `decide_dispatch_claim` skips them) are not selected,
+/// so they take no place in the batch. The lease end comes from the database clock. The
 /// transaction commits before anything is sent.
 pub async fn claim_batch(
     client: &mut tokio_postgres::Client,
@@ -673,6 +675,7 @@ pub async fn claim_batch(
         "SELECT {ROW_COLS}, payload FROM sealpost.envelope
          WHERE state IN ('PENDING', 'CLAIMED', 'SENDING', 'RETRY_CLAIMED')
            AND (state = 'PENDING' OR lease_until_ms IS NULL OR lease_until_ms <= $1)
+           AND (state <> 'PENDING' OR not_before_ms <= $1)
          ORDER BY committed_seq LIMIT $2 FOR UPDATE SKIP LOCKED"
     );
     let found = tx
@@ -965,7 +968,9 @@ pub struct Reconciling {
 ///
 /// # Transactions and locks
 /// One short transaction with `FOR UPDATE SKIP LOCKED` over the unknown index; commits
-/// before any broker lookup.
+/// before any broker lookup. Unknown rows whose next lookup is not due yet
+/// (`next_lookup_at_ms`, skipped by the core's `decide_reconcile_claim`) are not selected, so
+/// they cannot crowd due rows out of the batch.
 pub async fn claim_unknown(
     client: &mut tokio_postgres::Client,
     owner: u64,
@@ -976,7 +981,8 @@ pub async fn claim_unknown(
     let now_ms = db_now_ms(&tx).await?;
     let q = format!(
         "SELECT {ROW_COLS} FROM sealpost.envelope
-         WHERE (state IN ('DISPATCH_UNKNOWN', 'RECONCILING') AND (lease_until_ms IS NULL OR lease_until_ms <= $1))
+         WHERE (state IN ('DISPATCH_UNKNOWN', 'RECONCILING') AND (lease_until_ms IS NULL OR lease_until_ms <= $1)
+                AND (state <> 'DISPATCH_UNKNOWN' OR next_lookup_at_ms <= $1))
             OR (state = 'SENDING' AND lease_until_ms <= $1)
          ORDER BY unknown_since_ms NULLS FIRST LIMIT $2 FOR UPDATE SKIP LOCKED"
     );
