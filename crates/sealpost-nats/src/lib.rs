@@ -1,0 +1,476 @@
+//! NATS JetStream adapter: the only crate that knows JetStream's wire format. It implements
+//! the broker port [`sealpost_core::port::Broker`] and knows no SQL (it depends on
+//! `sealpost-core` and `async-nats`, not on the `sealpost` store).
+//!
+//! **What maps to what.** A destination's cluster is the identity this connection was opened
+//! with ([`Nats::cluster`]); its topic is a stream named after it, with subjects `sp.<topic>.>`.
+//! A [`SendRequest`] is published on `sp.<topic>.<event-id>.<member>` — a subject per event —
+//! with `Nats-Msg-Id` = event id (the stream's 2-minute duplicate window answers a re-publish
+//! with the original sequence and `duplicate: true`, which stays a receipt with
+//! `broker_duplicate`), `Nats-Expected-Last-Subject-Sequence: 0` (create-if-absent: after the
+//! window the stream refuses a second copy with JetStream error 10071, which becomes
+//! [`SendResult::AlreadyStored`] and the reconciler looks the copy up), and headers carrying
+//! the event id, member, envelope generation, attempt id and digests. The publish
+//! acknowledgement (stream, sequence) is the [`Receipt`]. No message is handed to the client
+//! once the batch deadline has passed ([`NeverSentReason::DeadlinePassed`]), nor while the
+//! connection is down ([`NeverSentReason::NotConnected`]), nor for another cluster
+//! ([`NeverSentReason::WrongCluster`]). A missing stream (no responders) is
+//! [`NeverSentReason::NoSuchDestination`]; a message over the server's `max_payload` (checked
+//! by the client before sending) or the stream's `max_msg_size` is refused as
+//! [`RefusalKind::PayloadTooLarge`]; a publish the server refuses with a permissions
+//! violation is refused as [`RefusalKind::NotPermitted`]; any other failure after the request
+//! left is [`SendResult::NoAnswer`]. The lookup ("did you store event X at D?") is a
+//! last-by-subject read of the event's subject, which works for as long as the stream
+//! retains the message, not only inside the duplicate window. The cost is one subject per
+//! event in the stream's subject index (tens of bytes of server memory per retained event).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_nats::connection::State;
+use async_nats::jetstream::{self, context::PublishErrorKind, stream::LastRawMessageErrorKind};
+use async_nats::{HeaderMap, ServerError};
+use sealpost_core::encoding::Digest;
+use sealpost_core::envelope::{Destination, EventId};
+use sealpost_core::port::{
+    Broker, Capabilities, NeverSentReason, RefusalKind, SendRequest, SendResult,
+};
+use sealpost_core::receipt::{Receipt, ReceiptSource};
+use sealpost_core::reconcile::Lookup;
+use tokio::sync::Semaphore;
+
+pub use async_nats;
+
+/// Header names.
+pub const H_EVENT_ID: &str = "Sealpost-Event-Id";
+/// Header: delivery-set member.
+pub const H_MEMBER: &str = "Sealpost-Member";
+/// Header: envelope generation.
+pub const H_ENVELOPE_GENERATION: &str = "Sealpost-Envelope-Generation";
+/// Header: attempt id.
+pub const H_ATTEMPT_ID: &str = "Sealpost-Attempt-Id";
+/// Header: payload digest.
+pub const H_PAYLOAD_DIGEST: &str = "Sealpost-Payload-Digest";
+/// Header: destination digest.
+pub const H_DESTINATION_DIGEST: &str = "Sealpost-Destination-Digest";
+
+/// The streams' duplicate window ([`Nats::ensure_stream`]).
+pub const DUPLICATE_WINDOW: Duration = Duration::from_secs(120);
+
+/// Publish acknowledgements in flight per connection at most.
+const ACKS_IN_FLIGHT_MAX: usize = 8_192;
+
+/// Permission violations remembered at most (subjects whose publish the server refused and
+/// whose acknowledgement has not been mapped yet).
+const DENIED_REMEMBERED_MAX: usize = 10_000;
+
+/// Adapter errors.
+#[derive(Debug, thiserror::Error)]
+pub enum NatsError {
+    /// Could not connect.
+    #[error(
+        "cannot connect to NATS at {url}: {source}; is nats-server running with JetStream (-js)?"
+    )]
+    Connect {
+        /// URL tried.
+        url: String,
+        /// Cause.
+        source: async_nats::ConnectError,
+    },
+    /// Stream management failed.
+    #[error("JetStream stream `{stream}`: {detail}")]
+    Stream {
+        /// Stream name.
+        stream: String,
+        /// What failed.
+        detail: String,
+    },
+}
+
+/// The subject of one event member on a topic.
+pub fn subject(topic: &str, event_id: EventId, member: u16) -> String {
+    format!("sp.{topic}.{event_id}.{member}")
+}
+
+/// A connection to one JetStream cluster, named by the cluster identity frozen into
+/// destinations. Clones share the connection, the in-flight limit and what the server said.
+#[derive(Clone)]
+pub struct Nats {
+    /// Cluster identity (must equal `Destination::cluster` of what it sends).
+    pub cluster: String,
+    /// Core client.
+    pub client: async_nats::Client,
+    /// JetStream context.
+    pub js: jetstream::Context,
+    /// Our own in-flight permits, taken before the deadline check so that no wait for a
+    /// permit happens after it (the client's own limit is higher and never waits).
+    inflight: Arc<Semaphore>,
+    /// Subjects whose publish the server refused with a permissions violation (`-ERR`), with
+    /// the server's words; the acknowledgement of such a publish never comes.
+    denied: Arc<Mutex<HashMap<String, String>>>,
+}
+
+const PERMISSION_VIOLATION_PUBLISH: &str = "permissions violation for publish to ";
+
+/// The subject of a server's "Permissions Violation for Publish to "SUBJECT"" error.
+fn denied_subject(error: &str) -> Option<String> {
+    let lower = error.to_ascii_lowercase();
+    let at = lower.find(PERMISSION_VIOLATION_PUBLISH)? + PERMISSION_VIOLATION_PUBLISH.len();
+    let s = error[at..].trim().trim_matches(|c| c == '"' || c == '\'');
+    (!s.is_empty()).then(|| s.to_string())
+}
+
+impl Nats {
+    /// Connects; `ack_timeout` bounds each publish acknowledgement.
+    pub async fn connect(
+        url: &str,
+        cluster: &str,
+        ack_timeout: Duration,
+    ) -> Result<Nats, NatsError> {
+        let denied: Arc<Mutex<HashMap<String, String>>> = Arc::default();
+        let seen = denied.clone();
+        let client = async_nats::ConnectOptions::new()
+            .connection_timeout(Duration::from_secs(5))
+            .event_callback(move |event| {
+                let seen = seen.clone();
+                async move {
+                    match event {
+                        async_nats::Event::ServerError(ServerError::Other(e)) => {
+                            match denied_subject(&e) {
+                                Some(subject) => {
+                                    let mut m = seen.lock().unwrap_or_else(|p| p.into_inner());
+                                    if m.len() >= DENIED_REMEMBERED_MAX {
+                                        m.clear();
+                                    }
+                                    m.insert(subject, e);
+                                }
+                                None => tracing::warn!(error = %e, "NATS server error"),
+                            }
+                        }
+                        async_nats::Event::Disconnected => tracing::warn!("NATS disconnected"),
+                        async_nats::Event::Connected => tracing::info!("NATS connected"),
+                        other => tracing::info!(event = %other, "NATS event"),
+                    }
+                }
+            })
+            // Fail fast at startup with a clear error; once connected, the client reconnects
+            // by itself and sends in the meantime end as never sent (not connected) or as
+            // unknown outcomes for the reconciler.
+            .connect(url)
+            .await
+            .map_err(|source| NatsError::Connect {
+                url: url.to_string(),
+                source,
+            })?;
+        let js = jetstream::ContextBuilder::new()
+            .timeout(ack_timeout)
+            // Above our own limit, so the client never waits for a permit itself.
+            .max_ack_inflight(2 * ACKS_IN_FLIGHT_MAX)
+            .backpressure_on_inflight(true)
+            .build(client.clone());
+        Ok(Nats {
+            cluster: cluster.to_string(),
+            client,
+            js,
+            inflight: Arc::new(Semaphore::new(ACKS_IN_FLIGHT_MAX)),
+            denied,
+        })
+    }
+
+    /// Creates the stream for `topic` if it does not exist (file storage, 2-minute duplicate
+    /// window).
+    pub async fn ensure_stream(&self, topic: &str) -> Result<(), NatsError> {
+        self.js
+            .get_or_create_stream(jetstream::stream::Config {
+                name: topic.to_string(),
+                subjects: vec![format!("sp.{topic}.>")],
+                storage: jetstream::stream::StorageType::File,
+                duplicate_window: DUPLICATE_WINDOW,
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| NatsError::Stream {
+                stream: topic.to_string(),
+                detail: e.to_string(),
+            })?;
+        Ok(())
+    }
+
+    /// The server's words if it refused a publish on `subject` for lack of permission.
+    fn take_denied(&self, subject: &str) -> Option<String> {
+        self.denied
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(subject)
+    }
+
+    /// "Did you store event X at topic T?" (R13): the last message on the event's subject.
+    pub async fn lookup_topic(&self, topic: &str, event_id: EventId, member: u16) -> Lookup {
+        let stream = match self.js.get_stream(topic).await {
+            Ok(s) => s,
+            Err(_) => return Lookup::Unavailable,
+        };
+        match stream
+            .get_last_raw_message_by_subject(&subject(topic, event_id, member))
+            .await
+        {
+            Ok(m) => {
+                let h = |name: &str| m.headers.get(name).map(|v| v.as_str().to_string());
+                let parsed = (|| {
+                    Some(Receipt {
+                        event_id: EventId::parse(&h(H_EVENT_ID)?)?,
+                        member: h(H_MEMBER)?.parse().ok()?,
+                        envelope_generation: h(H_ENVELOPE_GENERATION)?.parse().ok()?,
+                        attempt_id: h(H_ATTEMPT_ID)?.parse().ok()?,
+                        payload_digest: Digest::from_hex(&h(H_PAYLOAD_DIGEST)?)?,
+                        destination_digest: Digest::from_hex(&h(H_DESTINATION_DIGEST)?)?,
+                        cluster: self.cluster.clone(),
+                        stream: topic.to_string(),
+                        partition: None,
+                        sequence: m.sequence,
+                        broker_duplicate: false,
+                        source: ReceiptSource::Lookup,
+                    })
+                })();
+                match parsed {
+                    Some(r) => Lookup::Found(r),
+                    // A message on our subject without our headers: someone else published
+                    // there. Not proof of our send; leave it unknown for an operator.
+                    None => Lookup::Unavailable,
+                }
+            }
+            Err(e) if matches!(e.kind(), LastRawMessageErrorKind::NoMessageFound) => Lookup::Absent,
+            Err(_) => Lookup::Unavailable,
+        }
+    }
+
+    /// Maps the broker's answer to one publish that left.
+    fn answer(
+        &self,
+        r: &SendRequest,
+        subject: &str,
+        ack: Result<jetstream::publish::PublishAck, jetstream::context::PublishError>,
+    ) -> SendResult {
+        let e = match ack {
+            Ok(ack) => {
+                return SendResult::Receipt(Receipt {
+                    event_id: r.event_id,
+                    member: r.member,
+                    envelope_generation: r.envelope_generation,
+                    attempt_id: r.attempt_id,
+                    payload_digest: r.payload_digest,
+                    destination_digest: r.destination_digest,
+                    cluster: self.cluster.clone(),
+                    stream: ack.stream,
+                    partition: None,
+                    sequence: ack.sequence,
+                    broker_duplicate: ack.duplicate,
+                    source: ReceiptSource::Ack,
+                })
+            }
+            Err(e) => e,
+        };
+        let js_code = std::error::Error::source(&e)
+            .and_then(|s| s.downcast_ref::<jetstream::Error>())
+            .map(jetstream::Error::error_code);
+        if let Some(detail) = self.take_denied(subject) {
+            return SendResult::Refused {
+                kind: RefusalKind::NotPermitted,
+                detail,
+            };
+        }
+        match e.kind() {
+            // Create-if-absent: a copy of this event is already stored on its subject.
+            PublishErrorKind::WrongLastSequence => SendResult::AlreadyStored,
+            // No stream listens on the subject: the broker answered before storing anything.
+            PublishErrorKind::StreamNotFound => SendResult::NeverSent(
+                NeverSentReason::NoSuchDestination(format!("{subject}: {e}")),
+            ),
+            _ if js_code == Some(jetstream::ErrorCode::STREAM_MESSAGE_EXCEEDS_MAXIMUM) => {
+                SendResult::Refused {
+                    kind: RefusalKind::PayloadTooLarge,
+                    detail: e.to_string(),
+                }
+            }
+            _ => {
+                tracing::debug!(event_id = %r.event_id, error = %e, "no publish ack: outcome unknown");
+                SendResult::NoAnswer
+            }
+        }
+    }
+}
+
+/// What a delivered message's Sealpost headers and JetStream metadata say. The consumer
+/// digests the payload itself and lets the core decide (`sealpost_core::inbox`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Delivered {
+    /// Event id from the headers.
+    pub event_id: EventId,
+    /// Delivery-set member from the headers.
+    pub member: u16,
+    /// Payload digest the headers claim.
+    pub claimed_digest: Digest,
+    /// Stream that delivered it.
+    pub stream: String,
+    /// Stream sequence.
+    pub sequence: u64,
+}
+
+/// Reads the Sealpost headers and JetStream metadata of a delivered message; `None` when
+/// they are missing or malformed (not a Sealpost message).
+pub fn delivery_of(msg: &jetstream::Message) -> Option<Delivered> {
+    let h = msg.headers.as_ref()?;
+    let get = |n: &str| h.get(n).map(|v| v.as_str().to_string());
+    let info = msg.info().ok()?;
+    Some(Delivered {
+        event_id: EventId::parse(&get(H_EVENT_ID)?)?,
+        member: get(H_MEMBER)?.parse().ok()?,
+        claimed_digest: Digest::from_hex(&get(H_PAYLOAD_DIGEST)?)?,
+        stream: info.stream.to_string(),
+        sequence: info.stream_sequence,
+    })
+}
+
+impl Broker for Nats {
+    fn cluster(&self) -> &str {
+        &self.cluster
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            lookup_by_event_id: true,
+            duplicate_window_ms: Some(DUPLICATE_WINDOW.as_millis() as u64),
+            create_if_absent: true,
+            per_key_ordering: false,
+        }
+    }
+
+    /// Publishes the batch concurrently and waits for every acknowledgement. Every attempt
+    /// was registered in the database before this is called.
+    async fn send_batch(&self, mut batch: Vec<SendRequest>, deadline: Instant) -> Vec<SendResult> {
+        let mut out: Vec<Option<SendResult>> = vec![None; batch.len()];
+        let mut pending = Vec::with_capacity(batch.len());
+        for (i, r) in batch.iter_mut().enumerate() {
+            if r.destination.cluster != self.cluster {
+                out[i] = Some(SendResult::NeverSent(NeverSentReason::WrongCluster(
+                    format!(
+                        "destination cluster `{}` is not this connection's `{}`",
+                        r.destination.cluster, self.cluster
+                    ),
+                )));
+                continue;
+            }
+            // Any wait for an in-flight permit happens before the deadline check.
+            let Ok(permit) = self.inflight.clone().acquire_owned().await else {
+                out[i] = Some(SendResult::NeverSent(NeverSentReason::NotConnected(
+                    "the adapter is shut down".into(),
+                )));
+                continue;
+            };
+            if Instant::now() >= deadline {
+                out[i] = Some(SendResult::NeverSent(NeverSentReason::DeadlinePassed));
+                continue;
+            }
+            let state = self.client.connection_state();
+            if state != State::Connected {
+                out[i] = Some(SendResult::NeverSent(NeverSentReason::NotConnected(
+                    format!("connection {state:?}"),
+                )));
+                continue;
+            }
+            let mut headers = HeaderMap::new();
+            headers.insert(H_EVENT_ID, r.event_id.to_string().as_str());
+            headers.insert(H_MEMBER, r.member.to_string().as_str());
+            headers.insert(
+                H_ENVELOPE_GENERATION,
+                r.envelope_generation.to_string().as_str(),
+            );
+            headers.insert(H_ATTEMPT_ID, r.attempt_id.to_string().as_str());
+            headers.insert(
+                H_PAYLOAD_DIGEST,
+                r.payload_digest.to_prefixed_hex().as_str(),
+            );
+            headers.insert(
+                H_DESTINATION_DIGEST,
+                r.destination_digest.to_prefixed_hex().as_str(),
+            );
+            let msg_id = if r.member == 0 {
+                r.event_id.to_string()
+            } else {
+                format!("{}.{}", r.event_id, r.member)
+            };
+            let publish = jetstream::message::PublishMessage::build()
+                .payload(std::mem::take(&mut r.payload).into())
+                .headers(headers)
+                .message_id(msg_id)
+                .expected_last_subject_sequence(0);
+            let subject = subject(&r.destination.topic, r.event_id, r.member);
+            match self.js.send_publish(subject.clone(), publish).await {
+                Ok(ack) => pending.push((i, subject, permit, ack)),
+                // Checked by the client against the server's max_payload before sending.
+                Err(e) if e.kind() == PublishErrorKind::MaxPayloadExceeded => {
+                    out[i] = Some(SendResult::Refused {
+                        kind: RefusalKind::PayloadTooLarge,
+                        detail: e.to_string(),
+                    });
+                }
+                // Refused before the request left (the client's queue is closed or full).
+                Err(e) => {
+                    out[i] = Some(SendResult::NeverSent(NeverSentReason::NotConnected(
+                        e.to_string(),
+                    )));
+                }
+            }
+        }
+        let acks = futures::future::join_all(pending.into_iter().map(
+            |(i, subject, permit, ack)| async move {
+                let a = ack.await;
+                drop(permit);
+                (i, subject, a)
+            },
+        ))
+        .await;
+        for (i, subject, a) in acks {
+            out[i] = Some(self.answer(&batch[i], &subject, a));
+        }
+        out.into_iter()
+            .map(|r| r.unwrap_or(SendResult::NoAnswer))
+            .collect()
+    }
+
+    async fn lookup(&self, destination: &Destination, event_id: EventId, member: u16) -> Lookup {
+        if destination.cluster != self.cluster {
+            return Lookup::Unavailable;
+        }
+        self.lookup_topic(&destination.topic, event_id, member)
+            .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn permission_violation_names_the_subject() {
+        assert_eq!(
+            denied_subject(r#"Permissions Violation for Publish to "sp.T.x.0""#).as_deref(),
+            Some("sp.T.x.0")
+        );
+        assert_eq!(
+            denied_subject("permissions violation for publish to sp.T.x.1").as_deref(),
+            Some("sp.T.x.1")
+        );
+        assert_eq!(
+            denied_subject(r#"Permissions Violation for Subscription to "x""#),
+            None
+        );
+    }
+
+    #[test]
+    fn subject_per_event_member() {
+        let id = EventId([1; 16]);
+        assert_eq!(subject("ORDERS", id, 2), format!("sp.ORDERS.{id}.2"));
+    }
+}

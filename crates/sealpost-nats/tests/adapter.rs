@@ -1,0 +1,320 @@
+//! The adapter against a real NATS JetStream (127.0.0.1:4222, or `NATS_URL`), with no
+//! database: how each broker answer maps to a [`SendResult`], the deadline, and the lookup.
+//! The permission and connection cases run a private `nats-server` on a free port.
+
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use sealpost_core::envelope::{Destination, EventId, PartitionAlgorithm, PAYLOAD_DOMAIN};
+use sealpost_core::port::{Broker, NeverSentReason, RefusalKind, SendRequest, SendResult};
+use sealpost_core::reconcile::Lookup;
+use sealpost_core::Digest;
+use sealpost_nats::{subject, Nats};
+
+const CLUSTER: &str = "nats-local";
+
+fn nats_url() -> String {
+    std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
+}
+
+fn destination(cluster: &str, topic: &str) -> Destination {
+    Destination {
+        cluster: cluster.into(),
+        topic: topic.into(),
+        routing_key: "k".into(),
+        partition_algorithm: PartitionAlgorithm::None,
+        route_policy_generation: 1,
+        serializer: "json.v1".into(),
+        durability: "file".into(),
+        required_ack: "stream".into(),
+    }
+}
+
+fn request(destination: &Destination, payload: &[u8]) -> SendRequest {
+    SendRequest {
+        event_id: EventId(*uuid::Uuid::now_v7().as_bytes()),
+        member: 0,
+        envelope_generation: 1,
+        attempt_id: 1,
+        payload_digest: Digest::of_bytes(PAYLOAD_DOMAIN, payload),
+        destination: destination.clone(),
+        destination_digest: destination.digest(),
+        payload: payload.to_vec(),
+    }
+}
+
+fn later() -> Instant {
+    Instant::now() + Duration::from_secs(30)
+}
+
+async fn connect(topic: &str) -> Nats {
+    let nats = Nats::connect(&nats_url(), CLUSTER, Duration::from_secs(2))
+        .await
+        .expect("NATS must be running");
+    nats.ensure_stream(topic).await.expect("stream");
+    nats
+}
+
+/// A fresh stream name per test run.
+fn topic(tag: &str) -> String {
+    let r = uuid::Uuid::now_v7().as_u128() as u64 % 1_000_000;
+    format!("A{tag}{r}")
+}
+
+async fn stream_messages(nats: &Nats, topic: &str) -> u64 {
+    nats.js
+        .get_stream(topic)
+        .await
+        .unwrap()
+        .get_info()
+        .await
+        .unwrap()
+        .state
+        .messages
+}
+
+#[tokio::test]
+async fn capabilities_declare_lookup_window_and_create_if_absent() {
+    let t = topic("CAP");
+    let nats = connect(&t).await;
+    assert_eq!(nats.cluster(), CLUSTER);
+    let c = nats.capabilities();
+    assert!(c.lookup_by_event_id && c.create_if_absent && !c.per_key_ordering);
+    assert_eq!(c.duplicate_window_ms, Some(120_000));
+    let _ = nats.js.delete_stream(&t).await;
+}
+
+#[tokio::test]
+async fn receipt_duplicate_already_stored_and_lookup() {
+    let t = topic("RCP");
+    let nats = connect(&t).await;
+    let d = destination(CLUSTER, &t);
+    let r = request(&d, b"{\"x\":1}");
+    let first = match nats.send_batch(vec![r.clone()], later()).await.remove(0) {
+        SendResult::Receipt(rec) => rec,
+        other => panic!("{other:?}"),
+    };
+    assert!(first.sequence > 0 && !first.broker_duplicate);
+    assert_eq!(
+        (first.event_id, first.attempt_id, first.stream.as_str()),
+        (r.event_id, r.attempt_id, t.as_str())
+    );
+    // A re-send inside the duplicate window: the original position, marked duplicate.
+    let mut again = r.clone();
+    again.attempt_id = 2;
+    match nats.send_batch(vec![again], later()).await.remove(0) {
+        SendResult::Receipt(rec) => {
+            assert!(rec.broker_duplicate);
+            assert_eq!(rec.sequence, first.sequence);
+        }
+        other => panic!("{other:?}"),
+    }
+    // A copy already on an event's subject (here published out of band, with another message
+    // id): create-if-absent refuses a second one.
+    let r2 = request(&d, b"{\"x\":2}");
+    nats.js
+        .publish(subject(&t, r2.event_id, 0), "rogue".into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    assert_eq!(
+        nats.send_batch(vec![r2.clone()], later()).await,
+        vec![SendResult::AlreadyStored]
+    );
+    assert_eq!(stream_messages(&nats, &t).await, 2, "no second copy");
+    // The lookup finds the first event with its headers, as a receipt.
+    match nats.lookup(&d, r.event_id, 0).await {
+        Lookup::Found(rec) => {
+            assert_eq!(rec.sequence, first.sequence);
+            assert_eq!(rec.payload_digest, r.payload_digest);
+            assert_eq!(rec.destination_digest, r.destination_digest);
+        }
+        other => panic!("{other:?}"),
+    }
+    // The out-of-band copy carries no Sealpost headers: not proof of anything.
+    assert_eq!(nats.lookup(&d, r2.event_id, 0).await, Lookup::Unavailable);
+    let absent = request(&d, b"{}");
+    assert_eq!(nats.lookup(&d, absent.event_id, 0).await, Lookup::Absent);
+    let _ = nats.js.delete_stream(&t).await;
+}
+
+#[tokio::test]
+async fn nothing_leaves_after_the_deadline_or_for_another_cluster_or_stream() {
+    let t = topic("DL");
+    let nats = connect(&t).await;
+    let d = destination(CLUSTER, &t);
+    let late = request(&d, b"{}");
+    assert_eq!(
+        nats.send_batch(vec![late.clone()], Instant::now()).await,
+        vec![SendResult::NeverSent(NeverSentReason::DeadlinePassed)]
+    );
+    assert_eq!(nats.lookup(&d, late.event_id, 0).await, Lookup::Absent);
+    assert_eq!(stream_messages(&nats, &t).await, 0, "nothing was sent");
+    // Another cluster's destination: never sent, and the lookup cannot be asked here.
+    let elsewhere = destination("other-cluster", &t);
+    let r = request(&elsewhere, b"{}");
+    match nats.send_batch(vec![r.clone()], later()).await.remove(0) {
+        SendResult::NeverSent(NeverSentReason::WrongCluster(_)) => {}
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(
+        nats.lookup(&elsewhere, r.event_id, 0).await,
+        Lookup::Unavailable
+    );
+    // No stream for the topic: the broker answers before storing anything.
+    let missing = destination(CLUSTER, &format!("{t}NOSTREAM"));
+    match nats
+        .send_batch(vec![request(&missing, b"{}")], later())
+        .await
+        .remove(0)
+    {
+        SendResult::NeverSent(NeverSentReason::NoSuchDestination(_)) => {}
+        other => panic!("{other:?}"),
+    }
+    // Over the server's max_payload: refused before sending, for good.
+    let max = nats.client.server_info().max_payload;
+    match nats
+        .send_batch(vec![request(&d, &vec![b'x'; max + 1])], later())
+        .await
+        .remove(0)
+    {
+        SendResult::Refused {
+            kind: RefusalKind::PayloadTooLarge,
+            ..
+        } => {}
+        other => panic!("{other:?}"),
+    }
+    // One batch, results in order.
+    let ok = request(&d, b"{}");
+    let res = nats
+        .send_batch(vec![ok, request(&elsewhere, b"{}")], later())
+        .await;
+    assert!(matches!(res[0], SendResult::Receipt(_)), "{res:?}");
+    assert!(
+        matches!(
+            res[1],
+            SendResult::NeverSent(NeverSentReason::WrongCluster(_))
+        ),
+        "{res:?}"
+    );
+    let _ = nats.js.delete_stream(&t).await;
+}
+
+/// A private nats-server with JetStream and a user who may not publish on `sp.DENIED.>`.
+struct PrivateServer {
+    child: Child,
+    dir: std::path::PathBuf,
+    url: String,
+}
+
+impl Drop for PrivateServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn private_server() -> Option<PrivateServer> {
+    let bin = "/usr/sbin/nats-server";
+    if !std::path::Path::new(bin).exists() {
+        eprintln!("skipped: no {bin}");
+        return None;
+    }
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let dir = std::env::temp_dir().join(format!("sealpost-nats-perm-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let conf = dir.join("server.conf");
+    std::fs::write(
+        &conf,
+        format!(
+            r#"listen: "127.0.0.1:{port}"
+jetstream {{ store_dir: "{}" }}
+authorization {{
+  users = [
+    {{ user: "sp", password: "sp",
+       permissions: {{ publish: {{ allow: [">"], deny: ["sp.DENIED.>"] }}, subscribe: {{ allow: [">"] }} }} }}
+  ]
+}}
+"#,
+            dir.join("js").display()
+        ),
+    )
+    .unwrap();
+    let child = Command::new(bin)
+        .arg("-c")
+        .arg(&conf)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn nats-server");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(
+            Instant::now() < deadline,
+            "private nats-server never listened"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Some(PrivateServer {
+        child,
+        dir,
+        url: format!("nats://sp:sp@127.0.0.1:{port}"),
+    })
+}
+
+#[tokio::test]
+async fn not_permitted_is_a_refusal_and_a_lost_connection_sends_nothing() {
+    let Some(mut server) = private_server() else {
+        return;
+    };
+    let nats = Nats::connect(&server.url, CLUSTER, Duration::from_secs(1))
+        .await
+        .expect("private server");
+    nats.ensure_stream("DENIED").await.expect("stream");
+    nats.ensure_stream("OPEN").await.expect("stream");
+    let denied = destination(CLUSTER, "DENIED");
+    match nats
+        .send_batch(vec![request(&denied, b"{}")], later())
+        .await
+        .remove(0)
+    {
+        SendResult::Refused {
+            kind: RefusalKind::NotPermitted,
+            detail,
+        } => assert!(
+            detail.to_lowercase().contains("permissions violation"),
+            "{detail}"
+        ),
+        other => panic!("{other:?}"),
+    }
+    let open = destination(CLUSTER, "OPEN");
+    assert!(matches!(
+        nats.send_batch(vec![request(&open, b"{}")], later())
+            .await
+            .remove(0),
+        SendResult::Receipt(_)
+    ));
+    // The server goes away: nothing is handed to the client while it is disconnected.
+    let _ = server.child.kill();
+    let _ = server.child.wait();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while nats.client.connection_state() == sealpost_nats::async_nats::connection::State::Connected
+    {
+        assert!(Instant::now() < deadline, "client never noticed");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    match nats
+        .send_batch(vec![request(&open, b"{}")], later())
+        .await
+        .remove(0)
+    {
+        SendResult::NeverSent(NeverSentReason::NotConnected(_)) => {}
+        other => panic!("{other:?}"),
+    }
+}
