@@ -1,20 +1,23 @@
 //! The dispatcher and reconciler loops: claim in one short transaction, send with no
-//! transaction open, accept receipts (or report outcomes) in one more. Configuration comes
-//! from a TOML file and the environment.
+//! transaction open, accept receipts (or report outcomes) in one more. The loops are generic
+//! over the broker port ([`Broker`]); they never see a broker's wire format. The
+//! configuration is a plain struct: the `sealpost` command loads it from a TOML file, and
+//! [`Config::apply_env`] applies `DATABASE_URL` / `NATS_URL`.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use sealpost_core::claim::SendOutcome;
+use sealpost_core::port::{Broker, NeverSentReason, SendRequest, SendResult};
 use sealpost_core::receipt::Receipt;
+use sealpost_core::reconcile::Lookup;
 use tokio_postgres::NoTls;
 
-use crate::nats::{Nats, PublishResult};
-use crate::store::{self, OutcomeReport, StoreError};
+use crate::store::{self, OutcomeReport, Outgoing, StoreError};
 
 /// Runtime configuration. Every field has a default; `DATABASE_URL` and `NATS_URL` override
-/// the file.
+/// the file ([`Config::apply_env`]).
 #[derive(Clone, Debug, serde::Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
@@ -74,22 +77,6 @@ impl Default for Config {
 /// Configuration errors name the offending key.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    /// Unreadable file.
-    #[error("cannot read config file {path}: {source}")]
-    Read {
-        /// Path.
-        path: String,
-        /// Cause.
-        source: std::io::Error,
-    },
-    /// Malformed TOML or a bad key.
-    #[error("config file {path}: {message}")]
-    Parse {
-        /// Path.
-        path: String,
-        /// Parser message (names the key).
-        message: String,
-    },
     /// A value out of range.
     #[error("config key `{key}`: {message}")]
     Invalid {
@@ -101,27 +88,21 @@ pub enum ConfigError {
 }
 
 impl Config {
-    /// Loads defaults, then the file (if given), then `DATABASE_URL` / `NATS_URL`.
-    pub fn load(path: Option<&str>) -> Result<Config, ConfigError> {
-        let mut c = match path {
-            Some(p) => {
-                let text = std::fs::read_to_string(p).map_err(|source| ConfigError::Read {
-                    path: p.to_string(),
-                    source,
-                })?;
-                toml::from_str::<Config>(&text).map_err(|e| ConfigError::Parse {
-                    path: p.to_string(),
-                    message: e.to_string(),
-                })?
-            }
-            None => Config::default(),
-        };
+    /// Applies `DATABASE_URL` and `NATS_URL` from the environment, when set, over whatever
+    /// the configuration says.
+    pub fn apply_env(&mut self) {
         if let Ok(v) = std::env::var("DATABASE_URL") {
-            c.database_url = v;
+            self.database_url = v;
         }
         if let Ok(v) = std::env::var("NATS_URL") {
-            c.nats_url = v;
+            self.nats_url = v;
         }
+    }
+
+    /// The defaults, then the environment ([`Config::apply_env`]), validated.
+    pub fn from_env() -> Result<Config, ConfigError> {
+        let mut c = Config::default();
+        c.apply_env();
         c.validate()?;
         Ok(c)
     }
@@ -165,9 +146,9 @@ pub enum RunError {
     /// Store failure.
     #[error(transparent)]
     Store(#[from] StoreError),
-    /// Broker connection failure.
+    /// Broker adapter failure (connecting, managing a destination).
     #[error(transparent)]
-    Nats(#[from] crate::nats::NatsError),
+    Broker(Box<dyn std::error::Error + Send + Sync>),
     /// Cannot connect to Postgres.
     #[error(
         "cannot connect to PostgreSQL ({url}): {source}; is it running, and is DATABASE_URL right?"
@@ -178,6 +159,13 @@ pub enum RunError {
         /// Cause.
         source: tokio_postgres::Error,
     },
+}
+
+impl RunError {
+    /// Wraps a broker adapter's error.
+    pub fn broker(e: impl std::error::Error + Send + Sync + 'static) -> RunError {
+        RunError::Broker(Box::new(e))
+    }
 }
 
 /// Opens a Postgres connection and drives it on a task.
@@ -217,10 +205,17 @@ pub fn owner_id() -> u64 {
         & 0x7fff_ffff_ffff_ffff
 }
 
-/// One dispatcher: claims, publishes, accepts, until `stop` is set.
-pub async fn dispatcher(
+/// The instant after which no message of a claim may leave: the lease runs from the claim on
+/// the database clock, so a local deadline taken from just before the claim transaction
+/// started, less the acknowledgement timeout, ends no later than the lease (R9).
+pub fn send_deadline(claim_started: Instant, cfg: &Config) -> Instant {
+    claim_started + Duration::from_millis(cfg.lease_ms.saturating_sub(cfg.ack_timeout_ms))
+}
+
+/// One dispatcher: claims, sends through `broker`, accepts, until `stop` is set.
+pub async fn dispatcher<B: Broker>(
     cfg: Config,
-    nats: Nats,
+    broker: Arc<B>,
     stop: Arc<AtomicBool>,
     counters: Arc<Counters>,
 ) -> Result<(), RunError> {
@@ -228,7 +223,7 @@ pub async fn dispatcher(
     let owner = owner_id();
     tracing::info!(owner, "dispatcher started");
     while !stop.load(Ordering::Relaxed) {
-        let t_claim = std::time::Instant::now();
+        let t_claim = Instant::now();
         let batch = match store::claim_batch(&mut pg, owner, cfg.batch_size_max, cfg.lease_ms).await
         {
             Ok(b) => b,
@@ -247,9 +242,20 @@ pub async fn dispatcher(
         }
         // No transaction is open here: the claim committed.
         let claim_ms = t_claim.elapsed().as_millis();
-        let t_pub = std::time::Instant::now();
-        let results = nats.publish_batch(&batch.outgoing).await;
+        let t_pub = Instant::now();
+        let requests: Vec<SendRequest> =
+            batch.outgoing.iter().map(Outgoing::send_request).collect();
+        let results = broker
+            .send_batch(requests, send_deadline(t_claim, &cfg))
+            .await;
         let publish_ms = t_pub.elapsed().as_millis();
+        if results.len() != batch.outgoing.len() {
+            tracing::error!(
+                sent = batch.outgoing.len(),
+                results = results.len(),
+                "broker adapter answered a different number of results; missing ones are unknown"
+            );
+        }
         if cfg.drill_pause_after_publish_ms > 0 {
             tracing::warn!(
                 ms = cfg.drill_pause_after_publish_ms,
@@ -259,30 +265,44 @@ pub async fn dispatcher(
         }
         let mut receipts: Vec<Receipt> = Vec::new();
         let mut reports = Vec::new();
+        // No connection to the broker: pause before the next claim instead of cycling the
+        // backlog through "never sent" (a row's own backoff covers row-level causes).
+        let mut pause = false;
+        let results = results
+            .into_iter()
+            .chain(std::iter::repeat(SendResult::NoAnswer));
         for (o, r) in batch.outgoing.iter().zip(results) {
+            let report = |outcome| OutcomeReport {
+                event_id: o.event_id,
+                member: o.member,
+                token: o.token,
+                attempt_id: o.attempt_id,
+                outcome,
+            };
             match r {
-                PublishResult::Ack(rec) if rec.sequence != 0 => receipts.push(rec),
-                // A duplicate ack with sequence 0 proves nothing: treat as unknown.
-                PublishResult::Ack(_) | PublishResult::Timeout => reports.push(OutcomeReport {
-                    event_id: o.event_id,
-                    member: o.member,
-                    token: o.token,
-                    attempt_id: o.attempt_id,
-                    outcome: SendOutcome::AckTimeout,
-                }),
-                PublishResult::NeverSent(why) => {
-                    tracing::warn!(event_id = %o.event_id, why, "publish refused before sending");
-                    reports.push(OutcomeReport {
-                        event_id: o.event_id,
-                        member: o.member,
-                        token: o.token,
-                        attempt_id: o.attempt_id,
-                        outcome: SendOutcome::NeverSent,
-                    })
+                SendResult::Receipt(rec) if rec.sequence != 0 => receipts.push(rec),
+                // A receipt with sequence 0 proves nothing: treat as unknown.
+                SendResult::Receipt(_) | SendResult::NoAnswer => {
+                    reports.push(report(SendOutcome::AckTimeout));
+                }
+                // The broker holds a copy already (create-if-absent): the reconciler's lookup
+                // finds it and accepts it through the acceptance point.
+                SendResult::AlreadyStored => {
+                    tracing::debug!(event_id = %o.event_id, "already stored at the broker; left to the reconciler");
+                    reports.push(report(SendOutcome::AckTimeout));
+                }
+                SendResult::NeverSent(why) => {
+                    tracing::warn!(event_id = %o.event_id, why = ?why, "never sent");
+                    pause |= matches!(why, NeverSentReason::NotConnected(_));
+                    reports.push(report(SendOutcome::NeverSent));
+                }
+                SendResult::Refused { kind, detail } => {
+                    tracing::warn!(event_id = %o.event_id, kind = ?kind, detail, "refused by the broker");
+                    reports.push(report(SendOutcome::Rejected));
                 }
             }
         }
-        let t_acc = std::time::Instant::now();
+        let t_acc = Instant::now();
         submit(&cfg, &mut pg, &receipts, &reports, &counters).await?;
         tracing::debug!(
             rows = batch.outgoing.len(),
@@ -291,6 +311,9 @@ pub async fn dispatcher(
             accept_ms = t_acc.elapsed().as_millis() as u64,
             "dispatch batch"
         );
+        if pause {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
     }
     tracing::info!(owner, "dispatcher stopped");
     Ok(())
@@ -354,10 +377,10 @@ async fn submit(
     Ok(())
 }
 
-/// The reconciler loop (R13–R14).
-pub async fn reconciler(
+/// The reconciler loop (R13–R14): asks `broker` about each unknown outcome.
+pub async fn reconciler<B: Broker>(
     cfg: Config,
-    nats: Nats,
+    broker: Arc<B>,
     stop: Arc<AtomicBool>,
     counters: Arc<Counters>,
 ) -> Result<(), RunError> {
@@ -375,11 +398,11 @@ pub async fn reconciler(
                 }
             };
         for it in &items {
-            let lookup = if it.destination.cluster == nats.cluster {
-                nats.lookup(&it.destination.topic, it.event_id, it.member)
-                    .await
+            // Another cluster's destination cannot be asked here: nothing is learned.
+            let lookup = if it.destination.cluster == broker.cluster() {
+                broker.lookup(&it.destination, it.event_id, it.member).await
             } else {
-                sealpost_core::reconcile::Lookup::Unavailable
+                Lookup::Unavailable
             };
             match store::finish_reconcile(&mut pg, it, &lookup).await {
                 Ok(d) => {
@@ -406,138 +429,11 @@ pub async fn reconciler(
     Ok(())
 }
 
-/// The example fulfilment consumer (`sealpost consume`): a durable JetStream pull consumer
-/// whose effect is a row in `demo_fulfilment`, applied through the inbox. The broker message
-/// is acked only after the inbox transaction commits.
-pub async fn consumer(
-    cfg: Config,
-    nats: Nats,
-    consumer_id: String,
-    topic: String,
-    stop: Arc<AtomicBool>,
-    consumed: Arc<AtomicU64>,
-) -> Result<(), RunError> {
-    use async_nats::jetstream::consumer::{pull, AckPolicy};
-    use futures::StreamExt;
-    let mut pg = pg_connect(&cfg.database_url).await?;
-    crate::demo::prepare(&pg).await?;
-    let stream = nats
-        .js
-        .get_stream(&topic)
-        .await
-        .map_err(|e| crate::nats::NatsError::Stream {
-            stream: topic.clone(),
-            detail: e.to_string(),
-        })?;
-    let jc = stream
-        .get_or_create_consumer(
-            &consumer_id,
-            pull::Config {
-                durable_name: Some(consumer_id.clone()),
-                filter_subject: format!("sp.{topic}.>"),
-                ack_policy: AckPolicy::Explicit,
-                ack_wait: Duration::from_millis(cfg.consumer_ack_wait_ms),
-                max_ack_pending: 20_000,
-                ..Default::default()
-            },
-        )
-        .await
-        .map_err(|e| crate::nats::NatsError::Stream {
-            stream: topic.clone(),
-            detail: e.to_string(),
-        })?;
-    while !stop.load(Ordering::Relaxed) {
-        let batch = jc
-            .fetch()
-            .max_messages(500)
-            .expires(Duration::from_millis(300))
-            .messages()
-            .await;
-        let mut batch = match batch {
-            Ok(b) => b,
-            Err(e) => {
-                tracing::warn!(error = %e, "fetch failed; retrying");
-                tokio::time::sleep(Duration::from_millis(500)).await;
-                continue;
-            }
-        };
-        while let Some(msg) = batch.next().await {
-            let Ok(msg) = msg else { break };
-            let Some(d) = delivery_of(&msg) else {
-                tracing::error!(subject = %msg.subject, "message without Sealpost headers; terminating it");
-                let _ = msg.ack_with(async_nats::jetstream::AckKind::Term).await;
-                continue;
-            };
-            let order_id = serde_json::from_slice::<serde_json::Value>(&msg.payload)
-                .ok()
-                .and_then(|v| {
-                    v.get("order_id")
-                        .and_then(|o| o.as_str())
-                        .map(str::to_string)
-                })
-                .unwrap_or_default();
-            let key = sealpost_core::inbox::idempotency_key(d.event_id, &consumer_id, "fulfil");
-            let cid = consumer_id.clone();
-            let eid = uuid::Uuid::from_bytes(d.event_id.0);
-            let effect: crate::inbox::Effect<'_> = Box::new(move |tx| {
-                Box::pin(async move {
-                    tx.execute(
-                        "INSERT INTO demo_fulfilment (consumer_id, event_id, order_id, idempotency_key)
-                         VALUES ($1, $2, $3, $4)",
-                        &[&cid, &eid, &order_id, &key],
-                    )
-                    .await
-                    .map(|_| ())
-                })
-            });
-            match crate::inbox::process(&mut pg, &consumer_id, &d, effect).await {
-                Ok(outcome) => {
-                    if matches!(outcome, crate::inbox::InboxOutcome::Applied { .. }) {
-                        consumed.fetch_add(1, Ordering::Relaxed);
-                    }
-                    if cfg.drill_skip_consumer_ack {
-                        continue; // drill: committed, then the ack is "lost"
-                    }
-                    if let Err(e) = msg.ack().await {
-                        tracing::warn!(error = %e, "ack lost; the broker will redeliver and the inbox absorbs it");
-                    }
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "inbox transaction failed; leaving the message for redelivery");
-                    if pg.is_closed() {
-                        pg = pg_connect(&cfg.database_url).await?;
-                    }
-                }
-            }
-        }
-    }
-    Ok(())
-}
-
-/// Reads the Sealpost headers of a delivered message and digests its payload.
-pub fn delivery_of(msg: &async_nats::jetstream::Message) -> Option<crate::inbox::Delivery> {
-    use crate::nats::{H_EVENT_ID, H_MEMBER, H_PAYLOAD_DIGEST};
-    let h = msg.headers.as_ref()?;
-    let get = |n: &str| h.get(n).map(|v| v.as_str().to_string());
-    let info = msg.info().ok()?;
-    Some(crate::inbox::Delivery {
-        event_id: sealpost_core::envelope::EventId::parse(&get(H_EVENT_ID)?)?,
-        member: get(H_MEMBER)?.parse().ok()?,
-        claimed_digest: sealpost_core::Digest::from_hex(&get(H_PAYLOAD_DIGEST)?)?,
-        payload_digest: sealpost_core::Digest::of_bytes(
-            sealpost_core::envelope::PAYLOAD_DOMAIN,
-            &msg.payload,
-        ),
-        stream: info.stream.to_string(),
-        sequence: info.stream_sequence,
-    })
-}
-
 /// Spawns `dispatchers` dispatcher tasks and, if asked, one reconciler beside them, all
 /// stopping on `stop`. The demo, the bench and `sealpost dispatch` run the same fleet.
-pub fn spawn_fleet(
+pub fn spawn_fleet<B: Broker>(
     cfg: &Config,
-    nats: &Nats,
+    broker: &Arc<B>,
     dispatchers: usize,
     with_reconciler: bool,
     stop: &Arc<AtomicBool>,
@@ -547,7 +443,7 @@ pub fn spawn_fleet(
         .map(|_| {
             tokio::spawn(dispatcher(
                 cfg.clone(),
-                nats.clone(),
+                broker.clone(),
                 stop.clone(),
                 counters.clone(),
             ))
@@ -556,7 +452,7 @@ pub fn spawn_fleet(
     if with_reconciler {
         tasks.push(tokio::spawn(reconciler(
             cfg.clone(),
-            nats.clone(),
+            broker.clone(),
             stop.clone(),
             counters.clone(),
         )));

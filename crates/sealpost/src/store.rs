@@ -13,6 +13,7 @@ use sealpost_core::encoding::Digest;
 use sealpost_core::envelope::{
     Destination, EventId, NewEvent, PartitionAlgorithm, RoutePolicy, SealedEnvelope,
 };
+use sealpost_core::port::SendRequest;
 use sealpost_core::receipt::{
     apply_receipt, decide_receipt, Receipt, ReceiptSource, ReceiptVerdict,
 };
@@ -641,6 +642,23 @@ pub struct Outgoing {
     pub destination_digest: Digest,
     /// Payload bytes as sealed.
     pub payload: Vec<u8>,
+}
+
+impl Outgoing {
+    /// The message the broker adapter sends for this authorised attempt (the adapter sees
+    /// the broker port's [`SendRequest`], never the store's row or claim token).
+    pub fn send_request(&self) -> SendRequest {
+        SendRequest {
+            event_id: self.event_id,
+            member: self.member,
+            envelope_generation: self.envelope_generation,
+            attempt_id: self.attempt_id,
+            payload_digest: self.payload_digest,
+            destination: self.destination.clone(),
+            destination_digest: self.destination_digest,
+            payload: self.payload.clone(),
+        }
+    }
 }
 
 /// What one claim scan did.

@@ -10,6 +10,7 @@ use sealpost_core::claim::{
     apply_begin_send, apply_claim, apply_send_outcome, decide_begin_send, decide_dispatch_claim,
     decide_reconcile_claim, decide_send_outcome, ClaimDecision, ClaimToken, SendOutcome,
 };
+use sealpost_core::envelope::NewEvent;
 use sealpost_core::receipt::{apply_receipt, decide_receipt, Receipt, ReceiptSource};
 use sealpost_core::reconcile::{
     apply_reconcile, decide_reconcile, Lookup, ReconcileDecision, ReconcilePolicy,
@@ -82,9 +83,29 @@ fn receipt_for(row: &EventRow, attempt: u64, sequence: u64) -> Receipt {
     }
 }
 
+/// One fresh `order.created.v1` event per key, routed by the key.
+fn order_batch<'a>(keys: &'a [String], payload: &'a [u8]) -> Vec<(EventId, NewEvent<'a>, String)> {
+    keys.iter()
+        .map(|k| {
+            let event = NewEvent {
+                aggregate_type: "order",
+                aggregate_id: k,
+                aggregate_version: 1,
+                event_type: "order.created.v1",
+                payload_schema: "order.created.v1",
+                payload,
+                tenant: "tenant-1",
+                occurred_at_ms: 0,
+                creating_txid: 0,
+            };
+            (EventId(*uuid::Uuid::now_v7().as_bytes()), event, k.clone())
+        })
+        .collect()
+}
+
 #[tokio::test]
 async fn random_fault_sequences_persist_exactly_what_the_core_decides() {
-    let cfg = Config::load(None).unwrap();
+    let cfg = Config::from_env().unwrap();
     let mut pg = runtime::pg_connect(&cfg.database_url).await.unwrap();
     store::migrate(&pg).await.unwrap();
     let mut steps = 0;
@@ -98,7 +119,7 @@ async fn random_fault_sequences_persist_exactly_what_the_core_decides() {
             .unwrap();
         let mut rng = Rng(0x9E37_79B9_7F4A_7C15 ^ seed);
         let keys: Vec<String> = (0..6).map(|i| format!("o-{seed}-{i}")).collect();
-        let events = sealpost::demo::order_batch(&keys, b"{}");
+        let events = order_batch(&keys, b"{}");
         let tx = pg.transaction().await.unwrap();
         let envs = store::enqueue_many(&tx, "diff", &events).await.unwrap();
         tx.commit().await.unwrap();

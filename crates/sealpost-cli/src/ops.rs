@@ -12,8 +12,8 @@ use serde::Serialize;
 use serde_json::{json, Value};
 use uuid::Uuid;
 
-use crate::nats::{Nats, H_EVENT_ID};
-use crate::store::{self, Result};
+use sealpost::store::{self, Result};
+use sealpost_nats::{Nats, H_EVENT_ID};
 
 /// One reconciliation finding.
 #[derive(Clone, Debug, Serialize)]

@@ -7,7 +7,8 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 use sealpost::runtime::{self, Config, Counters};
-use sealpost::{nats::Nats, store};
+use sealpost::store;
+use sealpost_nats::Nats;
 
 mod simulate;
 
@@ -170,7 +171,7 @@ fn main() {
                 )
                 .with_writer(std::io::stderr)
                 .init();
-            match Config::load(cli.config.as_deref()) {
+            match sealpost_cli::config::load(cli.config.as_deref()) {
                 Ok(cfg) => tokio::runtime::Runtime::new()
                     .map_err(|e| e.to_string())
                     .and_then(|rt| rt.block_on(run(cmd, cfg))),
@@ -222,8 +223,14 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
             .map_err(|x| x.to_string())?;
             let stop = Arc::new(AtomicBool::new(false));
             let counters = Arc::new(Counters::default());
-            let tasks =
-                runtime::spawn_fleet(&cfg, &nats, dispatchers, !no_reconciler, &stop, &counters);
+            let tasks = runtime::spawn_fleet(
+                &cfg,
+                &Arc::new(nats),
+                dispatchers,
+                !no_reconciler,
+                &stop,
+                &counters,
+            );
             let s2 = stop.clone();
             tokio::spawn(async move {
                 let _ = tokio::signal::ctrl_c().await;
@@ -242,7 +249,7 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
             topic,
             json,
         } => {
-            let ok = sealpost::demo::run(cfg, orders, dispatchers, consumers, &topic, json)
+            let ok = sealpost_cli::demo::run(cfg, orders, dispatchers, consumers, &topic, json)
                 .await
                 .map_err(e)?;
             Ok(if ok { 0 } else { 1 })
@@ -255,14 +262,14 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
             latency_s,
             json,
         } => {
-            let args = sealpost::bench::BenchArgs {
+            let args = sealpost_cli::bench::BenchArgs {
                 events,
                 payload_bytes,
                 dispatchers,
                 rate_per_s: rate,
                 latency_s,
             };
-            let r = sealpost::bench::run(cfg, args, json).await.map_err(e)?;
+            let r = sealpost_cli::bench::run(cfg, args, json).await.map_err(e)?;
             if json {
                 println!("{}", serde_json::to_string(&r).map_err(|x| x.to_string())?);
             } else {
@@ -290,7 +297,7 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
                 s2.store(true, std::sync::atomic::Ordering::Relaxed);
             });
             let consumed = Arc::new(std::sync::atomic::AtomicU64::new(0));
-            runtime::consumer(cfg, nats, consumer, topic, stop, consumed)
+            sealpost_cli::consumer::run(cfg, nats, consumer, topic, stop, consumed)
                 .await
                 .map_err(e)?;
             Ok(0)
@@ -312,7 +319,7 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
             )
             .await
             .map_err(|x| x.to_string())?;
-            let opts = sealpost::ops::ReconcileOptions {
+            let opts = sealpost_cli::ops::ReconcileOptions {
                 pending_age_s,
                 unconsumed_age_s,
                 unknown_age_s,
@@ -320,13 +327,13 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
                 streams: stream,
                 scan_max,
             };
-            let r = sealpost::ops::reconcile(&pg, Some(&nats), &opts)
+            let r = sealpost_cli::ops::reconcile(&pg, Some(&nats), &opts)
                 .await
                 .map_err(|x| x.to_string())?;
             if json {
                 println!("{}", serde_json::to_string(&r).map_err(|x| x.to_string())?);
             } else {
-                sealpost::print_reconcile(&r);
+                sealpost_cli::print_reconcile(&r);
             }
             Ok(i32::from(!r.findings.is_empty()))
         }
@@ -347,7 +354,7 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
                 None => None,
             };
             let mut pg = runtime::pg_connect(&cfg.database_url).await.map_err(e)?;
-            let r = sealpost::ops::purge(
+            let r = sealpost_cli::ops::purge(
                 &mut pg,
                 &consumer,
                 stream.as_deref(),
@@ -374,13 +381,13 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
         }
         Cmd::Trace { key, json } => {
             let pg = runtime::pg_connect(&cfg.database_url).await.map_err(e)?;
-            let t = sealpost::ops::trace(&pg, &key)
+            let t = sealpost_cli::ops::trace(&pg, &key)
                 .await
                 .map_err(|x| x.to_string())?;
             if json {
                 println!("{t}");
             } else {
-                sealpost::print_trace(&t);
+                sealpost_cli::print_trace(&t);
             }
             Ok(i32::from(t["found"] != serde_json::Value::Bool(true)))
         }
@@ -390,7 +397,7 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
             if json {
                 println!("{}", serde_json::to_string(&s).map_err(|x| x.to_string())?);
             } else {
-                sealpost::print_status(&s);
+                sealpost_cli::print_status(&s);
             }
             if check && s.oldest_unknown_s > cfg.unknown_alert_s as f64 {
                 eprintln!(

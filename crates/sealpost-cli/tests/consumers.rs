@@ -8,21 +8,30 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use sealpost::inbox::{self, Delivery, Effect, InboxOutcome};
-use sealpost::nats::{Nats, PublishResult};
 use sealpost::runtime::{self, Config};
 use sealpost::store;
 use sealpost_core::envelope::{EventId, PAYLOAD_DOMAIN};
+use sealpost_core::port::{Broker, SendResult};
 use sealpost_core::Digest;
+use sealpost_nats::Nats;
 
 static LOCK: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
+/// Sends through the broker port as a dispatcher does, with a deadline far enough away that
+/// the test decides when a send happens (a "delayed request" is one sent late).
+async fn send(nats: &Nats, outgoing: &[store::Outgoing]) -> Vec<SendResult> {
+    let batch = outgoing.iter().map(store::Outgoing::send_request).collect();
+    nats.send_batch(batch, std::time::Instant::now() + Duration::from_secs(60))
+        .await
+}
+
 async fn pg() -> (tokio_postgres::Client, Config) {
-    let cfg = Config::load(None).expect("config");
+    let cfg = Config::from_env().expect("config");
     let pg = runtime::pg_connect(&cfg.database_url)
         .await
         .expect("PostgreSQL must be running");
     store::migrate(&pg).await.unwrap();
-    sealpost::demo::prepare(&pg).await.unwrap();
+    sealpost_cli::demo::prepare(&pg).await.unwrap();
     (pg, cfg)
 }
 
@@ -172,7 +181,7 @@ async fn consumer_commits_then_loses_its_ack_and_redelivery_has_no_second_effect
     let n = 20;
     let tx = pg.transaction().await.unwrap();
     let keys: Vec<String> = (0..n).map(|i| format!("o-{i}")).collect();
-    let events = sealpost::demo::order_batch(&keys, br#"{"order_id":"x"}"#);
+    let events = sealpost_cli::demo::order_batch(&keys, br#"{"order_id":"x"}"#);
     store::enqueue_many(&tx, &route, &events).await.unwrap();
     tx.commit().await.unwrap();
     let mut claimed = Vec::new();
@@ -184,12 +193,11 @@ async fn consumer_commits_then_loses_its_ack_and_redelivery_has_no_second_effect
                 .filter(|o| o.destination.topic == topic),
         );
     }
-    let receipts: Vec<_> = nats
-        .publish_batch(&claimed)
+    let receipts: Vec<_> = send(&nats, &claimed)
         .await
         .into_iter()
         .map(|r| match r {
-            PublishResult::Ack(r) => r,
+            SendResult::Receipt(r) => r,
             other => panic!("{other:?}"),
         })
         .collect();
@@ -203,7 +211,7 @@ async fn consumer_commits_then_loses_its_ack_and_redelivery_has_no_second_effect
     lossy.drill_skip_consumer_ack = true;
     let stop = Arc::new(AtomicBool::new(false));
     let applied = Arc::new(AtomicU64::new(0));
-    let t = tokio::spawn(runtime::consumer(
+    let t = tokio::spawn(sealpost_cli::consumer::run(
         lossy.clone(),
         nats.clone(),
         consumer.clone(),
@@ -224,7 +232,7 @@ async fn consumer_commits_then_loses_its_ack_and_redelivery_has_no_second_effect
     let mut healthy = lossy.clone();
     healthy.drill_skip_consumer_ack = false;
     let stop2 = Arc::new(AtomicBool::new(false));
-    let t2 = tokio::spawn(runtime::consumer(
+    let t2 = tokio::spawn(sealpost_cli::consumer::run(
         healthy,
         nats.clone(),
         consumer.clone(),

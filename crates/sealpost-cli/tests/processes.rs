@@ -7,11 +7,11 @@
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use sealpost::nats::Nats;
 use sealpost::runtime::{self, Config};
 use sealpost::store;
 use sealpost_core::envelope::EventId;
 use sealpost_core::reconcile::Lookup;
+use sealpost_nats::Nats;
 
 static LOCK: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
@@ -53,7 +53,7 @@ impl Drop for Drill {
 }
 
 async fn drill(tag: &str, n: usize) -> Drill {
-    let cfg = Config::load(None).expect("default config");
+    let cfg = Config::from_env().expect("default config");
     let mut pg = runtime::pg_connect(&cfg.database_url)
         .await
         .expect("PostgreSQL must be running");
@@ -74,7 +74,7 @@ async fn drill(tag: &str, n: usize) -> Drill {
     while i < n {
         let m = (n - i).min(2_000);
         let keys: Vec<String> = (i..i + m).map(|k| format!("o-{k}")).collect();
-        let events = sealpost::demo::order_batch(&keys, &payload);
+        let events = sealpost_cli::demo::order_batch(&keys, &payload);
         let tx = pg.transaction().await.unwrap();
         store::enqueue_many(&tx, "orders", &events).await.unwrap();
         tx.commit().await.unwrap();
@@ -178,7 +178,10 @@ impl Drill {
         for r in sample {
             let id = EventId(*r.get::<_, uuid::Uuid>(0).as_bytes());
             assert!(
-                matches!(self.nats.lookup(&self.topic, id, 0).await, Lookup::Found(_)),
+                matches!(
+                    self.nats.lookup_topic(&self.topic, id, 0).await,
+                    Lookup::Found(_)
+                ),
                 "{id} not in the stream"
             );
         }

@@ -6,15 +6,24 @@
 
 use std::time::Duration;
 
-use sealpost::nats::{Nats, PublishResult};
 use sealpost::runtime::{self, Config};
 use sealpost::store::{self, Accepted, OutcomeReport};
 use sealpost_core::claim::SendOutcome;
 use sealpost_core::envelope::{EventId, NewEvent};
+use sealpost_core::port::{Broker, SendResult};
 use sealpost_core::reconcile::{Lookup, ReconcileDecision};
 use sealpost_core::{DuplicateKind, QuarantineReason, ReceiptVerdict, RejectReason};
+use sealpost_nats::Nats;
 
 static LOCK: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// Sends through the broker port as a dispatcher does, with a deadline far enough away that
+/// the test decides when a send happens (a "delayed request" is one sent late).
+async fn send(nats: &Nats, outgoing: &[store::Outgoing]) -> Vec<SendResult> {
+    let batch = outgoing.iter().map(store::Outgoing::send_request).collect();
+    nats.send_batch(batch, std::time::Instant::now() + Duration::from_secs(60))
+        .await
+}
 
 struct Env {
     pg: tokio_postgres::Client,
@@ -24,7 +33,7 @@ struct Env {
 }
 
 async fn env(tag: &str) -> Env {
-    let cfg = Config::load(None).expect("default config");
+    let cfg = Config::from_env().expect("default config");
     let pg = runtime::pg_connect(&cfg.database_url)
         .await
         .expect("PostgreSQL must be running");
@@ -174,11 +183,11 @@ async fn dispatch_publishes_with_one_primary_and_route_revision_keeps_frozen_des
             .all(|o| o.destination.topic == e.topic),
         "frozen destination"
     );
-    let results = e.nats.publish_batch(&batch.outgoing).await;
+    let results = send(&e.nats, &batch.outgoing).await;
     let receipts: Vec<_> = results
         .into_iter()
         .map(|r| match r {
-            PublishResult::Ack(r) => r,
+            SendResult::Receipt(r) => r,
             other => panic!("publish failed: {other:?}"),
         })
         .collect();
@@ -191,12 +200,12 @@ async fn dispatch_publishes_with_one_primary_and_route_revision_keeps_frozen_des
     for id in &ids {
         assert_eq!(state_of(&e.pg, *id).await, "PUBLISHED");
         assert_eq!(receipt_kinds(&e.pg, *id).await, vec!["primary"]);
-        match e.nats.lookup(&e.topic, *id, 0).await {
+        match e.nats.lookup_topic(&e.topic, *id, 0).await {
             Lookup::Found(r) => assert_eq!(r.event_id, *id),
             other => panic!("lookup: {other:?}"),
         }
         assert_eq!(
-            e.nats.lookup(&other, *id, 0).await,
+            e.nats.lookup_topic(&other, *id, 0).await,
             Lookup::Absent,
             "nothing at the new destination"
         );
@@ -216,8 +225,8 @@ async fn paused_dispatcher_late_ack_converges_as_duplicate() {
     // Dispatcher A claims with a short lease, publishes, then "pauses" past its lease
     // before reporting the ACK.
     let a = store::claim_batch(&mut e.pg, 1, 10, 1_000).await.unwrap();
-    let ack_a = match e.nats.publish_batch(&a.outgoing).await.remove(0) {
-        PublishResult::Ack(r) => r,
+    let ack_a = match send(&e.nats, &a.outgoing).await.remove(0) {
+        SendResult::Receipt(r) => r,
         other => panic!("{other:?}"),
     };
     tokio::time::sleep(Duration::from_millis(1_200)).await;
@@ -242,7 +251,7 @@ async fn paused_dispatcher_late_ack_converges_as_duplicate() {
     // The reconciler finds the message and accepts it through the acceptance point.
     let items = store::claim_unknown(&mut e.pg, 3, 10, 5_000).await.unwrap();
     assert_eq!(items.len(), 1);
-    let lookup = e.nats.lookup(&e.topic, id, 0).await;
+    let lookup = e.nats.lookup_topic(&e.topic, id, 0).await;
     let d = store::finish_reconcile(&mut e.pg, &items[0], &lookup)
         .await
         .unwrap();
@@ -273,7 +282,7 @@ async fn retry_after_unknown_and_both_acks_converge() {
     store::claim_batch(&mut e.pg, 2, 10, 1_000).await.unwrap();
     // Lookup proves absence: retry to the same destination.
     let items = store::claim_unknown(&mut e.pg, 3, 10, 5_000).await.unwrap();
-    let lookup = e.nats.lookup(&e.topic, id, 0).await;
+    let lookup = e.nats.lookup_topic(&e.topic, id, 0).await;
     assert_eq!(lookup, Lookup::Absent);
     let d = store::finish_reconcile(&mut e.pg, &items[0], &lookup)
         .await
@@ -290,12 +299,12 @@ async fn retry_after_unknown_and_both_acks_converge() {
         "same frozen destination"
     );
     // Now A's delayed request reaches the broker, then B's: both ACK (F4).
-    let ack_a = match e.nats.publish_batch(&a.outgoing).await.remove(0) {
-        PublishResult::Ack(r) => r,
+    let ack_a = match send(&e.nats, &a.outgoing).await.remove(0) {
+        SendResult::Receipt(r) => r,
         other => panic!("{other:?}"),
     };
-    let ack_b = match e.nats.publish_batch(&b.outgoing).await.remove(0) {
-        PublishResult::Ack(r) => r,
+    let ack_b = match send(&e.nats, &b.outgoing).await.remove(0) {
+        SendResult::Receipt(r) => r,
         other => panic!("{other:?}"),
     };
     assert!(
@@ -323,8 +332,8 @@ async fn receipt_transaction_rollback_then_retry_fills_slot() {
     let mut e = env("f7").await;
     let id = enqueue_n(&mut e.pg, 1).await[0];
     let a = store::claim_batch(&mut e.pg, 1, 10, 10_000).await.unwrap();
-    let ack = match e.nats.publish_batch(&a.outgoing).await.remove(0) {
-        PublishResult::Ack(r) => r,
+    let ack = match send(&e.nats, &a.outgoing).await.remove(0) {
+        SendResult::Receipt(r) => r,
         other => panic!("{other:?}"),
     };
     // F7: the receipt transaction is killed before it commits: a conflicting lock makes it
@@ -365,8 +374,8 @@ async fn divergent_and_forged_receipts_never_fill_the_slot() {
     let mut e = env("q").await;
     let id = enqueue_n(&mut e.pg, 1).await[0];
     let a = store::claim_batch(&mut e.pg, 1, 10, 10_000).await.unwrap();
-    let ack = match e.nats.publish_batch(&a.outgoing).await.remove(0) {
-        PublishResult::Ack(r) => r,
+    let ack = match send(&e.nats, &a.outgoing).await.remove(0) {
+        SendResult::Receipt(r) => r,
         other => panic!("{other:?}"),
     };
     let mut bad = ack.clone();
@@ -411,53 +420,6 @@ async fn divergent_and_forged_receipts_never_fill_the_slot() {
     assert_eq!(v, vec![Accepted::Verdict(ReceiptVerdict::Primary)]);
 }
 
-/// The sqlx flavour of `enqueue` commits and rolls back with the caller's transaction and
-/// seals exactly what the tokio-postgres flavour seals.
-#[cfg(feature = "sqlx")]
-#[tokio::test]
-async fn sqlx_enqueue_commits_with_the_callers_transaction() {
-    use sqlx::Connection;
-    let _g = LOCK.lock().await;
-    let e = env("sqlx").await;
-    let mut conn = sqlx::PgConnection::connect("postgres://postgres@127.0.0.1:5432/test")
-        .await
-        .unwrap();
-    let id = EventId(*uuid::Uuid::now_v7().as_bytes());
-    let mut tx = conn.begin().await.unwrap();
-    sealpost::sqlx_store::enqueue(&mut tx, "orders", id, &new_event("o-s", b"{}"), "k")
-        .await
-        .unwrap();
-    tx.rollback().await.unwrap();
-    let n: i64 =
-        e.pg.query_one("SELECT count(*) FROM sealpost.envelope", &[])
-            .await
-            .unwrap()
-            .get(0);
-    assert_eq!(n, 0, "rolled back with the caller");
-    let mut tx = conn.begin().await.unwrap();
-    let env = sealpost::sqlx_store::enqueue(&mut tx, "orders", id, &new_event("o-s", b"{}"), "k")
-        .await
-        .unwrap();
-    tx.commit().await.unwrap();
-    let row =
-        e.pg.query_one(
-            "SELECT envelope_digest, state FROM sealpost.envelope WHERE event_id = $1",
-            &[&uuid::Uuid::from_bytes(id.0)],
-        )
-        .await
-        .unwrap();
-    let stored: Vec<u8> = row.get(0);
-    assert_eq!(stored, env.digest().0.to_vec());
-    assert_eq!(row.get::<_, String>(1), "PENDING");
-    let err = sealpost::sqlx_store::enqueue(&mut conn, "nope", id, &new_event("o-s", b"{}"), "k")
-        .await
-        .unwrap_err();
-    assert!(
-        err.to_string().contains("no route policy named `nope`"),
-        "{err}"
-    );
-}
-
 #[tokio::test]
 async fn migration_refused_while_unknown_and_old_receipt_after_migration_is_a_conflict() {
     let _g = LOCK.lock().await;
@@ -471,8 +433,8 @@ async fn migration_refused_while_unknown_and_old_receipt_after_migration_is_a_co
     // Event 0: its send's outcome is unknown (lease ran out mid-send): migration refused (F5).
     let a = store::claim_batch(&mut e.pg, 1, 1, 1_000).await.unwrap();
     assert_eq!(a.outgoing[0].event_id, ids[0]);
-    let ack_old = match e.nats.publish_batch(&a.outgoing).await.remove(0) {
-        PublishResult::Ack(r) => r,
+    let ack_old = match send(&e.nats, &a.outgoing).await.remove(0) {
+        SendResult::Receipt(r) => r,
         other => panic!("{other:?}"),
     };
     tokio::time::sleep(Duration::from_millis(1_100)).await;
@@ -507,8 +469,8 @@ async fn migration_refused_while_unknown_and_old_receipt_after_migration_is_a_co
         .collect();
     assert_eq!(mine[0].destination.topic, new_topic);
     assert_eq!(mine[0].envelope_generation, 2);
-    let ack_new = match e.nats.publish_batch(&mine).await.remove(0) {
-        PublishResult::Ack(r) => r,
+    let ack_new = match send(&e.nats, &mine).await.remove(0) {
+        SendResult::Receipt(r) => r,
         other => panic!("{other:?}"),
     };
     let v = store::accept_receipts(&mut e.pg, &[ack_new]).await.unwrap();

@@ -7,9 +7,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::nats::Nats;
-use crate::runtime::{self, Config, Counters, RunError};
-use crate::store::{self, StoreError};
+use sealpost::runtime::{self, Config, Counters, RunError};
+use sealpost::store::{self, StoreError};
+use sealpost_nats::Nats;
 
 /// Bench parameters.
 #[derive(Clone, Copy, Debug)]
@@ -97,9 +97,12 @@ pub async fn run(mut cfg: Config, args: BenchArgs, json: bool) -> Result<BenchRe
         &cfg.nats_cluster,
         Duration::from_millis(cfg.ack_timeout_ms),
     )
-    .await?;
-    nats.ensure_stream(&topic).await?;
-    nats.ensure_stream(&naive_topic).await?;
+    .await
+    .map_err(RunError::broker)?;
+    nats.ensure_stream(&topic).await.map_err(RunError::broker)?;
+    nats.ensure_stream(&naive_topic)
+        .await
+        .map_err(RunError::broker)?;
     let payload = vec![b'x'; args.payload_bytes];
     let say = |s: String| {
         if !json {
@@ -114,7 +117,8 @@ pub async fn run(mut cfg: Config, args: BenchArgs, json: bool) -> Result<BenchRe
     let counters = Arc::new(Counters::default());
     let started = Instant::now();
     // As in production, a reconciler runs beside the dispatchers.
-    let tasks = runtime::spawn_fleet(&cfg, &nats, args.dispatchers, true, &stop, &counters);
+    let broker = Arc::new(nats.clone());
+    let tasks = runtime::spawn_fleet(&cfg, &broker, args.dispatchers, true, &stop, &counters);
     while count_left(&pg, &topic).await? > 0 {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }

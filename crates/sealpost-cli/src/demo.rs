@@ -8,9 +8,9 @@ use std::time::{Duration, Instant};
 
 use sealpost_core::envelope::{EventId, NewEvent};
 
-use crate::nats::Nats;
-use crate::runtime::{self, Config, Counters, RunError};
-use crate::store;
+use sealpost::runtime::{self, Config, Counters, RunError};
+use sealpost::store;
+use sealpost_nats::Nats;
 
 /// The demo's route policy name; `run` points it at the `ORDERS` stream.
 pub const ROUTE: &str = "demo-orders";
@@ -157,11 +157,13 @@ pub async fn run(
         &cfg.nats_cluster,
         Duration::from_millis(cfg.ack_timeout_ms),
     )
-    .await?;
-    nats.ensure_stream(topic).await?;
+    .await
+    .map_err(RunError::broker)?;
+    nats.ensure_stream(topic).await.map_err(RunError::broker)?;
     let stop = Arc::new(AtomicBool::new(false));
     let counters = Arc::new(Counters::default());
-    let mut tasks = runtime::spawn_fleet(&cfg, &nats, dispatchers, true, &stop, &counters);
+    let broker = Arc::new(nats.clone());
+    let mut tasks = runtime::spawn_fleet(&cfg, &broker, dispatchers, true, &stop, &counters);
     let consumed: Vec<Arc<AtomicU64>> = (0..consumers)
         .map(|_| Arc::new(AtomicU64::new(0)))
         .collect();
@@ -169,7 +171,7 @@ pub async fn run(
         .map(|c| format!("fulfilment-{}", c + 1))
         .collect();
     for (c, id) in consumer_ids.iter().enumerate() {
-        tasks.push(tokio::spawn(runtime::consumer(
+        tasks.push(tokio::spawn(crate::consumer::run(
             cfg.clone(),
             nats.clone(),
             id.clone(),

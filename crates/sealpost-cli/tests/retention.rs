@@ -8,18 +8,27 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use sealpost::nats::{Nats, PublishResult};
-use sealpost::ops;
 use sealpost::runtime::{self, Config, Counters};
 use sealpost::store::{self, Accepted};
+use sealpost_cli::ops;
 use sealpost_core::envelope::EventId;
+use sealpost_core::port::{Broker, SendResult};
 use sealpost_core::{ReceiptVerdict, RejectReason};
+use sealpost_nats::Nats;
 
 static LOCK: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
+/// Sends through the broker port as a dispatcher does, with a deadline far enough away that
+/// the test decides when a send happens (a "delayed request" is one sent late).
+async fn send(nats: &Nats, outgoing: &[store::Outgoing]) -> Vec<SendResult> {
+    let batch = outgoing.iter().map(store::Outgoing::send_request).collect();
+    nats.send_batch(batch, std::time::Instant::now() + Duration::from_secs(60))
+        .await
+}
+
 async fn enqueue(pg: &mut tokio_postgres::Client, route: &str, n: usize) -> Vec<EventId> {
     let keys: Vec<String> = (0..n).map(|i| format!("o-{i}")).collect();
-    let events = sealpost::demo::order_batch(&keys, br#"{"order_id":"r"}"#);
+    let events = sealpost_cli::demo::order_batch(&keys, br#"{"order_id":"r"}"#);
     let tx = pg.transaction().await.unwrap();
     store::enqueue_many(&tx, route, &events).await.unwrap();
     tx.commit().await.unwrap();
@@ -32,12 +41,11 @@ async fn publish_all(
     max: usize,
 ) -> Vec<sealpost_core::Receipt> {
     let b = store::claim_batch(pg, 77, max, 10_000).await.unwrap();
-    let receipts: Vec<_> = nats
-        .publish_batch(&b.outgoing)
+    let receipts: Vec<_> = send(nats, &b.outgoing)
         .await
         .into_iter()
         .map(|r| match r {
-            PublishResult::Ack(r) => r,
+            SendResult::Receipt(r) => r,
             other => panic!("{other:?}"),
         })
         .collect();
@@ -70,10 +78,10 @@ async fn wait_for(what: &str, limit: Duration, mut f: impl AsyncFnMut() -> bool)
 #[tokio::test]
 async fn early_purge_is_refused_with_its_reason_and_nothing_needed_is_lost() {
     let _g = LOCK.lock().await;
-    let cfg = Config::load(None).unwrap();
+    let cfg = Config::from_env().unwrap();
     let mut pg = runtime::pg_connect(&cfg.database_url).await.unwrap();
     store::migrate(&pg).await.unwrap();
-    sealpost::demo::prepare(&pg).await.unwrap();
+    sealpost_cli::demo::prepare(&pg).await.unwrap();
     let topic = format!("R{}", runtime::owner_id() % 1_000_000);
     let route = format!("r-{topic}");
     store::set_route(&pg, &route, &cfg.nats_cluster, &topic)
@@ -98,7 +106,7 @@ async fn early_purge_is_refused_with_its_reason_and_nothing_needed_is_lost() {
     let a = format!("a-{topic}");
     let b = format!("b-{topic}");
     let stop = Arc::new(AtomicBool::new(false));
-    let ca = tokio::spawn(runtime::consumer(
+    let ca = tokio::spawn(sealpost_cli::consumer::run(
         cfg.clone(),
         nats.clone(),
         a.clone(),
@@ -152,7 +160,7 @@ async fn early_purge_is_refused_with_its_reason_and_nothing_needed_is_lost() {
         .get(0);
     assert_eq!(left, n as i64, "nothing needed by a consumer is gone");
     // B catches up. Inside a one-hour replay window rows are only RETAINED.
-    let cb = tokio::spawn(runtime::consumer(
+    let cb = tokio::spawn(sealpost_cli::consumer::run(
         cfg.clone(),
         nats.clone(),
         b.clone(),
@@ -228,7 +236,7 @@ async fn restore_from_a_dump_taken_mid_run_keeps_event_ids_and_has_no_second_eff
     let outbox_db = "sealpost_f11";
     psql("test", &format!("DROP DATABASE IF EXISTS {outbox_db}"));
     psql("test", &format!("CREATE DATABASE {outbox_db}"));
-    let consumer_cfg = Config::load(None).unwrap();
+    let consumer_cfg = Config::from_env().unwrap();
     let mut cfg = consumer_cfg.clone();
     cfg.database_url = format!("host=127.0.0.1 user=postgres dbname={outbox_db}");
     cfg.lease_ms = 2_000;
@@ -239,7 +247,7 @@ async fn restore_from_a_dump_taken_mid_run_keeps_event_ids_and_has_no_second_eff
         .await
         .unwrap();
     store::migrate(&cpg).await.unwrap();
-    sealpost::demo::prepare(&cpg).await.unwrap();
+    sealpost_cli::demo::prepare(&cpg).await.unwrap();
     let topic = format!("F{}", runtime::owner_id() % 1_000_000);
     store::set_route(&pg, "orders", &cfg.nats_cluster, &topic)
         .await
@@ -275,18 +283,18 @@ async fn restore_from_a_dump_taken_mid_run_keeps_event_ids_and_has_no_second_eff
     let mut tasks = vec![
         tokio::spawn(runtime::dispatcher(
             cfg.clone(),
-            nats.clone(),
+            Arc::new(nats.clone()),
             stop.clone(),
             counters.clone(),
         )),
         tokio::spawn(runtime::reconciler(
             cfg.clone(),
-            nats.clone(),
+            Arc::new(nats.clone()),
             stop.clone(),
             counters.clone(),
         )),
     ];
-    let ctask = tokio::spawn(runtime::consumer(
+    let ctask = tokio::spawn(sealpost_cli::consumer::run(
         consumer_cfg.clone(),
         nats.clone(),
         consumer.clone(),
@@ -333,13 +341,13 @@ async fn restore_from_a_dump_taken_mid_run_keeps_event_ids_and_has_no_second_eff
     let tasks = vec![
         tokio::spawn(runtime::dispatcher(
             cfg.clone(),
-            nats.clone(),
+            Arc::new(nats.clone()),
             stop.clone(),
             counters.clone(),
         )),
         tokio::spawn(runtime::reconciler(
             cfg.clone(),
-            nats.clone(),
+            Arc::new(nats.clone()),
             stop.clone(),
             counters.clone(),
         )),
@@ -405,10 +413,10 @@ async fn restore_from_a_dump_taken_mid_run_keeps_event_ids_and_has_no_second_eff
 #[tokio::test]
 async fn reconcile_reports_out_of_band_ids_and_unconsumed_events() {
     let _g = LOCK.lock().await;
-    let cfg = Config::load(None).unwrap();
+    let cfg = Config::from_env().unwrap();
     let mut pg = runtime::pg_connect(&cfg.database_url).await.unwrap();
     store::migrate(&pg).await.unwrap();
-    sealpost::demo::prepare(&pg).await.unwrap();
+    sealpost_cli::demo::prepare(&pg).await.unwrap();
     let topic = format!("O{}", runtime::owner_id() % 1_000_000);
     let route = format!("r-{topic}");
     store::set_route(&pg, &route, &cfg.nats_cluster, &topic)
@@ -430,13 +438,9 @@ async fn reconcile_reports_out_of_band_ids_and_unconsumed_events() {
     // An out-of-band publisher writes an event id the outbox never committed.
     let forged = EventId(*uuid::Uuid::now_v7().as_bytes());
     let mut h = async_nats::HeaderMap::new();
-    h.insert(sealpost::nats::H_EVENT_ID, forged.to_string().as_str());
+    h.insert(sealpost_nats::H_EVENT_ID, forged.to_string().as_str());
     nats.js
-        .publish_with_headers(
-            sealpost::nats::subject(&topic, forged, 0),
-            h,
-            "rogue".into(),
-        )
+        .publish_with_headers(sealpost_nats::subject(&topic, forged, 0), h, "rogue".into())
         .await
         .unwrap()
         .await

@@ -1,0 +1,72 @@
+//! Loading the runtime configuration ([`sealpost::runtime::Config`]) from a TOML file and the
+//! environment.
+
+use sealpost::runtime::{Config, ConfigError};
+
+/// Why the configuration could not be loaded; each names the file or the offending key.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    /// Unreadable file.
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        /// Path.
+        path: String,
+        /// Cause.
+        source: std::io::Error,
+    },
+    /// Malformed TOML or a bad key.
+    #[error("config file {path}: {message}")]
+    Parse {
+        /// Path.
+        path: String,
+        /// Parser message (names the key).
+        message: String,
+    },
+    /// A value out of range.
+    #[error(transparent)]
+    Invalid(#[from] ConfigError),
+}
+
+/// Loads defaults, then the file (if given), then `DATABASE_URL` / `NATS_URL`, and validates.
+pub fn load(path: Option<&str>) -> Result<Config, LoadError> {
+    let mut c = match path {
+        Some(p) => {
+            let text = std::fs::read_to_string(p).map_err(|source| LoadError::Read {
+                path: p.to_string(),
+                source,
+            })?;
+            toml::from_str::<Config>(&text).map_err(|e| LoadError::Parse {
+                path: p.to_string(),
+                message: e.to_string(),
+            })?
+        }
+        None => Config::default(),
+    };
+    c.apply_env();
+    c.validate()?;
+    Ok(c)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_file_overrides_defaults_and_bad_keys_are_named() {
+        let dir = std::env::temp_dir().join(format!("sealpost-config-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let good = dir.join("good.toml");
+        std::fs::write(&good, "lease_ms = 4000\nack_timeout_ms = 1000\n").unwrap();
+        let c = load(Some(good.to_str().unwrap())).unwrap();
+        assert_eq!((c.lease_ms, c.ack_timeout_ms), (4_000, 1_000));
+        let bad = dir.join("bad.toml");
+        std::fs::write(&bad, "no_such_key = 1\n").unwrap();
+        let e = load(Some(bad.to_str().unwrap())).unwrap_err().to_string();
+        assert!(e.contains("no_such_key"), "{e}");
+        let out = dir.join("range.toml");
+        std::fs::write(&out, "lease_ms = 2000\nack_timeout_ms = 2000\n").unwrap();
+        let e = load(Some(out.to_str().unwrap())).unwrap_err().to_string();
+        assert!(e.contains("ack_timeout_ms"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

@@ -1,0 +1,144 @@
+//! The `sealpost` command's library half: the TOML configuration, the demo, the bench, the
+//! example NATS consumer and the operator tools (reconciliation report, purge, trace), and
+//! the text printers. The binary (`src/main.rs`) parses the command line; tests reach these
+//! modules as `sealpost_cli::...`.
+
+pub mod bench;
+pub mod config;
+pub mod consumer;
+pub mod demo;
+pub mod ops;
+
+use sealpost::store;
+
+/// Prints a status table.
+pub fn print_status(s: &store::Status) {
+    println!("{:<18}{:>10}", "state", "rows");
+    for (k, v) in &s.states {
+        println!("{k:<18}{v:>10}");
+    }
+    println!("oldest PENDING    {:>9.1}s", s.oldest_pending_s);
+    println!(
+        "unknown           {:>10}  (oldest {:.1}s)",
+        s.unknown, s.oldest_unknown_s
+    );
+    println!("quarantined       {:>10}", s.quarantined);
+}
+
+/// Prints a reconciliation report.
+pub fn print_reconcile(r: &ops::ReconcileReport) {
+    println!(
+        "committed {}  published {}  stream messages scanned {}",
+        r.committed, r.published, r.stream_messages_scanned
+    );
+    for (c, n) in &r.consumed {
+        println!("consumer {c}: {n} consumption receipts");
+    }
+    if r.findings.is_empty() {
+        println!("no findings");
+    }
+    for f in &r.findings {
+        let who = f
+            .consumer
+            .as_deref()
+            .map(|c| format!(" [{c}]"))
+            .unwrap_or_default();
+        println!(
+            "FINDING {}{who}: {} (threshold {} s), e.g. {:?}",
+            f.kind,
+            f.count,
+            f.threshold_s,
+            f.event_ids.iter().take(3).collect::<Vec<_>>()
+        );
+    }
+}
+
+/// Prints a trace (from [`ops::trace`]) as text: one block per event member.
+pub fn print_trace(t: &serde_json::Value) {
+    let s = |v: &serde_json::Value| match v {
+        serde_json::Value::String(x) => x.clone(),
+        serde_json::Value::Null => "-".to_string(),
+        other => other.to_string(),
+    };
+    let events = t["events"].as_array().cloned().unwrap_or_default();
+    if events.is_empty() {
+        println!(
+            "{}: no envelope found (never committed, or a wrong id)",
+            s(&t["query"])
+        );
+        return;
+    }
+    for e in events {
+        let env = &e["envelope"];
+        println!(
+            "event {} member {}: {}",
+            s(&e["event_id"]),
+            s(&e["member"]),
+            s(&e["state"])
+        );
+        println!(
+            "  committed   yes (txid {}), envelope generation {}",
+            s(&env["creating_txid"]),
+            s(&env["generation"])
+        );
+        println!(
+            "  fact        {} {}",
+            s(&env["event_type"]),
+            s(&env["aggregate"])
+        );
+        println!(
+            "  destination {} (digest {})",
+            s(&env["destination"]),
+            s(&env["destination_digest"])
+        );
+        println!("  payload     {}", s(&env["payload_digest"]));
+        for a in e["attempts"].as_array().into_iter().flatten() {
+            println!(
+                "  attempt     #{} gen {} claim gen {} owner {}: {}",
+                s(&a["attempt_id"]),
+                s(&a["attempt_generation"]),
+                s(&a["claim_generation"]),
+                s(&a["owner"]),
+                s(&a["status"])
+            );
+        }
+        match e["broker_position"].as_object() {
+            Some(p) => println!(
+                "  broker      {}#{} (primary attempt #{})",
+                s(&p["stream"]),
+                s(&p["sequence"]),
+                s(&p["primary_attempt_id"])
+            ),
+            None => println!("  broker      no accepted receipt yet"),
+        }
+        for r in e["receipts"].as_array().into_iter().flatten() {
+            println!(
+                "  receipt     {} via {} attempt #{} at {}#{}",
+                s(&r["kind"]),
+                s(&r["source"]),
+                s(&r["attempt_id"]),
+                s(&r["stream"]),
+                s(&r["sequence"])
+            );
+        }
+        let consumers = e["consumers"].as_array().cloned().unwrap_or_default();
+        if consumers.is_empty() {
+            println!("  consumers   none yet");
+        }
+        for c in consumers {
+            println!(
+                "  consumer    {} receipt #{} from {}#{}",
+                s(&c["consumer"]),
+                s(&c["receipt_id"]),
+                s(&c["stream"]),
+                s(&c["sequence"])
+            );
+        }
+        for q in e["quarantine"].as_array().into_iter().flatten() {
+            println!("  QUARANTINE  {}: {}", s(&q["reason"]), s(&q["detail"]));
+        }
+        for a in e["audit"].as_array().into_iter().flatten() {
+            println!("  audit       {}: {}", s(&a["what"]), s(&a["detail"]));
+        }
+    }
+}

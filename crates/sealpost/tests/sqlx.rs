@@ -1,0 +1,77 @@
+//! The sqlx flavour of `enqueue` against the real PostgreSQL (127.0.0.1:5432, database
+//! `test`): it commits and rolls back with the caller's transaction and seals exactly what
+//! the tokio-postgres flavour seals. Needs no broker.
+#![cfg(feature = "sqlx")]
+
+use sealpost::runtime::{self, Config};
+use sealpost::store;
+use sealpost_core::envelope::{EventId, NewEvent};
+use sqlx::Connection;
+
+fn new_event<'a>(id: &'a str, payload: &'a [u8]) -> NewEvent<'a> {
+    NewEvent {
+        aggregate_type: "order",
+        aggregate_id: id,
+        aggregate_version: 1,
+        event_type: "order.created.v1",
+        payload_schema: "order.created.v1",
+        payload,
+        tenant: "t",
+        occurred_at_ms: 1,
+        creating_txid: 0,
+    }
+}
+
+#[tokio::test]
+async fn sqlx_enqueue_commits_with_the_callers_transaction() {
+    let cfg = Config::from_env().expect("default config");
+    let pg = runtime::pg_connect(&cfg.database_url)
+        .await
+        .expect("PostgreSQL must be running");
+    store::migrate(&pg).await.expect("migrate");
+    pg.batch_execute(
+        "TRUNCATE sealpost.envelope, sealpost.attempt, sealpost.receipt, sealpost.quarantine, sealpost.audit, sealpost.migration",
+    )
+    .await
+    .expect("truncate");
+    store::set_route(&pg, "orders", &cfg.nats_cluster, "TSQLX")
+        .await
+        .expect("route");
+    let mut conn = sqlx::PgConnection::connect("postgres://postgres@127.0.0.1:5432/test")
+        .await
+        .unwrap();
+    let id = EventId(*uuid::Uuid::now_v7().as_bytes());
+    let mut tx = conn.begin().await.unwrap();
+    sealpost::sqlx_store::enqueue(&mut tx, "orders", id, &new_event("o-s", b"{}"), "k")
+        .await
+        .unwrap();
+    tx.rollback().await.unwrap();
+    let n: i64 = pg
+        .query_one("SELECT count(*) FROM sealpost.envelope", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(n, 0, "rolled back with the caller");
+    let mut tx = conn.begin().await.unwrap();
+    let env = sealpost::sqlx_store::enqueue(&mut tx, "orders", id, &new_event("o-s", b"{}"), "k")
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let row = pg
+        .query_one(
+            "SELECT envelope_digest, state FROM sealpost.envelope WHERE event_id = $1",
+            &[&uuid::Uuid::from_bytes(id.0)],
+        )
+        .await
+        .unwrap();
+    let stored: Vec<u8> = row.get(0);
+    assert_eq!(stored, env.digest().0.to_vec());
+    assert_eq!(row.get::<_, String>(1), "PENDING");
+    let err = sealpost::sqlx_store::enqueue(&mut conn, "nope", id, &new_event("o-s", b"{}"), "k")
+        .await
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("no route policy named `nope`"),
+        "{err}"
+    );
+}
