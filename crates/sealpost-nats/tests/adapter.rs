@@ -235,6 +235,7 @@ fn private_server() -> Option<PrivateServer> {
         format!(
             r#"listen: "127.0.0.1:{port}"
 jetstream {{ store_dir: "{}" }}
+no_auth_user: "sp"
 authorization {{
   users = [
     {{ user: "sp", password: "sp",
@@ -264,7 +265,8 @@ authorization {{
     Some(PrivateServer {
         child,
         dir,
-        url: format!("nats://sp:sp@127.0.0.1:{port}"),
+        // `no_auth_user`: a client without credentials is the restricted user.
+        url: format!("nats://127.0.0.1:{port}"),
     })
 }
 
