@@ -23,6 +23,18 @@ pub fn print_status(s: &store::Status) {
         s.unknown, s.oldest_unknown_s
     );
     println!("quarantined       {:>10}", s.quarantined);
+    for (id, why) in &s.quarantined_rows {
+        println!("  QUARANTINED {id}: {why}  (release: sealpost release {id})");
+    }
+    for (id, n, why) in &s.stuck_rows {
+        println!("  CANNOT LEAVE {id}: {n} tries, last: {why}");
+    }
+    if s.missing_at_broker > 0 {
+        println!(
+            "published but missing at the broker {:>4}  (see sealpost reconcile)",
+            s.missing_at_broker
+        );
+    }
 }
 
 /// Prints a reconciliation report.

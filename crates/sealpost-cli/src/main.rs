@@ -148,7 +148,20 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
-    /// Row counts per state, oldest PENDING and UNKNOWN ages, quarantine count.
+    /// Operator exit for poison (R6): move a QUARANTINED event back to PENDING, audited.
+    /// Fix the cause of the refusals first (`sealpost status` shows the last one).
+    Release {
+        /// The event id (UUID) to release.
+        event_id: String,
+        /// Who releases it (kept in the audit row).
+        #[arg(long, env = "USER", default_value = "operator")]
+        operator: String,
+        /// Why (kept in the audit row).
+        #[arg(long, default_value = "released by operator")]
+        reason: String,
+    },
+    /// Row counts per state, oldest PENDING and UNKNOWN ages, quarantined rows with their
+    /// reason, rows that cannot leave, published rows missing at the broker.
     Status {
         /// One JSON object.
         #[arg(long)]
@@ -390,6 +403,21 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
                 sealpost_cli::print_trace(&t);
             }
             Ok(i32::from(t["found"] != serde_json::Value::Bool(true)))
+        }
+        Cmd::Release {
+            event_id,
+            operator,
+            reason,
+        } => {
+            let id = sealpost_core::EventId::parse(&event_id).ok_or_else(|| {
+                format!("`{event_id}` is not an event id (a UUID such as 018f2c1e-...)")
+            })?;
+            let mut pg = runtime::pg_connect(&cfg.database_url).await.map_err(e)?;
+            let n = store::release_quarantine(&mut pg, id, &operator, &reason)
+                .await
+                .map_err(|x| x.to_string())?;
+            println!("released {n} row(s) of {id} to PENDING (audited: by {operator}: {reason})");
+            Ok(0)
         }
         Cmd::Status { json, check } => {
             let pg = runtime::pg_connect(&cfg.database_url).await.map_err(e)?;

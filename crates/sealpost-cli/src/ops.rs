@@ -5,7 +5,9 @@
 use std::collections::HashSet;
 use std::time::Duration;
 
-use sealpost_core::cleanup::{decide_purge, PurgeRefusal, RetentionPolicy, Watermark};
+use sealpost_core::cleanup::{
+    apply_retention, decide_retention, PurgeRefusal, RetentionDecision, RetentionPolicy, Watermark,
+};
 use sealpost_core::envelope::EventId;
 use sealpost_core::state::State;
 use serde::Serialize;
@@ -18,7 +20,8 @@ use sealpost_nats::{Nats, H_EVENT_ID};
 /// One reconciliation finding.
 #[derive(Clone, Debug, Serialize)]
 pub struct Finding {
-    /// `pending_over_age`, `published_unconsumed`, `unknown_over_age` or `out_of_band`.
+    /// `pending_over_age`, `published_unconsumed`, `unknown_over_age`, `out_of_band` or
+    /// `published_missing_at_broker` (R31, from the reconciler's verification pass).
     pub kind: String,
     /// The consumer, for `published_unconsumed`.
     pub consumer: Option<String>,
@@ -183,6 +186,22 @@ pub async fn reconcile(
             );
         }
     }
+    // R31: published rows the verification pass found missing at the broker.
+    let rows = pg
+        .query(
+            "SELECT event_id FROM sealpost.finding WHERE kind = 'published_missing_at_broker'
+             ORDER BY finding_id LIMIT 20",
+            &[],
+        )
+        .await?;
+    let count: i64 = pg
+        .query_one(
+            "SELECT count(*) FROM sealpost.finding WHERE kind = 'published_missing_at_broker'",
+            &[],
+        )
+        .await?
+        .get(0);
+    add("published_missing_at_broker", None, count, ids(&rows), 0);
     Ok(report)
 }
 
@@ -341,8 +360,8 @@ pub async fn purge(
             tx.commit().await?;
             break;
         }
-        let mut purge_keys: (Vec<Uuid>, Vec<i16>) = (Vec::new(), Vec::new());
-        let mut retain_keys: (Vec<Uuid>, Vec<i16>) = (Vec::new(), Vec::new());
+        let mut purge_keys: (Vec<Uuid>, Vec<i16>, Vec<String>) = Default::default();
+        let mut retain_keys: (Vec<Uuid>, Vec<i16>, Vec<String>) = Default::default();
         for r in &rows {
             after_seq = r.get(5);
             let id: Uuid = r.get(0);
@@ -397,22 +416,28 @@ pub async fn purge(
                     watermark: if has { seq.map(|s| s as u64) } else { None },
                 });
             }
-            match decide_purge(&row, now_ms, policy, &marks) {
-                Ok(()) => {
+            let decision = decide_retention(&row, now_ms, policy, &marks);
+            // Every state change goes through the core's state table.
+            apply_retention(&mut row, decision)
+                .map_err(|e| store::StoreError::Corrupt(e.to_string()))?;
+            match decision {
+                RetentionDecision::Purge => {
                     report.purged += 1;
                     purge_keys.0.push(id);
                     purge_keys.1.push(member);
+                    purge_keys.2.push(state.as_str().to_string());
                 }
-                Err(PurgeRefusal::ReplayWindow { .. }) if state == State::Published => {
+                RetentionDecision::Retain => {
                     report.retained += 1;
                     retain_keys.0.push(id);
                     retain_keys.1.push(member);
+                    retain_keys.2.push(state.as_str().to_string());
                     *report
                         .kept
                         .entry("inside the replay window".into())
                         .or_default() += 1;
                 }
-                Err(refusal) => {
+                RetentionDecision::Keep(refusal) => {
                     let refusal = match refusal {
                         PurgeRefusal::ConsumerBehind { consumer, position, watermark } => format!(
                             "required consumer `{}` has not consumed position {position} (its inbox has no receipt; watermark {watermark:?})",
@@ -429,18 +454,25 @@ pub async fn purge(
         }
         if !dry_run {
             if !retain_keys.0.is_empty() {
+                // The row lock is held since the scan; the state guard is the CAS.
                 tx.execute(
-                    "UPDATE sealpost.envelope e SET state = 'RETAINED' FROM unnest($1::uuid[], $2::int2[]) AS k(id, m)
-                     WHERE e.event_id = k.id AND e.member = k.m AND e.state = 'PUBLISHED'",
-                    &[&retain_keys.0, &retain_keys.1],
+                    "UPDATE sealpost.envelope e SET state = $4 FROM unnest($1::uuid[], $2::int2[], $3::text[]) AS k(id, m, s)
+                     WHERE e.event_id = k.id AND e.member = k.m AND e.state = k.s",
+                    &[&retain_keys.0, &retain_keys.1, &retain_keys.2, &State::Retained.as_str()],
                 )
                 .await?;
             }
             if !purge_keys.0.is_empty() {
                 tx.execute(
-                    "UPDATE sealpost.envelope e SET state = 'PURGED', payload = '\\x'::bytea
-                     FROM unnest($1::uuid[], $2::int2[]) AS k(id, m) WHERE e.event_id = k.id AND e.member = k.m",
-                    &[&purge_keys.0, &purge_keys.1],
+                    "UPDATE sealpost.envelope e SET state = $4, payload = '\\x'::bytea
+                     FROM unnest($1::uuid[], $2::int2[], $3::text[]) AS k(id, m, s)
+                     WHERE e.event_id = k.id AND e.member = k.m AND e.state = k.s",
+                    &[
+                        &purge_keys.0,
+                        &purge_keys.1,
+                        &purge_keys.2,
+                        &State::Purged.as_str(),
+                    ],
                 )
                 .await?;
                 tx.execute(

@@ -242,6 +242,7 @@ async fn paused_dispatcher_late_ack_converges_as_duplicate() {
         token: a.outgoing[0].token,
         attempt_id: a.outgoing[0].attempt_id,
         outcome: SendOutcome::AckTimeout,
+        detail: String::new(),
     };
     let d = store::report_outcomes(&mut e.pg, &[rep], 5).await.unwrap();
     assert!(
@@ -444,6 +445,7 @@ async fn migration_refused_while_unknown_and_old_receipt_after_migration_is_a_co
         token: a.outgoing[0].token,
         attempt_id: a.outgoing[0].attempt_id,
         outcome: SendOutcome::AckTimeout,
+        detail: String::new(),
     };
     store::report_outcomes(&mut e.pg, &[rep], 5).await.unwrap();
     store::claim_unknown(&mut e.pg, 9, 10, 5_000).await.unwrap();

@@ -78,3 +78,46 @@ pub fn decide_purge(
     }
     Ok(())
 }
+
+/// What retention does with one row now.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RetentionDecision {
+    /// Past the replay window and every required consumer: `-> PURGED`.
+    Purge,
+    /// Every required consumer passed it but the replay window is open: `PUBLISHED ->
+    /// RETAINED`.
+    Retain,
+    /// Leave it as it is, for this reason.
+    Keep(PurgeRefusal),
+}
+
+/// Decides retention for one row ([`decide_purge`], plus the `RETAINED` step).
+pub fn decide_retention(
+    row: &EventRow,
+    now_ms: u64,
+    policy: RetentionPolicy,
+    required: &[Watermark],
+) -> RetentionDecision {
+    match decide_purge(row, now_ms, policy, required) {
+        Ok(()) => RetentionDecision::Purge,
+        Err(PurgeRefusal::ReplayWindow { .. }) if row.state == State::Published => {
+            RetentionDecision::Retain
+        }
+        Err(r) => RetentionDecision::Keep(r),
+    }
+}
+
+/// Applies a retention decision through the state table (`PUBLISHED -> RETAINED`,
+/// `PUBLISHED | RETAINED -> PURGED`); the store writes the resulting state.
+pub fn apply_retention(
+    row: &mut EventRow,
+    decision: RetentionDecision,
+) -> Result<(), crate::state::TransitionError> {
+    let to = match decision {
+        RetentionDecision::Purge => State::Purged,
+        RetentionDecision::Retain => State::Retained,
+        RetentionDecision::Keep(_) => return Ok(()),
+    };
+    row.state = crate::state::transition(row.state, to)?;
+    Ok(())
+}

@@ -176,8 +176,10 @@ enum Phase {
         tries: u32,
         due_ms: u64,
         issued: bool,
-        /// Claim again at once afterwards (the batch was not empty).
-        busy: bool,
+        /// Claim again this long after the submission commits: at once after a full batch,
+        /// the idle poll after late receipts alone, the error backoff when the broker could
+        /// not be reached (else the whole backlog would cycle through "never sent").
+        next_claim_in_ms: u64,
     },
 }
 
@@ -223,13 +225,13 @@ impl DispatcherMachine {
                         receipts: self.late.drain(..).collect(),
                         reports: Vec::new(),
                     };
-                    let wake = *wake_at_ms;
+                    let next_claim_in_ms = wake_at_ms.saturating_sub(now_ms);
                     self.phase = Phase::Submitting {
                         submission: submission.clone(),
                         tries: 1,
                         due_ms: now_ms,
                         issued: true,
-                        busy: wake <= now_ms,
+                        next_claim_in_ms,
                     };
                     return Some(DispatchAction::Submit(submission));
                 }
@@ -330,6 +332,9 @@ impl DispatcherMachine {
         };
         debug_assert_eq!(sends.len(), results.len());
         let mut submission = Submission::default();
+        let unreachable = results
+            .iter()
+            .any(|r| matches!(r, SendResult::NeverSent(NeverSentReason::NotConnected(_))));
         for ((token, event_id, member, attempt_id), result) in sends.into_iter().zip(results) {
             let report = |outcome: SendOutcome, detail: String| OutcomeReport {
                 event_id,
@@ -368,7 +373,11 @@ impl DispatcherMachine {
             tries: 1,
             due_ms: now_ms,
             issued: true,
-            busy: true,
+            next_claim_in_ms: if unreachable {
+                self.cfg.error_backoff_ms
+            } else {
+                0
+            },
         };
         Some(DispatchAction::Submit(submission))
     }
@@ -386,18 +395,14 @@ impl DispatcherMachine {
         let Phase::Submitting {
             submission,
             tries,
-            busy,
+            next_claim_in_ms,
             ..
         } = &mut self.phase
         else {
             debug_assert!(false, "handle_submitted outside a submission");
             return;
         };
-        let wake_at_ms = if *busy {
-            now_ms
-        } else {
-            now_ms + self.cfg.idle_poll_ms
-        };
+        let wake_at_ms = now_ms + *next_claim_in_ms;
         if ok {
             self.phase = Phase::Idle { wake_at_ms };
             return;
@@ -412,13 +417,13 @@ impl DispatcherMachine {
         *tries += 1;
         let submission = std::mem::take(submission);
         let tries = *tries;
-        let busy = *busy;
+        let next_claim_in_ms = *next_claim_in_ms;
         self.phase = Phase::Submitting {
             submission,
             tries,
             due_ms: now_ms + self.cfg.error_backoff_ms * u64::from(tries - 1),
             issued: false,
-            busy,
+            next_claim_in_ms,
         };
     }
 }
@@ -612,6 +617,23 @@ mod tests {
                 reports: vec![]
             }))
         );
+    }
+
+    #[test]
+    fn an_unreachable_broker_pauses_the_next_claim() {
+        let cfg = DispatcherConfig::default();
+        let mut m = DispatcherMachine::new(cfg, 0);
+        m.poll_action(0);
+        m.handle_claimed(0, claimed(1, 0, 0, 10_000));
+        m.handle_sent(
+            1,
+            vec![SendResult::NeverSent(NeverSentReason::NotConnected(
+                "refused".into(),
+            ))],
+        );
+        m.handle_submitted(2, true);
+        assert_eq!(m.poll_action(2), None, "no claim straight away");
+        assert_eq!(m.poll_timeout(), Some(2 + cfg.error_backoff_ms));
     }
 
     #[test]

@@ -14,7 +14,9 @@ use sealpost_core::claim::{
     apply_begin_send, apply_claim, apply_release_quarantine, decide_dispatch_claim_for,
     decide_reconcile_claim, decide_send_outcome, ClaimDecision, ClaimToken, SendOutcome,
 };
-use sealpost_core::cleanup::{PurgeRefusal, RetentionPolicy, Watermark};
+use sealpost_core::cleanup::{
+    apply_retention, PurgeRefusal, RetentionDecision, RetentionPolicy, Watermark,
+};
 use sealpost_core::dispatcher::{
     Claimed, ClaimedSend, DispatchAction, DispatcherConfig, DispatcherMachine, OutcomeReport,
     Submission,
@@ -2068,7 +2070,10 @@ impl World {
                 Err(PurgeRefusal::ReplayWindow { .. })
                     if self.db.rows[i].state == State::Published =>
                 {
-                    self.db.rows[i].state = State::Retained;
+                    let d = RetentionDecision::Retain;
+                    if let Err(e) = apply_retention(&mut self.db.rows[i], d) {
+                        self.violation(Violation::Liveness, || format!("retain: {e}"));
+                    }
                 }
                 Err(_) => {
                     if only.is_some() {

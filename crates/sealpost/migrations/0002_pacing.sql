@@ -22,3 +22,15 @@ CREATE TABLE IF NOT EXISTS sealpost.verify_cursor (
 );
 
 INSERT INTO sealpost.schema_version (version) VALUES (2) ON CONFLICT DO NOTHING;
+
+-- Findings of the background passes (R31: published but missing at the broker), one per
+-- event member and kind; `sealpost reconcile` reports them.
+CREATE TABLE IF NOT EXISTS sealpost.finding (
+    finding_id  bigserial PRIMARY KEY,
+    event_id    uuid NOT NULL,
+    member      smallint NOT NULL,
+    kind        text NOT NULL,
+    detail      text NOT NULL,
+    at_ms       bigint NOT NULL,
+    UNIQUE (event_id, member, kind)
+);

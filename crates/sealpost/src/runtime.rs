@@ -8,13 +8,17 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use sealpost_core::claim::SendOutcome;
-use sealpost_core::port::{Broker, NeverSentReason, SendRequest, SendResult};
-use sealpost_core::receipt::Receipt;
+use futures::stream::{FuturesUnordered, StreamExt};
+use sealpost_core::dispatcher::{DispatchAction, DispatcherConfig, DispatcherMachine, Submission};
+use sealpost_core::port::{Broker, SendResult};
 use sealpost_core::reconcile::Lookup;
+use sealpost_core::reconciler::{
+    ReconcileAction, ReconcileItem, ReconcilerConfig, ReconcilerMachine, VerifyItem,
+};
+use sealpost_core::ReceiptVerdict;
 use tokio_postgres::NoTls;
 
-use crate::store::{self, OutcomeReport, Outgoing, StoreError};
+use crate::store::{self, Accepted, StoreError, Submitted};
 
 /// Runtime configuration. Every field has a default; `DATABASE_URL` and `NATS_URL` override
 /// the file ([`Config::apply_env`]).
@@ -39,8 +43,16 @@ pub struct Config {
     pub rejection_limit: u32,
     /// Rows the reconciler takes per scan.
     pub reconcile_batch_max: usize,
-    /// Reconciler scan interval.
+    /// Reconciler scan interval when nothing is due.
     pub reconcile_every_ms: u64,
+    /// Broker lookups the reconciler runs at once.
+    pub lookups_in_flight_max: usize,
+    /// How often the reconciler checks the unknown age (busy or not).
+    pub unknown_check_every_ms: u64,
+    /// How often a batch of published rows is re-checked at the broker (R31; 0: never).
+    pub verify_every_ms: u64,
+    /// Published rows per verification batch.
+    pub verify_batch_max: usize,
     /// Unknown rows older than this are logged as alerts by the reconciler and make
     /// `sealpost status --check` exit non-zero (G3 asks for p99 within 15 minutes).
     pub unknown_alert_s: u64,
@@ -66,6 +78,10 @@ impl Default for Config {
             rejection_limit: 5,
             reconcile_batch_max: 200,
             reconcile_every_ms: 1_000,
+            lookups_in_flight_max: 32,
+            unknown_check_every_ms: 10_000,
+            verify_every_ms: 5_000,
+            verify_batch_max: 100,
             unknown_alert_s: 900,
             drill_pause_after_publish_ms: 0,
             consumer_ack_wait_ms: 10_000,
@@ -128,6 +144,12 @@ impl Config {
             return Err(ConfigError::Invalid {
                 key: "batch_size_max",
                 message: "must be 1..=10000".into(),
+            });
+        }
+        if self.lookups_in_flight_max == 0 || self.lookups_in_flight_max > 1_000 {
+            return Err(ConfigError::Invalid {
+                key: "lookups_in_flight_max",
+                message: "must be 1..=1000".into(),
             });
         }
         if self.rejection_limit == 0 {
@@ -195,6 +217,39 @@ pub struct Counters {
     pub unknown: AtomicU64,
     /// Unknowns resolved by the reconciler.
     pub reconciled: AtomicU64,
+    /// Sends that never left (deadline passed, no connection, destination missing).
+    pub never_sent: AtomicU64,
+    /// Permanent refusals by the broker.
+    pub refused: AtomicU64,
+    /// Unknown-age alerts raised by the reconciler.
+    pub alerts: AtomicU64,
+    /// "Published but missing at the broker" findings (R31).
+    pub missing: AtomicU64,
+}
+
+impl Counters {
+    /// Counts what one committed submission did.
+    pub fn count(&self, done: &Submitted, sub: &Submission) {
+        for a in &done.accepted {
+            match a {
+                Accepted::Verdict(ReceiptVerdict::Primary) => {
+                    self.published.fetch_add(1, Ordering::Relaxed);
+                }
+                Accepted::Verdict(ReceiptVerdict::Duplicate(_)) => {
+                    self.duplicates.fetch_add(1, Ordering::Relaxed);
+                }
+                _ => {}
+            }
+        }
+        for r in &sub.reports {
+            let c = match r.outcome {
+                sealpost_core::SendOutcome::AckTimeout => &self.unknown,
+                sealpost_core::SendOutcome::NeverSent => &self.never_sent,
+                sealpost_core::SendOutcome::Rejected => &self.refused,
+            };
+            c.fetch_add(1, Ordering::Relaxed);
+        }
+    }
 }
 
 /// A random owner id for this process/task.
@@ -205,14 +260,46 @@ pub fn owner_id() -> u64 {
         & 0x7fff_ffff_ffff_ffff
 }
 
-/// The instant after which no message of a claim may leave: the lease runs from the claim on
-/// the database clock, so a local deadline taken from just before the claim transaction
-/// started, less the acknowledgement timeout, ends no later than the lease (R9).
-pub fn send_deadline(claim_started: Instant, cfg: &Config) -> Instant {
-    claim_started + Duration::from_millis(cfg.lease_ms.saturating_sub(cfg.ack_timeout_ms))
+impl Config {
+    /// The dispatcher machine's limits from this configuration. The send margin is the
+    /// acknowledgement timeout: a message leaves early enough for its answer to arrive
+    /// inside the lease.
+    pub fn dispatcher_config(&self) -> DispatcherConfig {
+        DispatcherConfig {
+            batch_size_max: self.batch_size_max,
+            lease_ms: self.lease_ms,
+            send_margin_ms: self.ack_timeout_ms,
+            idle_poll_ms: self.idle_poll_ms,
+            error_backoff_ms: 500,
+            submit_tries_max: 5,
+        }
+    }
+
+    /// The reconciler machine's limits from this configuration.
+    pub fn reconciler_config(&self) -> ReconcilerConfig {
+        ReconcilerConfig {
+            batch_max: self.reconcile_batch_max,
+            lease_ms: self.lease_ms,
+            lookups_in_flight_max: self.lookups_in_flight_max,
+            idle_poll_ms: self.reconcile_every_ms,
+            error_backoff_ms: self.reconcile_every_ms,
+            unknown_alert_ms: self.unknown_alert_s * 1_000,
+            age_check_every_ms: self.unknown_check_every_ms,
+            verify_every_ms: self.verify_every_ms,
+            verify_batch_max: self.verify_batch_max,
+        }
+    }
 }
 
-/// One dispatcher: claims, sends through `broker`, accepts, until `stop` is set.
+/// The shell's monotonic clock in milliseconds since `epoch`: the machines' `now`.
+fn ms_since(epoch: Instant) -> u64 {
+    epoch.elapsed().as_millis() as u64
+}
+
+/// One dispatcher: the core's [`DispatcherMachine`] driven under tokio. The machine decides
+/// when to claim, the deadline of every send, how each broker answer counts and when a
+/// failed receipt transaction is retried; this loop only performs its actions (claim,
+/// send through `broker`, submit) and sleeps until the machine's next timeout.
 pub async fn dispatcher<B: Broker>(
     cfg: Config,
     broker: Arc<B>,
@@ -221,163 +308,117 @@ pub async fn dispatcher<B: Broker>(
 ) -> Result<(), RunError> {
     let mut pg = pg_connect(&cfg.database_url).await?;
     let owner = owner_id();
-    tracing::info!(owner, "dispatcher started");
+    let clusters = vec![broker.cluster().to_string()];
+    let epoch = Instant::now();
+    let mut m = DispatcherMachine::new(cfg.dispatcher_config(), 0);
+    tracing::info!(owner, cluster = %clusters[0], "dispatcher started");
+    let mut next: Option<DispatchAction> = None;
     while !stop.load(Ordering::Relaxed) {
-        let t_claim = Instant::now();
-        let batch = match store::claim_batch(&mut pg, owner, cfg.batch_size_max, cfg.lease_ms).await
-        {
-            Ok(b) => b,
-            Err(e) => {
-                tracing::warn!(error = %e, "claim failed; retrying");
-                tokio::time::sleep(Duration::from_millis(500)).await;
-                if pg.is_closed() {
-                    pg = pg_connect(&cfg.database_url).await?;
-                }
-                continue;
-            }
-        };
-        if batch.outgoing.is_empty() {
-            tokio::time::sleep(Duration::from_millis(cfg.idle_poll_ms)).await;
+        let Some(action) = next.take().or_else(|| m.poll_action(ms_since(epoch))) else {
+            let wake = m
+                .poll_timeout()
+                .unwrap_or(ms_since(epoch) + cfg.idle_poll_ms);
+            let wait = wake.saturating_sub(ms_since(epoch)).min(STOP_CHECK_MS);
+            tokio::time::sleep(Duration::from_millis(wait)).await;
             continue;
-        }
-        // No transaction is open here: the claim committed.
-        let claim_ms = t_claim.elapsed().as_millis();
-        let t_pub = Instant::now();
-        let requests: Vec<SendRequest> =
-            batch.outgoing.iter().map(Outgoing::send_request).collect();
-        let results = broker
-            .send_batch(requests, send_deadline(t_claim, &cfg))
-            .await;
-        let publish_ms = t_pub.elapsed().as_millis();
-        if results.len() != batch.outgoing.len() {
-            tracing::error!(
-                sent = batch.outgoing.len(),
-                results = results.len(),
-                "broker adapter answered a different number of results; missing ones are unknown"
-            );
-        }
-        if cfg.drill_pause_after_publish_ms > 0 {
-            tracing::warn!(
-                ms = cfg.drill_pause_after_publish_ms,
-                "drill: pausing between publish and receipt"
-            );
-            tokio::time::sleep(Duration::from_millis(cfg.drill_pause_after_publish_ms)).await;
-        }
-        let mut receipts: Vec<Receipt> = Vec::new();
-        let mut reports = Vec::new();
-        // No connection to the broker: pause before the next claim instead of cycling the
-        // backlog through "never sent" (a row's own backoff covers row-level causes).
-        let mut pause = false;
-        let results = results
-            .into_iter()
-            .chain(std::iter::repeat(SendResult::NoAnswer));
-        for (o, r) in batch.outgoing.iter().zip(results) {
-            let report = |outcome| OutcomeReport {
-                event_id: o.event_id,
-                member: o.member,
-                token: o.token,
-                attempt_id: o.attempt_id,
-                outcome,
-            };
-            match r {
-                SendResult::Receipt(rec) if rec.sequence != 0 => receipts.push(rec),
-                // A receipt with sequence 0 proves nothing: treat as unknown.
-                SendResult::Receipt(_) | SendResult::NoAnswer => {
-                    reports.push(report(SendOutcome::AckTimeout));
-                }
-                // The broker holds a copy already (create-if-absent): the reconciler's lookup
-                // finds it and accepts it through the acceptance point.
-                SendResult::AlreadyStored => {
-                    tracing::debug!(event_id = %o.event_id, "already stored at the broker; left to the reconciler");
-                    reports.push(report(SendOutcome::AckTimeout));
-                }
-                SendResult::NeverSent(why) => {
-                    tracing::warn!(event_id = %o.event_id, why = ?why, "never sent");
-                    pause |= matches!(why, NeverSentReason::NotConnected(_));
-                    reports.push(report(SendOutcome::NeverSent));
-                }
-                SendResult::Refused { kind, detail } => {
-                    tracing::warn!(event_id = %o.event_id, kind = ?kind, detail, "refused by the broker");
-                    reports.push(report(SendOutcome::Rejected));
-                }
-            }
-        }
-        let t_acc = Instant::now();
-        submit(&cfg, &mut pg, &receipts, &reports, &counters).await?;
-        tracing::debug!(
-            rows = batch.outgoing.len(),
-            claim_ms,
-            publish_ms,
-            accept_ms = t_acc.elapsed().as_millis() as u64,
-            "dispatch batch"
-        );
-        if pause {
-            tokio::time::sleep(Duration::from_millis(500)).await;
-        }
-    }
-    tracing::info!(owner, "dispatcher stopped");
-    Ok(())
-}
-
-/// Submits receipts and reports, retrying the transaction a bounded number of times; a
-/// receipt that cannot be accepted now is left to the reconciler (the row stays
-/// `SENDING`/unknown and its lookup fills the slot later).
-async fn submit(
-    cfg: &Config,
-    pg: &mut tokio_postgres::Client,
-    receipts: &[Receipt],
-    reports: &[OutcomeReport],
-    counters: &Counters,
-) -> Result<(), RunError> {
-    const TRIES_MAX: u32 = 5;
-    for attempt in 1..=TRIES_MAX {
-        let r = async {
-            let accepted = if receipts.is_empty() {
-                Vec::new()
-            } else {
-                store::accept_receipts(pg, receipts).await?
-            };
-            if !reports.is_empty() {
-                store::report_outcomes(pg, reports, cfg.rejection_limit).await?;
-            }
-            Ok::<_, StoreError>(accepted)
-        }
-        .await;
-        match r {
-            Ok(accepted) => {
-                for a in accepted {
-                    match a {
-                        store::Accepted::Verdict(sealpost_core::ReceiptVerdict::Primary) => {
-                            counters.published.fetch_add(1, Ordering::Relaxed);
+        };
+        match action {
+            DispatchAction::Claim { batch_size_max } => {
+                let started = ms_since(epoch);
+                match store::claim_batch_for(
+                    &mut pg,
+                    owner,
+                    Some(&clusters),
+                    batch_size_max,
+                    cfg.lease_ms,
+                )
+                .await
+                {
+                    Ok(batch) => {
+                        // No transaction is open from here on: the claim committed.
+                        next = m.handle_claimed(ms_since(epoch), batch.claimed(started));
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "claim failed; retrying after a pause");
+                        if pg.is_closed() {
+                            pg = reconnect(&cfg).await;
                         }
-                        store::Accepted::Verdict(sealpost_core::ReceiptVerdict::Duplicate(_)) => {
-                            counters.duplicates.fetch_add(1, Ordering::Relaxed);
-                        }
-                        _ => {}
+                        m.handle_claim_failed(ms_since(epoch));
                     }
                 }
-                counters
-                    .unknown
-                    .fetch_add(reports.len() as u64, Ordering::Relaxed);
-                return Ok(());
             }
-            Err(e) if attempt < TRIES_MAX => {
-                tracing::warn!(error = %e, attempt, "receipt transaction failed; retrying");
-                tokio::time::sleep(Duration::from_millis(100 * u64::from(attempt))).await;
-                if pg.is_closed() {
-                    *pg = pg_connect(&cfg.database_url).await?;
+            DispatchAction::Send { batch, deadline_ms } => {
+                let n = batch.len();
+                let deadline = epoch + Duration::from_millis(deadline_ms);
+                let mut results = broker.send_batch(batch, deadline).await;
+                if results.len() != n {
+                    tracing::error!(
+                        sent = n,
+                        results = results.len(),
+                        "broker adapter answered a different number of results; missing ones are unknown"
+                    );
+                    results.resize(n, SendResult::NoAnswer);
                 }
+                if cfg.drill_pause_after_publish_ms > 0 {
+                    tracing::warn!(
+                        ms = cfg.drill_pause_after_publish_ms,
+                        "drill: pausing between publish and receipt"
+                    );
+                    tokio::time::sleep(Duration::from_millis(cfg.drill_pause_after_publish_ms))
+                        .await;
+                }
+                next = m.handle_sent(ms_since(epoch), results);
             }
-            Err(e) => {
-                tracing::error!(error = %e, "receipt transaction failed; the reconciler will look these up");
-                return Ok(());
+            DispatchAction::Submit(sub) => {
+                let ok = match store::submit(&mut pg, &sub, cfg.rejection_limit).await {
+                    Ok(done) => {
+                        counters.count(&done, &sub);
+                        for (event_id, n, why) in &done.stuck {
+                            tracing::error!(%event_id, never_sent = n, why, "ALERT: event cannot leave (retrying with backoff); check the destination");
+                        }
+                        true
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "receipt transaction failed; the machine retries it");
+                        if pg.is_closed() {
+                            pg = reconnect(&cfg).await;
+                        }
+                        false
+                    }
+                };
+                m.handle_submitted(ms_since(epoch), ok);
             }
         }
     }
+    let c = m.counts();
+    tracing::info!(
+        owner,
+        batches = c.batches,
+        deadline_passed = c.deadline_passed,
+        "dispatcher stopped"
+    );
     Ok(())
 }
 
-/// The reconciler loop (R13–R14): asks `broker` about each unknown outcome.
+/// How often a sleeping loop looks at its stop flag.
+const STOP_CHECK_MS: u64 = 200;
+
+/// Reconnects to PostgreSQL, waiting between tries until it answers.
+async fn reconnect(cfg: &Config) -> tokio_postgres::Client {
+    loop {
+        match pg_connect(&cfg.database_url).await {
+            Ok(c) => return c,
+            Err(e) => {
+                tracing::warn!(error = %e, "PostgreSQL unreachable; retrying in 1 s");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        }
+    }
+}
+
+/// One reconciler: the core's [`ReconcilerMachine`] driven under tokio (R13–R14, R31).
+/// Lookups run concurrently up to the machine's bound; verdicts, age checks and the
+/// verification pass go through the store one at a time.
 pub async fn reconciler<B: Broker>(
     cfg: Config,
     broker: Arc<B>,
@@ -386,47 +427,130 @@ pub async fn reconciler<B: Broker>(
 ) -> Result<(), RunError> {
     let mut pg = pg_connect(&cfg.database_url).await?;
     let owner = owner_id();
+    let epoch = Instant::now();
+    let mut m = ReconcilerMachine::new(cfg.reconciler_config(), broker.capabilities(), 0);
+    let mut lookups: FuturesUnordered<futures::future::BoxFuture<'static, Answer>> =
+        FuturesUnordered::new();
     while !stop.load(Ordering::Relaxed) {
-        let items =
-            match store::claim_unknown(&mut pg, owner, cfg.reconcile_batch_max, cfg.lease_ms).await
-            {
-                Ok(i) => i,
-                Err(e) => {
-                    tracing::warn!(error = %e, "reconcile claim failed");
-                    tokio::time::sleep(Duration::from_millis(cfg.reconcile_every_ms)).await;
-                    continue;
+        while let Some(action) = m.poll_action(ms_since(epoch)) {
+            match action {
+                ReconcileAction::ClaimUnknown { max } => {
+                    match store::claim_unknown(&mut pg, owner, max, cfg.lease_ms).await {
+                        Ok(items) => m.handle_claimed(ms_since(epoch), items),
+                        Err(e) => {
+                            tracing::warn!(error = %e, "reconcile claim failed");
+                            if pg.is_closed() {
+                                pg = reconnect(&cfg).await;
+                            }
+                            m.handle_claim_failed(ms_since(epoch));
+                        }
+                    }
                 }
-            };
-        for it in &items {
-            // Another cluster's destination cannot be asked here: nothing is learned.
-            let lookup = if it.destination.cluster == broker.cluster() {
-                broker.lookup(&it.destination, it.event_id, it.member).await
-            } else {
-                Lookup::Unavailable
-            };
-            match store::finish_reconcile(&mut pg, it, &lookup).await {
-                Ok(d) => {
-                    tracing::info!(event_id = %it.event_id, decision = ?d, "reconciled");
-                    counters.reconciled.fetch_add(1, Ordering::Relaxed);
+                ReconcileAction::Lookup(item) => {
+                    let b = broker.clone();
+                    lookups.push(Box::pin(async move {
+                        let l = ask(&*b, &item.destination, item.event_id, item.member).await;
+                        Answer::Unknown(item, l)
+                    }));
                 }
-                Err(e) => tracing::warn!(event_id = %it.event_id, error = %e, "reconcile failed"),
-            }
-        }
-        if items.is_empty() {
-            if let Ok((unknown, oldest_unknown_s)) = store::unknown_age(&pg).await {
-                if oldest_unknown_s > cfg.unknown_alert_s as f64 {
+                ReconcileAction::Finish(item, lookup) => {
+                    match store::finish_reconcile(&mut pg, &item, &lookup).await {
+                        Ok(d) => {
+                            tracing::debug!(event_id = %item.event_id, decision = ?d, "reconciled");
+                            counters.reconciled.fetch_add(1, Ordering::Relaxed);
+                        }
+                        Err(e) => {
+                            // The row's reconciler lease runs out and a later scan takes it.
+                            tracing::warn!(event_id = %item.event_id, error = %e, "reconcile failed");
+                            if pg.is_closed() {
+                                pg = reconnect(&cfg).await;
+                            }
+                        }
+                    }
+                    m.handle_finished(ms_since(epoch));
+                }
+                ReconcileAction::CheckUnknownAge => {
+                    let (n, oldest_ms) = match store::unknown_age(&pg).await {
+                        Ok((n, s)) => (n.max(0) as u64, (s * 1000.0) as u64),
+                        Err(e) => {
+                            tracing::warn!(error = %e, "unknown-age check failed");
+                            (0, 0)
+                        }
+                    };
+                    m.handle_unknown_age(ms_since(epoch), n, oldest_ms);
+                }
+                ReconcileAction::Alert {
+                    unknown,
+                    oldest_unknown_ms,
+                } => {
+                    counters.alerts.fetch_add(1, Ordering::Relaxed);
                     tracing::error!(
                         unknown,
-                        oldest_unknown_s,
+                        oldest_unknown_s = oldest_unknown_ms / 1000,
                         threshold_s = cfg.unknown_alert_s,
                         "ALERT: unknown outcomes older than the threshold"
                     );
                 }
+                ReconcileAction::LoadPublished { max } => {
+                    let items = match store::published_after_cursor(&mut pg, max).await {
+                        Ok(v) => v,
+                        Err(e) => {
+                            tracing::warn!(error = %e, "verification batch failed");
+                            Vec::new()
+                        }
+                    };
+                    m.handle_verify_batch(ms_since(epoch), items);
+                }
+                ReconcileAction::VerifyLookup(item) => {
+                    let b = broker.clone();
+                    lookups.push(Box::pin(async move {
+                        let l = ask(&*b, &item.destination, item.event_id, item.member).await;
+                        Answer::Verify(item, l)
+                    }));
+                }
+                ReconcileAction::ReportMissing(item) => {
+                    counters.missing.fetch_add(1, Ordering::Relaxed);
+                    tracing::error!(event_id = %item.event_id, stream = %item.destination.topic, sequence = item.sequence,
+                        "FINDING: published but missing at the broker");
+                    if let Err(e) = store::record_missing(&pg, &item).await {
+                        tracing::warn!(error = %e, "could not record the finding");
+                    }
+                }
             }
-            tokio::time::sleep(Duration::from_millis(cfg.reconcile_every_ms)).await;
+        }
+        let wake = m
+            .poll_timeout()
+            .unwrap_or(ms_since(epoch) + cfg.reconcile_every_ms);
+        let wait = wake.saturating_sub(ms_since(epoch)).min(STOP_CHECK_MS);
+        tokio::select! {
+            Some(answer) = lookups.next(), if !lookups.is_empty() => match answer {
+                Answer::Unknown(item, l) => m.handle_lookup(item, l),
+                Answer::Verify(item, l) => m.handle_verify_lookup(ms_since(epoch), item, &l),
+            },
+            _ = tokio::time::sleep(Duration::from_millis(wait)) => {}
         }
     }
     Ok(())
+}
+
+/// A broker's answer for the reconciler machine.
+enum Answer {
+    Unknown(ReconcileItem, Lookup),
+    Verify(VerifyItem, Lookup),
+}
+
+/// Asks `broker`; a destination on another cluster cannot be asked here, so nothing is
+/// learned (the row stays unknown and waits out its backoff).
+async fn ask<B: Broker>(
+    broker: &B,
+    destination: &sealpost_core::Destination,
+    event_id: sealpost_core::EventId,
+    member: u16,
+) -> Lookup {
+    if destination.cluster != broker.cluster() {
+        return Lookup::Unavailable;
+    }
+    broker.lookup(destination, event_id, member).await
 }
 
 /// Spawns `dispatchers` dispatcher tasks and, if asked, one reconciler beside them, all

@@ -4,11 +4,14 @@
 
 use std::collections::HashMap;
 
+use sealpost_core::claim::apply_release_quarantine;
 use sealpost_core::claim::{
     apply_begin_send, apply_claim, apply_send_outcome, decide_begin_send, decide_dispatch_claim,
     decide_reconcile_claim, decide_send_outcome, ClaimDecision, ClaimToken, SendOutcome,
     SendOutcomeDecision,
 };
+use sealpost_core::claim::{decide_dispatch_claim_for, NEVER_SENT_ALERT_COUNT};
+use sealpost_core::dispatcher::{Claimed, ClaimedSend, Submission};
 use sealpost_core::encoding::Digest;
 use sealpost_core::envelope::{
     Destination, EventId, NewEvent, PartitionAlgorithm, RoutePolicy, SealedEnvelope,
@@ -20,6 +23,7 @@ use sealpost_core::receipt::{
 use sealpost_core::reconcile::{
     apply_reconcile, decide_reconcile, Lookup, ReconcileDecision, ReconcilePolicy,
 };
+use sealpost_core::reconciler::VerifyItem;
 use sealpost_core::row::{Attempt, AttemptStatus, Claim, EventRow, Pacing, Superseded};
 use sealpost_core::state::State;
 use tokio_postgres::{GenericClient, Transaction};
@@ -38,7 +42,7 @@ pub const PAYLOAD_BYTES_MAX: usize = 900 * 1024;
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     /// The database refused or failed a statement.
-    #[error("database error: {0}")]
+    #[error("database error: {}", db_message(.0))]
     Db(#[from] tokio_postgres::Error),
     /// No route policy with that name; create one with `sealpost route set`.
     #[error("no route policy named `{0}`; add one to sealpost.route_policy (sealpost migrate --route NAME=CLUSTER/TOPIC)")]
@@ -54,9 +58,41 @@ pub enum StoreError {
     /// A stored row does not parse (corrupted or written by a newer version).
     #[error("stored row is invalid: {0}; was it written by a newer Sealpost?")]
     Corrupt(String),
+    /// No envelope has this event id.
+    #[error(
+        "no event {0} in the outbox; check the id (`sealpost trace` searches by aggregate too)"
+    )]
+    UnknownEvent(String),
+    /// An operator release of an event that is not quarantined.
+    #[error("event {event_id} is not quarantined (state {states}); only QUARANTINED rows can be released")]
+    NotQuarantined {
+        /// Event id.
+        event_id: String,
+        /// States of its rows.
+        states: String,
+    },
     /// The schema has not been applied.
     #[error("the sealpost schema is missing; run `sealpost migrate` first")]
     NotMigrated,
+}
+
+/// The database's own words: message, SQLSTATE, detail and hint when the server sent them,
+/// else the client error and its cause (tokio-postgres alone prints only "db error").
+pub fn db_message(e: &tokio_postgres::Error) -> String {
+    if let Some(d) = e.as_db_error() {
+        let mut m = format!("{} (SQLSTATE {})", d.message(), d.code().code());
+        if let Some(detail) = d.detail() {
+            m.push_str(&format!("; {detail}"));
+        }
+        if let Some(hint) = d.hint() {
+            m.push_str(&format!("; hint: {hint}"));
+        }
+        return m;
+    }
+    match std::error::Error::source(e) {
+        Some(cause) => format!("{e}: {cause}"),
+        None => e.to_string(),
+    }
 }
 
 /// Result alias.
@@ -642,9 +678,25 @@ pub struct Outgoing {
     pub destination_digest: Digest,
     /// Payload bytes as sealed.
     pub payload: Vec<u8>,
+    /// Lease end of the claim (database clock).
+    pub lease_until_ms: u64,
 }
 
 impl Outgoing {
+    /// [`Outgoing::send_request`] without copying the payload.
+    pub fn into_send_request(self) -> SendRequest {
+        SendRequest {
+            event_id: self.event_id,
+            member: self.member,
+            envelope_generation: self.envelope_generation,
+            attempt_id: self.attempt_id,
+            payload_digest: self.payload_digest,
+            destination: self.destination,
+            destination_digest: self.destination_digest,
+            payload: self.payload,
+        }
+    }
+
     /// The message the broker adapter sends for this authorised attempt (the adapter sees
     /// the broker port's [`SendRequest`], never the store's row or claim token).
     pub fn send_request(&self) -> SendRequest {
@@ -664,10 +716,33 @@ impl Outgoing {
 /// What one claim scan did.
 #[derive(Clone, Debug, Default)]
 pub struct ClaimBatch {
+    /// The database clock inside the claim transaction.
+    pub db_now_ms: u64,
     /// Sends authorised (attempts registered, rows `SENDING`).
     pub outgoing: Vec<Outgoing>,
     /// `SENDING` rows whose lease had expired, moved to `DISPATCH_UNKNOWN`.
     pub expired_to_unknown: usize,
+}
+
+impl ClaimBatch {
+    /// The claim as the dispatcher machine takes it; `claim_started_ms` is the shell's clock
+    /// read just before the claim transaction started.
+    pub fn claimed(self, claim_started_ms: u64) -> Claimed {
+        let db_now_ms = self.db_now_ms;
+        Claimed {
+            claim_started_ms,
+            db_now_ms,
+            sends: self
+                .outgoing
+                .into_iter()
+                .map(|o| ClaimedSend {
+                    token: o.token,
+                    db_lease_until_ms: o.lease_until_ms,
+                    request: o.into_send_request(),
+                })
+                .collect(),
+        }
+    }
 }
 
 /// Claims up to `batch_size_max` rows and registers one attempt for each, in one short
@@ -687,6 +762,23 @@ pub async fn claim_batch(
     batch_size_max: usize,
     lease_ms: u64,
 ) -> Result<ClaimBatch> {
+    claim_batch_for(client, owner, None, batch_size_max, lease_ms).await
+}
+
+/// [`claim_batch`] for a dispatcher that serves only `clusters` (`None`: every cluster). A
+/// dispatcher never claims a row it cannot send; those rows wait for a dispatcher of their
+/// cluster instead of cycling through "never sent".
+///
+/// # Transactions and locks
+/// As [`claim_batch`]; the cluster filter is part of the scan, so rows of other clusters are
+/// neither locked nor counted against the batch.
+pub async fn claim_batch_for(
+    client: &mut tokio_postgres::Client,
+    owner: u64,
+    clusters: Option<&[String]>,
+    batch_size_max: usize,
+    lease_ms: u64,
+) -> Result<ClaimBatch> {
     let tx = client.transaction().await?;
     let now_ms = db_now_ms(&tx).await?;
     let q = format!(
@@ -694,10 +786,15 @@ pub async fn claim_batch(
          WHERE state IN ('PENDING', 'CLAIMED', 'SENDING', 'RETRY_CLAIMED')
            AND (state = 'PENDING' OR lease_until_ms IS NULL OR lease_until_ms <= $1)
            AND (state <> 'PENDING' OR not_before_ms <= $1)
+           AND ($3::text[] IS NULL OR dest_cluster = ANY($3))
          ORDER BY committed_seq LIMIT $2 FOR UPDATE SKIP LOCKED"
     );
+    let cluster_list: Option<Vec<String>> = clusters.map(<[String]>::to_vec);
     let found = tx
-        .query(q.as_str(), &[&(now_ms as i64), &(batch_size_max as i64)])
+        .query(
+            q.as_str(),
+            &[&(now_ms as i64), &(batch_size_max as i64), &cluster_list],
+        )
         .await?;
     let mut before = Vec::with_capacity(found.len());
     let mut payloads = Vec::with_capacity(found.len());
@@ -716,9 +813,15 @@ pub async fn claim_batch(
         .iter()
         .map(|r| r.get(0))
         .collect();
-    let mut batch = ClaimBatch::default();
+    let mut batch = ClaimBatch {
+        db_now_ms: now_ms,
+        ..ClaimBatch::default()
+    };
     for (i, row) in after.iter_mut().enumerate() {
-        let decision = decide_dispatch_claim(row, now_ms, lease_ms);
+        let decision = match clusters {
+            Some(c) => decide_dispatch_claim_for(row, c, now_ms, lease_ms),
+            None => decide_dispatch_claim(row, now_ms, lease_ms),
+        };
         match apply_claim(row, &decision, owner, now_ms) {
             Ok(Some(token)) => {
                 let begin = decide_begin_send(row, token, now_ms)
@@ -736,6 +839,7 @@ pub async fn claim_batch(
                     destination: row.destination.clone(),
                     destination_digest: begin.destination_digest,
                     payload: std::mem::take(&mut payloads[i]),
+                    lease_until_ms: row.claim.as_ref().map_or(now_ms, |c| c.lease_until_ms),
                 });
             }
             Ok(None) => {
@@ -892,19 +996,50 @@ async fn accept_in(tx: &Transaction<'_>, receipts: &[Receipt]) -> Result<Vec<Acc
     Ok(out)
 }
 
-/// What a sender learned without a receipt, for one attempt.
-#[derive(Clone, Copy, Debug)]
-pub struct OutcomeReport {
-    /// Event id.
-    pub event_id: EventId,
-    /// Member.
-    pub member: u16,
-    /// The claim the send was made under.
-    pub token: ClaimToken,
-    /// Attempt.
-    pub attempt_id: u64,
-    /// Outcome.
-    pub outcome: SendOutcome,
+pub use sealpost_core::dispatcher::OutcomeReport;
+
+/// What one submission did.
+#[derive(Clone, Debug, Default)]
+pub struct Submitted {
+    /// The acceptance point's verdict per receipt, in order.
+    pub accepted: Vec<Accepted>,
+    /// The verdict per outcome report, in order.
+    pub reported: Vec<SendOutcomeDecision>,
+    /// Rows that could not leave at least `NEVER_SENT_ALERT_COUNT` times in a row, with the
+    /// count and the last reason: an operator alert (a deleted stream, a cluster nobody
+    /// serves), never a hot loop.
+    pub stuck: Vec<(EventId, u32, String)>,
+}
+
+/// Commits a dispatcher's receipts and outcome reports in **one** transaction: either all of
+/// it counts or none of it, so a retry after a failure never records the same ACK twice.
+///
+/// # Transactions and locks
+/// One transaction; the acceptance point locks the receipts' rows, then the reports' rows
+/// (each set in key order). A report and a receipt for the same row see each other's
+/// writes in that order.
+pub async fn submit(
+    client: &mut tokio_postgres::Client,
+    submission: &Submission,
+    rejection_limit: u32,
+) -> Result<Submitted> {
+    let tx = client.transaction().await?;
+    let accepted = if submission.receipts.is_empty() {
+        Vec::new()
+    } else {
+        accept_in(&tx, &submission.receipts).await?
+    };
+    let (reported, stuck) = if submission.reports.is_empty() {
+        (Vec::new(), Vec::new())
+    } else {
+        report_in(&tx, &submission.reports, rejection_limit).await?
+    };
+    tx.commit().await?;
+    Ok(Submitted {
+        accepted,
+        reported,
+        stuck,
+    })
 }
 
 /// Applies senders' outcome reports (ACK timeout, never sent, refused). A report whose claim
@@ -919,9 +1054,21 @@ pub async fn report_outcomes(
     rejection_limit: u32,
 ) -> Result<Vec<SendOutcomeDecision>> {
     let tx = client.transaction().await?;
-    let now_ms = db_now_ms(&tx).await?;
+    let (out, _) = report_in(&tx, reports, rejection_limit).await?;
+    tx.commit().await?;
+    Ok(out)
+}
+
+type Stuck = Vec<(EventId, u32, String)>;
+
+async fn report_in(
+    tx: &Transaction<'_>,
+    reports: &[OutcomeReport],
+    rejection_limit: u32,
+) -> Result<(Vec<SendOutcomeDecision>, Stuck)> {
+    let now_ms = db_now_ms(tx).await?;
     let keys: Vec<(EventId, u16)> = reports.iter().map(|r| (r.event_id, r.member)).collect();
-    let before = lock_rows(&tx, &keys).await?;
+    let before = lock_rows(tx, &keys).await?;
     let mut after = before.clone();
     let index: HashMap<(EventId, u16), usize> = after
         .iter()
@@ -929,6 +1076,11 @@ pub async fn report_outcomes(
         .map(|(i, r)| ((r.event_id, r.member), i))
         .collect();
     let mut out = Vec::with_capacity(reports.len());
+    let mut stuck = Vec::new();
+    let mut e_id = Vec::new();
+    let mut e_member = Vec::new();
+    let mut e_text = Vec::new();
+    let mut q_rows = Vec::new();
     for rep in reports {
         let Some(&i) = index.get(&(rep.event_id, rep.member)) else {
             out.push(SendOutcomeDecision::Audit(
@@ -946,6 +1098,20 @@ pub async fn report_outcomes(
         );
         apply_send_outcome(&mut after[i], d, rep.attempt_id, rep.outcome, now_ms)
             .map_err(|e| StoreError::Corrupt(e.to_string()))?;
+        if !matches!(d, SendOutcomeDecision::Audit(_)) && rep.outcome != SendOutcome::AckTimeout {
+            // Evidence of why the row could not leave, shown by `status` and `trace`.
+            e_id.push(uuid_of(rep.event_id));
+            e_member.push(rep.member as i16);
+            e_text.push(format!("{:?}: {}", rep.outcome, rep.detail));
+            if rep.outcome == SendOutcome::NeverSent
+                && after[i].pacing.never_sent >= NEVER_SENT_ALERT_COUNT
+            {
+                stuck.push((rep.event_id, after[i].pacing.never_sent, rep.detail.clone()));
+            }
+        }
+        if d == SendOutcomeDecision::ToQuarantine {
+            q_rows.push((rep, after[i].rejections));
+        }
         if let SendOutcomeDecision::Audit(f) = d {
             tx.execute(
                 "INSERT INTO sealpost.audit (event_id, member, attempt_id, owner, what, detail, at_ms)
@@ -955,7 +1121,7 @@ pub async fn report_outcomes(
                     &(rep.member as i16),
                     &(rep.attempt_id as i64),
                     &(rep.token.owner as i64),
-                    &format!("{:?}: {f:?}", rep.outcome),
+                    &format!("{:?} ({}): {f:?}", rep.outcome, rep.detail),
                     &(now_ms as i64),
                 ],
             )
@@ -963,23 +1129,38 @@ pub async fn report_outcomes(
         }
         out.push(d);
     }
-    persist(&tx, &before, &after).await?;
-    tx.commit().await?;
-    Ok(out)
+    persist(tx, &before, &after).await?;
+    if !e_id.is_empty() {
+        tx.execute(
+            "UPDATE sealpost.envelope e SET last_error = u.t
+             FROM unnest($1::uuid[], $2::int2[], $3::text[]) AS u(id, m, t)
+             WHERE e.event_id = u.id AND e.member = u.m",
+            &[&e_id, &e_member, &e_text],
+        )
+        .await?;
+    }
+    for (rep, rejections) in q_rows {
+        tx.execute(
+            "INSERT INTO sealpost.quarantine (event_id, member, attempt_id, reason, detail, at_ms)
+             VALUES ($1, $2, $3, 'Poison', $4, $5)",
+            &[
+                &uuid_of(rep.event_id),
+                &(rep.member as i16),
+                &(rep.attempt_id as i64),
+                &format!(
+                    "refused {rejections} time(s), the limit; last: {}. Fix the cause, then `sealpost release {}`",
+                    rep.detail, rep.event_id
+                ),
+                &(now_ms as i64),
+            ],
+        )
+        .await?;
+    }
+    Ok((out, stuck))
 }
 
-/// A row the reconciler now holds in `RECONCILING`.
-#[derive(Clone, Debug)]
-pub struct Reconciling {
-    /// Event id.
-    pub event_id: EventId,
-    /// Member.
-    pub member: u16,
-    /// Reconciler's claim.
-    pub token: ClaimToken,
-    /// Frozen destination to ask.
-    pub destination: Destination,
-}
+/// A row the reconciler now holds in `RECONCILING` (the reconciler machine's item).
+pub use sealpost_core::reconciler::ReconcileItem as Reconciling;
 
 /// Claims up to `batch_size_max` unknown rows for the reconciler (and moves expired
 /// `SENDING` rows to `DISPATCH_UNKNOWN`).
@@ -1002,7 +1183,7 @@ pub async fn claim_unknown(
          WHERE (state IN ('DISPATCH_UNKNOWN', 'RECONCILING') AND (lease_until_ms IS NULL OR lease_until_ms <= $1)
                 AND (state <> 'DISPATCH_UNKNOWN' OR next_lookup_at_ms <= $1))
             OR (state = 'SENDING' AND lease_until_ms <= $1)
-         ORDER BY unknown_since_ms NULLS FIRST LIMIT $2 FOR UPDATE SKIP LOCKED"
+         ORDER BY next_lookup_at_ms, unknown_since_ms NULLS FIRST LIMIT $2 FOR UPDATE SKIP LOCKED"
     );
     let found = tx
         .query(q.as_str(), &[&(now_ms as i64), &(batch_size_max as i64)])
@@ -1077,6 +1258,14 @@ pub struct Status {
     pub oldest_unknown_s: f64,
     /// Quarantine entries (receipts and poison rows).
     pub quarantined: i64,
+    /// Rows in `QUARANTINED` (poison) waiting for `sealpost release`, oldest first (at most
+    /// 20), with the last refusal.
+    pub quarantined_rows: Vec<(String, String)>,
+    /// Pending rows that could not leave at least `NEVER_SENT_ALERT_COUNT` times (a deleted
+    /// stream, a cluster nobody serves), with the count and the last reason (at most 20).
+    pub stuck_rows: Vec<(String, i32, String)>,
+    /// Open "published but missing at the broker" findings of the verification pass (R31).
+    pub missing_at_broker: i64,
 }
 
 /// Unknown rows and the age of the oldest, in seconds (reads only the unknown index).
@@ -1137,7 +1326,168 @@ pub async fn status(client: &impl GenericClient) -> Result<Status> {
         .map_or(0.0, |t| (now_ms - t).max(0) as f64 / 1000.0);
     s.unknown = r.get(2);
     s.quarantined = r.get(3);
+    for r in client
+        .query(
+            "SELECT event_id::text, coalesce(last_error, '') FROM sealpost.envelope
+             WHERE state = 'QUARANTINED' ORDER BY committed_seq LIMIT 20",
+            &[],
+        )
+        .await?
+    {
+        s.quarantined_rows.push((r.get(0), r.get(1)));
+    }
+    for r in client
+        .query(
+            "SELECT event_id::text, never_sent, coalesce(last_error, '') FROM sealpost.envelope
+             WHERE state = 'PENDING' AND never_sent >= $1 ORDER BY committed_seq LIMIT 20",
+            &[&(NEVER_SENT_ALERT_COUNT as i32)],
+        )
+        .await?
+    {
+        s.stuck_rows.push((r.get(0), r.get(1), r.get(2)));
+    }
+    s.missing_at_broker = client
+        .query_one(
+            "SELECT count(*) FROM sealpost.finding WHERE kind = 'published_missing_at_broker'",
+            &[],
+        )
+        .await?
+        .get(0);
     Ok(s)
+}
+
+/// The operator's exit for poison (R6): `QUARANTINED -> PENDING` through the core's state
+/// table, with the rejection count and backoff reset, and an audit row naming who released
+/// it and why. Any other state is refused with the row's state in the error.
+///
+/// # Transactions and locks
+/// One transaction locking the event's rows (`FOR UPDATE`).
+pub async fn release_quarantine(
+    client: &mut tokio_postgres::Client,
+    event_id: EventId,
+    operator: &str,
+    reason: &str,
+) -> Result<usize> {
+    let tx = client.transaction().await?;
+    let now_ms = db_now_ms(&tx).await?;
+    let members: Vec<i16> = tx
+        .query(
+            "SELECT member FROM sealpost.envelope WHERE event_id = $1 ORDER BY member",
+            &[&uuid_of(event_id)],
+        )
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    if members.is_empty() {
+        return Err(StoreError::UnknownEvent(event_id.to_string()));
+    }
+    let keys: Vec<(EventId, u16)> = members.iter().map(|m| (event_id, *m as u16)).collect();
+    let before = lock_rows(&tx, &keys).await?;
+    let mut after = before.clone();
+    let mut released = 0;
+    for row in &mut after {
+        if row.state != State::Quarantined {
+            continue;
+        }
+        apply_release_quarantine(row).map_err(|e| StoreError::Corrupt(e.to_string()))?;
+        released += 1;
+        tx.execute(
+            "INSERT INTO sealpost.audit (event_id, member, what, detail, at_ms)
+             VALUES ($1, $2, 'quarantine released', $3, $4)",
+            &[
+                &uuid_of(row.event_id),
+                &(row.member as i16),
+                &format!("by {operator}: {reason}"),
+                &(now_ms as i64),
+            ],
+        )
+        .await?;
+    }
+    if released == 0 {
+        let states: Vec<String> = before.iter().map(|r| r.state.to_string()).collect();
+        return Err(StoreError::NotQuarantined {
+            event_id: event_id.to_string(),
+            states: states.join(", "),
+        });
+    }
+    persist(&tx, &before, &after).await?;
+    tx.commit().await?;
+    Ok(released)
+}
+
+/// The next published rows of the rolling verification pass (R31), after the pass's cursor,
+/// in commit order; the cursor moves past them. An empty answer means the pass wrapped
+/// around (the cursor starts again at the beginning).
+///
+/// # Transactions and locks
+/// One short transaction; reads through the primary key order of `committed_seq` and
+/// updates the one cursor row. No row lock on the envelopes.
+pub async fn published_after_cursor(
+    client: &mut tokio_postgres::Client,
+    max: usize,
+) -> Result<Vec<VerifyItem>> {
+    let tx = client.transaction().await?;
+    let after: i64 = tx
+        .query_opt(
+            "SELECT after_seq FROM sealpost.verify_cursor WHERE name = 'published' FOR UPDATE",
+            &[],
+        )
+        .await?
+        .map_or(0, |r| r.get(0));
+    let q = format!(
+        "SELECT {ROW_COLS}, committed_seq FROM sealpost.envelope
+         WHERE committed_seq > $1 AND state = 'PUBLISHED'
+         ORDER BY committed_seq LIMIT $2"
+    );
+    let rows = tx.query(q.as_str(), &[&after, &(max as i64)]).await?;
+    let mut items = Vec::with_capacity(rows.len());
+    let mut last = 0i64;
+    for r in &rows {
+        let row = parse_row(r)?;
+        last = r.get(ROW_COLS_LEN);
+        if let Some(p) = &row.primary {
+            items.push(VerifyItem {
+                event_id: row.event_id,
+                member: row.member,
+                destination: row.destination.clone(),
+                sequence: p.sequence,
+            });
+        }
+    }
+    let next = if rows.is_empty() { 0 } else { last };
+    tx.execute(
+        "INSERT INTO sealpost.verify_cursor (name, after_seq) VALUES ('published', $1)
+         ON CONFLICT (name) DO UPDATE SET after_seq = EXCLUDED.after_seq",
+        &[&next],
+    )
+    .await?;
+    tx.commit().await?;
+    Ok(items)
+}
+
+/// Records the finding "published but missing at the broker" (R31) once per event member:
+/// the slot says `PUBLISHED`, the broker answered that it holds no copy. `reconcile` reports
+/// it; nothing is retried automatically (the message was acknowledged once; resending it is
+/// an operator's decision).
+pub async fn record_missing(client: &impl GenericClient, item: &VerifyItem) -> Result<bool> {
+    let n = client
+        .execute(
+            "INSERT INTO sealpost.finding (event_id, member, kind, detail, at_ms)
+             VALUES ($1, $2, 'published_missing_at_broker', $3,
+                     (extract(epoch from clock_timestamp()) * 1000)::bigint)
+             ON CONFLICT (event_id, member, kind) DO NOTHING",
+            &[
+                &uuid_of(item.event_id),
+                &(item.member as i16),
+                &format!(
+                    "primary receipt {}/{}#{} but the broker holds no copy",
+                    item.destination.cluster, item.destination.topic, item.sequence
+                ),
+            ],
+        )
+        .await?;
+    Ok(n == 1)
 }
 
 /// Moves one event to the destination that route policy `route` resolves now (R15): granted

@@ -204,6 +204,7 @@ async fn random_fault_sequences_persist_exactly_what_the_core_decides() {
                         token,
                         attempt_id: attempt,
                         outcome,
+                        detail: String::new(),
                     };
                     let got = store::report_outcomes(&mut pg, &[rep], 3).await.unwrap();
                     let d = decide_send_outcome(&model[i], token, attempt, outcome, now, 3);
