@@ -39,6 +39,27 @@ pub fn decide_inbox(existing: Option<InboxRecord>, payload_digest: Digest) -> In
     }
 }
 
+/// Why a delivery is refused before the inbox is consulted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum DeliveryRefusal {
+    /// The payload's digest is not the one its headers carry: altered on the way, or forged.
+    #[error("payload does not match its digest header")]
+    DigestHeaderMismatch,
+}
+
+/// Checks a delivered message against the digest its headers claim. A mismatch is recorded
+/// in the consumer's quarantine and never applied (R12, R17).
+pub fn decide_delivery(
+    claimed_digest: Digest,
+    payload_digest: Digest,
+) -> Result<(), DeliveryRefusal> {
+    if claimed_digest == payload_digest {
+        Ok(())
+    } else {
+        Err(DeliveryRefusal::DigestHeaderMismatch)
+    }
+}
+
 /// A stable idempotency key for an external effect (mail, payment) derived from the event
 /// id, the consumer and the effect's name (R18). Every redelivery derives the same key.
 pub fn idempotency_key(event_id: EventId, consumer_id: &str, effect: &str) -> String {

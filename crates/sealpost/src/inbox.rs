@@ -7,7 +7,7 @@
 use futures::future::BoxFuture;
 use sealpost_core::encoding::Digest;
 use sealpost_core::envelope::EventId;
-use sealpost_core::inbox::{decide_inbox, InboxDecision, InboxRecord};
+use sealpost_core::inbox::{decide_delivery, decide_inbox, InboxDecision, InboxRecord};
 use tokio_postgres::Transaction;
 use uuid::Uuid;
 
@@ -72,14 +72,8 @@ pub async fn process(
     let tx = client.transaction().await?;
     let id = Uuid::from_bytes(d.event_id.0);
     let member = d.member as i16;
-    if d.claimed_digest != d.payload_digest {
-        quarantine(
-            &tx,
-            consumer_id,
-            d,
-            "payload does not match its digest header",
-        )
-        .await?;
+    if let Err(refusal) = decide_delivery(d.claimed_digest, d.payload_digest) {
+        quarantine(&tx, consumer_id, d, &refusal.to_string()).await?;
         tx.commit().await?;
         return Ok(InboxOutcome::Quarantined);
     }
