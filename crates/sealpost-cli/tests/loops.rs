@@ -29,10 +29,13 @@ async fn fresh(tag: &str) -> (Config, tokio_postgres::Client, String) {
     let admin = runtime::pg_connect(ADMIN_URL)
         .await
         .expect("PostgreSQL must be running");
+    // Two statements: neither may run inside an (implicit) transaction block.
     admin
-        .batch_execute(&format!(
-            "DROP DATABASE IF EXISTS {db} WITH (FORCE); CREATE DATABASE {db}"
-        ))
+        .batch_execute(&format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))
+        .await
+        .expect("drop the test database");
+    admin
+        .batch_execute(&format!("CREATE DATABASE {db}"))
         .await
         .expect("create the test database");
     let mut cfg = Config::from_env().expect("default config");
@@ -742,9 +745,11 @@ async fn a_restore_older_than_the_duplicate_window_adopts_the_copies_at_the_brok
     tokio::time::sleep(Duration::from_millis(1_500)).await;
     let admin = runtime::pg_connect(ADMIN_URL).await.unwrap();
     admin
-        .batch_execute(&format!(
-            "DROP DATABASE {db} WITH (FORCE); CREATE DATABASE {db}"
-        ))
+        .batch_execute(&format!("DROP DATABASE {db} WITH (FORCE)"))
+        .await
+        .unwrap();
+    admin
+        .batch_execute(&format!("CREATE DATABASE {db}"))
         .await
         .unwrap();
     pg_tool("pg_restore", &["-d", &db, dump.to_str().unwrap()]);
