@@ -927,6 +927,9 @@ impl World {
             let token = match apply_claim(&mut self.db.rows[i], &decision, owner, now) {
                 Ok(Some(token)) => token,
                 Ok(None) => {
+                    // F3: a claim whose send may still be in flight is superseded; the row
+                    // is unknown and races the reconciler's retry.
+                    self.fault(Fault::ClaimSuperseded);
                     self.note(|| format!("d{d} expires SENDING row {i} -> DISPATCH_UNKNOWN"));
                     continue;
                 }
@@ -1707,13 +1710,17 @@ impl World {
             match decide_reconcile_claim(&self.db.rows[i], self.now, RECONCILE_LEASE_MS) {
                 ClaimDecision::Skip => {}
                 ClaimDecision::ExpireToUnknown => {
+                    self.fault(Fault::ClaimSuperseded);
                     let d = ClaimDecision::ExpireToUnknown;
                     let now = self.now;
                     if let Err(e) = apply_claim(&mut self.db.rows[i], &d, owner, now) {
                         self.violation(Violation::Liveness, || format!("expire: {e}"));
                     }
                 }
-                ClaimDecision::Grant { .. } => {
+                ClaimDecision::Grant { superseding, .. } => {
+                    if superseding {
+                        self.fault(Fault::ClaimSuperseded);
+                    }
                     due.push((self.db.rows[i].pacing.next_lookup_at_ms, i));
                 }
             }
