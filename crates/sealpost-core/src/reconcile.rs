@@ -40,12 +40,27 @@ pub struct ReconcilePolicy {
     /// Where the broker cannot be asked, may the reconciler redeliver to the same frozen
     /// destination (consumers deduplicate)? (R14)
     pub redeliver_when_unqueryable: bool,
+    /// The adapter declared create-if-absent: the broker refuses any second copy of the
+    /// event at this destination, so a retry after a lookup found a *conflicting* copy
+    /// (quarantined) can never succeed.
+    pub create_if_absent: bool,
 }
 
 impl Default for ReconcilePolicy {
     fn default() -> Self {
         ReconcilePolicy {
             redeliver_when_unqueryable: true,
+            create_if_absent: false,
+        }
+    }
+}
+
+impl ReconcilePolicy {
+    /// The policy for a broker adapter with these capabilities.
+    pub fn for_capabilities(caps: crate::port::Capabilities) -> ReconcilePolicy {
+        ReconcilePolicy {
+            redeliver_when_unqueryable: true,
+            create_if_absent: caps.create_if_absent,
         }
     }
 }
@@ -65,6 +80,11 @@ pub enum ReconcileDecision {
     },
     /// Acceptance neither proven nor disproven: back to `DISPATCH_UNKNOWN`.
     StayUnknown,
+    /// The destination holds a copy of this event that contradicts the sealed envelope (it
+    /// is quarantined), and the broker refuses a second copy (create-if-absent): a retry can
+    /// never succeed. `RECONCILING -> QUARANTINED` for an operator (e.g. a restore undid a
+    /// migration that had already published); never a retry loop.
+    Conflict(QuarantineReason),
     /// The reconciler's claim is gone (an ACK was accepted meanwhile, or another
     /// reconciler took over): its write fails harmlessly.
     Fenced(Fenced),
@@ -99,6 +119,9 @@ pub fn decide_reconcile(
             ReceiptVerdict::Reject(RejectReason::UnregisteredAttempt) => retry(None),
             ReceiptVerdict::Reject(RejectReason::NoPosition) => ReconcileDecision::StayUnknown,
             ReceiptVerdict::Reject(_) => retry(None),
+            ReceiptVerdict::Quarantine(q) if policy.create_if_absent => {
+                ReconcileDecision::Conflict(q)
+            }
             ReceiptVerdict::Quarantine(q) => retry(Some(q)),
         },
         Lookup::Absent => retry(None),
@@ -135,6 +158,12 @@ pub fn apply_reconcile(
             // row waits out a growing backoff so other unknown rows get their turn.
             row.pacing.lookups += 1;
             row.pacing.next_lookup_at_ms = now_ms + lookup_backoff_ms(row.pacing.lookups);
+        }
+        ReconcileDecision::Conflict(_) => {
+            row.state = transition(row.state, State::Quarantined)?;
+            row.claim = None;
+            row.pacing.lookups = 0;
+            row.pacing.next_lookup_at_ms = 0;
         }
         ReconcileDecision::Accept(_) | ReconcileDecision::Fenced(_) => {}
     }

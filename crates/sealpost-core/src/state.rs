@@ -116,8 +116,10 @@ pub const TRANSITIONS: &[(State, State)] = &[
     (State::RetryClaimed, State::Published),
     // definite "not stored": the request never left, or the broker said no
     (State::Sending, State::Pending),
-    // poison past the retry limit, and the operator's exit path
+    // poison past the retry limit, a conflicting copy at a create-if-absent broker, and the
+    // operator's exit path
     (State::Sending, State::Quarantined),
+    (State::Reconciling, State::Quarantined),
     (State::Quarantined, State::Pending),
     // an explicit migration (R15) re-enters the main path under a new envelope generation
     (State::Pending, State::Pending),

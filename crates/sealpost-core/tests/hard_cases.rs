@@ -37,9 +37,11 @@ const KEY: &str = "tenant-7.order.o-42";
 
 const REDELIVER: ReconcilePolicy = ReconcilePolicy {
     redeliver_when_unqueryable: true,
+    create_if_absent: false,
 };
 const NO_REDELIVER: ReconcilePolicy = ReconcilePolicy {
     redeliver_when_unqueryable: false,
+    create_if_absent: false,
 };
 
 fn policy(generation: u64, topic: &str) -> RoutePolicy {

@@ -190,16 +190,16 @@ impl Protocol {
         row: &EventRow,
         token: ClaimToken,
         now_ms: u64,
-        policy_destination: Digest,
-        fresh_id: EventId,
+        policy_destination: impl FnOnce() -> Digest,
+        fresh_id: impl FnOnce() -> EventId,
     ) -> Result<BeginSend, claim::Fenced> {
         let mut b = claim::decide_begin_send(row, token, now_ms)?;
         let is_retry = row.state == State::RetryClaimed;
         if is_retry && self.is(Mutant::RetryToOtherDestination) {
-            b.destination_digest = policy_destination;
+            b.destination_digest = policy_destination();
         }
         if is_retry && self.is(Mutant::NewEventIdOnRetry) {
-            b.event_id = fresh_id;
+            b.event_id = fresh_id();
         }
         Ok(b)
     }
@@ -267,9 +267,10 @@ impl Protocol {
         row: &EventRow,
         token: ClaimToken,
         lookup: &Lookup,
+        policy: ReconcilePolicy,
         now_ms: u64,
     ) -> ReconcileDecision {
-        let d = reconcile::decide_reconcile(row, token, lookup, ReconcilePolicy::default(), now_ms);
+        let d = reconcile::decide_reconcile(row, token, lookup, policy, now_ms);
         match (&d, lookup) {
             (ReconcileDecision::Accept(r), Lookup::Found(_))
                 if self.is(Mutant::RetryOverFoundCopy) && row.attempt(r.attempt_id).is_none() =>

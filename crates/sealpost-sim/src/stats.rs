@@ -323,6 +323,9 @@ pub struct TraceStats {
     pub verified: u64,
     /// "Never sent" outcomes reported by dispatchers.
     pub never_sent: u64,
+    /// Rows parked in `QUARANTINED` at the end as a conflict (a contradicting copy at a
+    /// create-if-absent destination), waiting for an operator.
+    pub conflicts_parked: u64,
 }
 
 impl TraceStats {
@@ -345,6 +348,7 @@ impl TraceStats {
         self.unknown_alerts += o.unknown_alerts;
         self.verified += o.verified;
         self.never_sent += o.never_sent;
+        self.conflicts_parked += o.conflicts_parked;
         self.inbox_duplicates += o.inbox_duplicates;
         self.inbox_quarantined += o.inbox_quarantined;
         self.migrations_granted += o.migrations_granted;

@@ -29,7 +29,7 @@ use sealpost_core::inbox::{InboxDecision, InboxRecord};
 use sealpost_core::migration::{apply_migration, decide_migration};
 use sealpost_core::port::{Capabilities, NeverSentReason, RefusalKind, SendRequest, SendResult};
 use sealpost_core::receipt::{apply_receipt, Receipt, ReceiptSource, ReceiptVerdict};
-use sealpost_core::reconcile::{apply_reconcile, Lookup, ReconcileDecision};
+use sealpost_core::reconcile::{apply_reconcile, Lookup, ReconcileDecision, ReconcilePolicy};
 use sealpost_core::reconciler::{
     ReconcileAction, ReconcileItem, ReconcilerConfig, ReconcilerMachine, VerifyItem,
 };
@@ -44,11 +44,11 @@ const TOPICS: [&str; 3] = ["ORDERS", "ORDERS_V2", "BILLING"];
 
 const LEASE_MS: u64 = 10_000;
 const ACK_TIMEOUT_MS: u64 = 3_000;
-const DISPATCH_IDLE_POLL_MS: u64 = 10_000;
+const DISPATCH_IDLE_POLL_MS: u64 = 20_000;
 const CLAIM_BATCH_MAX: usize = 3;
-const RECONCILE_IDLE_POLL_MS: u64 = 5_000;
+const RECONCILE_IDLE_POLL_MS: u64 = 15_000;
 const RECONCILE_LEASE_MS: u64 = 5_000;
-const CONSUMER_IDLE_POLL_MS: u64 = 20_000;
+const CONSUMER_IDLE_POLL_MS: u64 = 30_000;
 const CONSUMER_BATCH_MAX: usize = 4;
 const CLEANUP_EVERY_MS: u64 = 30_000;
 const DEDUP_WINDOW_MS: u64 = 120_000;
@@ -132,7 +132,7 @@ enum Ev {
         batch: u32,
     },
     BrokerReceive {
-        req: PubReq,
+        req: Box<PubReq>,
     },
     AckArrive {
         d: u8,
@@ -273,8 +273,8 @@ fn reconciler(caps: Capabilities, now_ms: u64) -> Reconciler {
         idle_poll_ms: RECONCILE_IDLE_POLL_MS,
         error_backoff_ms: 1_000,
         unknown_alert_ms: 900_000,
-        age_check_every_ms: 60_000,
-        verify_every_ms: 30_000,
+        age_check_every_ms: 300_000,
+        verify_every_ms: 60_000,
         verify_batch_max: 3,
     };
     Reconciler {
@@ -328,6 +328,12 @@ pub struct World {
     steps: u32,
     /// Database incarnation: bumped by a restore.
     epoch: u32,
+    /// Bumped by every step that may change the store; the checkers run when it moved.
+    db_version: u64,
+    checked_version: u64,
+    /// Ghost: rows parked in `QUARANTINED` as a conflict (a contradicting copy at a
+    /// create-if-absent destination), waiting for an operator's migration.
+    conflicts: Vec<u32>,
     /// (class, subject) pairs already counted in this trace.
     reported: Vec<(Violation, u32)>,
 }
@@ -461,8 +467,8 @@ impl World {
             proto,
             now: 0,
             seq: 0,
-            queue: BinaryHeap::new(),
-            evs: Vec::new(),
+            queue: BinaryHeap::with_capacity(64),
+            evs: Vec::with_capacity(512),
             facts: Vec::new(),
             db: Db {
                 next_attempt_id: 1,
@@ -482,6 +488,9 @@ impl World {
             log: if log { Some(Vec::new()) } else { None },
             steps: 0,
             epoch: 0,
+            db_version: 0,
+            checked_version: u64::MAX,
+            conflicts: Vec::new(),
             reported: Vec::new(),
         };
         w.plan();
@@ -592,7 +601,10 @@ impl World {
             self.now = t;
             self.steps += 1;
             self.step(ev);
-            self.check_rows();
+            if self.db_version != self.checked_version {
+                self.checked_version = self.db_version;
+                self.check_rows();
+            }
             if !self.faults_on
                 && (self.now > self.cfg.fault_end_ms + DRAIN_MAX_MS || self.quiescent())
             {
@@ -644,7 +656,7 @@ impl World {
             Ev::WriterCommit { fact } => self.writer_commit(fact),
             Ev::DispatchWake { d, inc } => self.dispatch_wake(d, inc),
             Ev::Leave { d, inc, batch } => self.leave(d, inc, batch),
-            Ev::BrokerReceive { req } => self.broker_receive(req),
+            Ev::BrokerReceive { req } => self.broker_receive(*req),
             Ev::AckArrive {
                 d,
                 inc,
@@ -742,8 +754,10 @@ impl World {
     /// (`sealpost release`), and look again a minute later while anything is unpublished
     /// (a refusal decided before the faults ended may be reported after).
     fn operator_release(&mut self) {
+        self.db_version += 1;
         for i in 0..self.db.rows.len() {
-            if self.db.rows[i].state == State::Quarantined {
+            if self.db.rows[i].state == State::Quarantined && !self.conflicts.contains(&(i as u32))
+            {
                 match apply_release_quarantine(&mut self.db.rows[i]) {
                     Ok(()) => self.stats.quarantine_released += 1,
                     Err(e) => self.violation(Violation::Liveness, || e.to_string()),
@@ -751,7 +765,10 @@ impl World {
             }
         }
         self.wake_dispatchers();
-        if self.db.rows.iter().any(|r| !r.state.is_published()) {
+        let waiting = (0..self.db.rows.len()).any(|i| {
+            !self.db.rows[i].state.is_published() && !self.conflicts.contains(&(i as u32))
+        });
+        if waiting {
             self.at(self.now + 60_000, Ev::OperatorRelease);
         }
     }
@@ -759,6 +776,7 @@ impl World {
     // ---------------------------------------------------------------- business writers
 
     fn writer_commit(&mut self, fact: u32) {
+        self.db_version += 1;
         let f = fact as usize;
         if self.db.business.contains(&fact) {
             return; // a retried command finds its committed fact: no second id (R3)
@@ -853,6 +871,12 @@ impl World {
         if self.deferred(d, &Ev::DispatchWake { d, inc }) {
             return;
         }
+        if self.dispatchers[d as usize]
+            .wake_at
+            .is_some_and(|w| w > self.now)
+        {
+            return; // superseded by a later-scheduled, earlier wake-up that already ran
+        }
         self.dispatchers[d as usize].wake_at = None;
         self.drive_dispatcher(d);
     }
@@ -899,9 +923,10 @@ impl World {
     /// The store's claim transaction (`store::claim_batch`): claim in commit order, only the
     /// clusters this dispatcher serves, and register each attempt before anything is sent.
     fn store_claim(&mut self, d: u8, max: usize) -> Claimed {
+        self.db_version += 1;
         let di = d as usize;
         let owner = self.dispatchers[di].owner;
-        let clusters = self.dispatchers[di].clusters.clone();
+        let clusters = std::mem::take(&mut self.dispatchers[di].clusters);
         let mut claimed = Claimed {
             claim_started_ms: self.now,
             db_now_ms: self.now,
@@ -951,22 +976,23 @@ impl World {
             }
         }
         self.dispatchers[di].claim_meta = meta;
+        self.dispatchers[di].clusters = clusters;
         claimed
     }
 
     /// Registers the attempt of a fresh claim (same transaction as the claim).
     fn begin_send(&mut self, d: u8, r: usize, token: ClaimToken) -> Option<(SendRequest, u8)> {
         let fact = self.db.row_fact[r];
-        let policy_dest = member_destination(self.db.policy, fact, self.db.rows[r].member);
+        let (policy, member, now) = (self.db.policy, self.db.rows[r].member, self.now);
         let mut random = [0u8; 10];
         self.rng.fill_bytes(&mut random);
-        let fresh = EventId::mint(1_800_000_000_000 + self.now, random);
+        // Only the mutants look at these two: computed on demand.
         let begin = match self.proto.decide_begin_send(
             &self.db.rows[r],
             token,
             self.now,
-            policy_dest.digest(),
-            fresh,
+            || member_destination(policy, fact, member).digest(),
+            || EventId::mint(1_800_000_000_000 + now, random),
         ) {
             Ok(b) => b,
             Err(f) => {
@@ -1009,7 +1035,7 @@ impl World {
         let destination = if begin.destination_digest == self.db.rows[r].destination_digest {
             self.db.rows[r].destination.clone()
         } else {
-            policy_dest
+            member_destination(policy, fact, member)
         };
         let Some(stream) = self.stream_of(&destination) else {
             self.violation(Violation::Liveness, || "destination has no stream".into());
@@ -1131,7 +1157,12 @@ impl World {
                     None
                 } else {
                     let t = self.now + range(&mut self.rng, 1, 40);
-                    self.at(t, Ev::BrokerReceive { req: req.clone() });
+                    self.at(
+                        t,
+                        Ev::BrokerReceive {
+                            req: Box::new(req.clone()),
+                        },
+                    );
                     None
                 }
             };
@@ -1233,6 +1264,7 @@ impl World {
     /// The store's submission transaction: every receipt through the acceptance point and
     /// every outcome report, all or nothing.
     fn store_submit(&mut self, d: u8, sub: &Submission) -> bool {
+        self.db_version += 1;
         if self.faults_on && chance(&mut self.rng, self.cfg.p_receipt_rollback) {
             // F7: the transaction rolls back; the machine retries it.
             self.fault(Fault::ReceiptRollback);
@@ -1278,6 +1310,7 @@ impl World {
     }
 
     fn report_outcome(&mut self, d: u8, row: u32, rep: &OutcomeReport) {
+        self.db_version += 1;
         let r = row as usize;
         let decision = decide_send_outcome(
             &self.db.rows[r],
@@ -1465,6 +1498,7 @@ impl World {
         self.at(t, ack(SendResult::Receipt(receipt)));
     }
     fn accept(&mut self, row: u32, receipt: &Receipt, genuine: bool) {
+        self.db_version += 1;
         let r = row as usize;
         if r >= self.db.rows.len() || self.db.rows[r].event_id != receipt.event_id {
             // The store has no such row (restored away, or a forged id): audit.
@@ -1555,7 +1589,7 @@ impl World {
     // A database restore restarts it (epoch): answers for the old incarnation are dropped.
 
     fn reconcile_wake(&mut self, epoch: u32) {
-        if epoch != self.epoch {
+        if epoch != self.epoch || self.reconciler.wake_at.is_some_and(|w| w > self.now) {
             return;
         }
         self.reconciler.wake_at = None;
@@ -1704,6 +1738,7 @@ impl World {
     /// The store's reconciler claim (`store::claim_unknown`): due rows first, in the order
     /// their lookups fell due, so every unknown row gets its turn.
     fn claim_unknown(&mut self, max: usize) -> Vec<ReconcileItem> {
+        self.db_version += 1;
         let owner = 1;
         let mut due: Vec<(u64, usize)> = Vec::new();
         for i in 0..self.db.rows.len() {
@@ -1786,13 +1821,18 @@ impl World {
     }
 
     fn reconcile_decide(&mut self, item: &ReconcileItem, lookup: Lookup) {
+        self.db_version += 1;
         let Some(row) = self.row_of(item.event_id, item.member) else {
             return;
         };
         let r = row as usize;
-        let decision = self
-            .proto
-            .decide_reconcile(&self.db.rows[r], item.token, &lookup, self.now);
+        let decision = self.proto.decide_reconcile(
+            &self.db.rows[r],
+            item.token,
+            &lookup,
+            ReconcilePolicy::for_capabilities(self.cfg.caps),
+            self.now,
+        );
         self.note(|| {
             format!(
                 "reconcile row {r} lookup {:?}: {decision:?}",
@@ -1821,12 +1861,25 @@ impl World {
                     self.violation(Violation::Liveness, || format!("reconcile: {e}"));
                 }
             }
+            ReconcileDecision::Conflict(_) => {
+                self.stats.quarantined_receipts += 1;
+                let now = self.now;
+                if let Err(e) = apply_reconcile(&mut self.db.rows[r], &decision, now) {
+                    self.violation(Violation::Liveness, || format!("reconcile: {e}"));
+                }
+                // Ghost: this row waits for an operator who must move it elsewhere; the
+                // simulated operator only releases poison.
+                if !self.conflicts.contains(&row) {
+                    self.conflicts.push(row);
+                }
+            }
         }
     }
 
     // ---------------------------------------------------------------- migration
 
     fn migration_request(&mut self) {
+        self.db_version += 1;
         if self.db.rows.is_empty() {
             return;
         }
@@ -2038,6 +2091,7 @@ impl World {
     }
 
     fn cleanup(&mut self, only: Option<u32>) {
+        self.db_version += 1;
         let policy = RetentionPolicy {
             replay_window_ms: REPLAY_WINDOW_MS,
         };
@@ -2092,12 +2146,15 @@ impl World {
     }
 
     fn restore(&mut self) {
+        self.db_version += 1;
         let Some(snap) = self.snapshot.take() else {
             return;
         };
         self.fault(Fault::DatabaseRestored);
         self.db = snap;
         self.epoch += 1;
+        // A conflict found later is re-found from the restored rows.
+        self.conflicts.clear();
         self.unknown_since.truncate(self.db.rows.len());
         for i in 0..self.unknown_since.len() {
             if !self.db.rows[i].state.is_unknown() {
@@ -2234,6 +2291,11 @@ impl World {
         // consumer applied it exactly once.
         for i in 0..self.db.rows.len() {
             let row = &self.db.rows[i];
+            if row.state == State::Quarantined && self.conflicts.contains(&(i as u32)) {
+                // Parked with its evidence for an operator (R28: a manual exit), not lost.
+                self.stats.conflicts_parked += 1;
+                continue;
+            }
             if !row.state.is_published() {
                 let st = row.state;
                 self.violation(Violation::Liveness, || format!("row {i} ended {st}"));

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use futures::stream::{FuturesUnordered, StreamExt};
 use sealpost_core::dispatcher::{DispatchAction, DispatcherConfig, DispatcherMachine, Submission};
 use sealpost_core::port::{Broker, SendResult};
-use sealpost_core::reconcile::Lookup;
+use sealpost_core::reconcile::{Lookup, ReconcilePolicy};
 use sealpost_core::reconciler::{
     ReconcileAction, ReconcileItem, ReconcilerConfig, ReconcilerMachine, VerifyItem,
 };
@@ -429,6 +429,7 @@ pub async fn reconciler<B: Broker>(
     let owner = owner_id();
     let epoch = Instant::now();
     let mut m = ReconcilerMachine::new(cfg.reconciler_config(), broker.capabilities(), 0);
+    let policy = ReconcilePolicy::for_capabilities(broker.capabilities());
     let mut lookups: FuturesUnordered<futures::future::BoxFuture<'static, Answer>> =
         FuturesUnordered::new();
     while !stop.load(Ordering::Relaxed) {
@@ -454,7 +455,7 @@ pub async fn reconciler<B: Broker>(
                     }));
                 }
                 ReconcileAction::Finish(item, lookup) => {
-                    match store::finish_reconcile(&mut pg, &item, &lookup).await {
+                    match store::finish_reconcile_with(&mut pg, &item, &lookup, policy).await {
                         Ok(d) => {
                             tracing::debug!(event_id = %item.event_id, decision = ?d, "reconciled");
                             counters.reconciled.fetch_add(1, Ordering::Relaxed);

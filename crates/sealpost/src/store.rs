@@ -1221,6 +1221,22 @@ pub async fn finish_reconcile(
     item: &Reconciling,
     lookup: &Lookup,
 ) -> Result<ReconcileDecision> {
+    finish_reconcile_with(client, item, lookup, ReconcilePolicy::default()).await
+}
+
+/// [`finish_reconcile`] under the policy for the broker's capabilities
+/// ([`ReconcilePolicy::for_capabilities`]): at a create-if-absent broker a conflicting copy
+/// parks the row in `QUARANTINED` (with the reason in `sealpost.quarantine`) instead of
+/// retrying forever.
+///
+/// # Transactions and locks
+/// As [`finish_reconcile`].
+pub async fn finish_reconcile_with(
+    client: &mut tokio_postgres::Client,
+    item: &Reconciling,
+    lookup: &Lookup,
+    policy: ReconcilePolicy,
+) -> Result<ReconcileDecision> {
     let tx = client.transaction().await?;
     let now_ms = db_now_ms(&tx).await?;
     let before = lock_rows(&tx, &[(item.event_id, item.member)]).await?;
@@ -1228,10 +1244,34 @@ pub async fn finish_reconcile(
         tx.commit().await?;
         return Ok(ReconcileDecision::StayUnknown);
     };
-    let d = decide_reconcile(row, item.token, lookup, ReconcilePolicy::default(), now_ms);
+    let d = decide_reconcile(row, item.token, lookup, policy, now_ms);
     match &d {
         ReconcileDecision::Accept(r) => {
             accept_in(&tx, std::slice::from_ref(r)).await?;
+        }
+        ReconcileDecision::Conflict(q) => {
+            let mut after = before.clone();
+            apply_reconcile(&mut after[0], &d, now_ms)
+                .map_err(|e| StoreError::Corrupt(e.to_string()))?;
+            persist(&tx, &before, &after).await?;
+            let detail = match lookup {
+                Lookup::Found(r) => format!(
+                    "conflict: the destination holds a copy ({}#{}) with {q:?} and refuses a second one; migrate the event or remove the copy, then `sealpost release {}`",
+                    r.stream, r.sequence, item.event_id
+                ),
+                _ => format!("conflict: {q:?}"),
+            };
+            tx.execute(
+                "INSERT INTO sealpost.quarantine (event_id, member, attempt_id, reason, detail, at_ms)
+                 VALUES ($1, $2, NULL, 'Conflict', $3, $4)",
+                &[&uuid_of(item.event_id), &(item.member as i16), &detail, &(now_ms as i64)],
+            )
+            .await?;
+            tx.execute(
+                "UPDATE sealpost.envelope SET last_error = $3 WHERE event_id = $1 AND member = $2",
+                &[&uuid_of(item.event_id), &(item.member as i16), &detail],
+            )
+            .await?;
         }
         ReconcileDecision::RetrySameDestination { .. } | ReconcileDecision::StayUnknown => {
             let mut after = before.clone();
