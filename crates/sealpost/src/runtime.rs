@@ -308,10 +308,10 @@ pub async fn dispatcher<B: Broker>(
 ) -> Result<(), RunError> {
     let mut pg = pg_connect(&cfg.database_url).await?;
     let owner = owner_id();
-    let clusters = vec![broker.cluster().to_string()];
+    let cluster = broker.cluster().to_string();
     let epoch = Instant::now();
     let mut m = DispatcherMachine::new(cfg.dispatcher_config(), 0);
-    tracing::info!(owner, cluster = %clusters[0], "dispatcher started");
+    tracing::info!(owner, %cluster, "dispatcher started");
     let mut next: Option<DispatchAction> = None;
     while !stop.load(Ordering::Relaxed) {
         let Some(action) = next.take().or_else(|| m.poll_action(ms_since(epoch))) else {
@@ -328,7 +328,7 @@ pub async fn dispatcher<B: Broker>(
                 match store::claim_batch_for(
                     &mut pg,
                     owner,
-                    Some(&clusters),
+                    Some(&cluster),
                     batch_size_max,
                     cfg.lease_ms,
                 )
@@ -336,6 +336,11 @@ pub async fn dispatcher<B: Broker>(
                 {
                     Ok(batch) => {
                         // No transaction is open from here on: the claim committed.
+                        tracing::debug!(
+                            rows = batch.outgoing.len(),
+                            claim_ms = ms_since(epoch) - started,
+                            "claimed"
+                        );
                         next = m.handle_claimed(ms_since(epoch), batch.claimed(started));
                     }
                     Err(e) => {
@@ -350,7 +355,9 @@ pub async fn dispatcher<B: Broker>(
             DispatchAction::Send { batch, deadline_ms } => {
                 let n = batch.len();
                 let deadline = epoch + Duration::from_millis(deadline_ms);
+                let t_send = ms_since(epoch);
                 let mut results = broker.send_batch(batch, deadline).await;
+                tracing::debug!(rows = n, send_ms = ms_since(epoch) - t_send, "sent");
                 if results.len() != n {
                     tracing::error!(
                         sent = n,
@@ -370,7 +377,15 @@ pub async fn dispatcher<B: Broker>(
                 next = m.handle_sent(ms_since(epoch), results);
             }
             DispatchAction::Submit(sub) => {
-                let ok = match store::submit(&mut pg, &sub, cfg.rejection_limit).await {
+                let t_submit = ms_since(epoch);
+                let result = store::submit(&mut pg, &sub, cfg.rejection_limit).await;
+                tracing::debug!(
+                    receipts = sub.receipts.len(),
+                    reports = sub.reports.len(),
+                    submit_ms = ms_since(epoch) - t_submit,
+                    "submitted"
+                );
+                let ok = match result {
                     Ok(done) => {
                         counters.count(&done, &sub);
                         for (event_id, n, why) in &done.stuck {

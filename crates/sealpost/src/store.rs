@@ -765,37 +765,53 @@ pub async fn claim_batch(
     claim_batch_for(client, owner, None, batch_size_max, lease_ms).await
 }
 
-/// [`claim_batch`] for a dispatcher that serves only `clusters` (`None`: every cluster). A
+/// [`claim_batch`] for a dispatcher that serves only `cluster` (`None`: every cluster). A
 /// dispatcher never claims a row it cannot send; those rows wait for a dispatcher of their
 /// cluster instead of cycling through "never sent".
 ///
 /// # Transactions and locks
-/// As [`claim_batch`]; the cluster filter is part of the scan, so rows of other clusters are
-/// neither locked nor counted against the batch.
+/// As [`claim_batch`]; the scan runs over the claim index `(dest_cluster, committed_seq)`, so
+/// rows of other clusters are neither read, locked nor counted against the batch, and the
+/// scan stops after one batch however many rows wait.
 pub async fn claim_batch_for(
     client: &mut tokio_postgres::Client,
     owner: u64,
-    clusters: Option<&[String]>,
+    cluster: Option<&str>,
     batch_size_max: usize,
     lease_ms: u64,
 ) -> Result<ClaimBatch> {
     let tx = client.transaction().await?;
     let now_ms = db_now_ms(&tx).await?;
-    let q = format!(
-        "SELECT {ROW_COLS}, payload FROM sealpost.envelope
-         WHERE state IN ('PENDING', 'CLAIMED', 'SENDING', 'RETRY_CLAIMED')
-           AND (state = 'PENDING' OR lease_until_ms IS NULL OR lease_until_ms <= $1)
-           AND (state <> 'PENDING' OR not_before_ms <= $1)
-           AND ($3::text[] IS NULL OR dest_cluster = ANY($3))
-         ORDER BY committed_seq LIMIT $2 FOR UPDATE SKIP LOCKED"
-    );
-    let cluster_list: Option<Vec<String>> = clusters.map(<[String]>::to_vec);
-    let found = tx
-        .query(
-            q.as_str(),
-            &[&(now_ms as i64), &(batch_size_max as i64), &cluster_list],
-        )
-        .await?;
+    // Two statements, so that each is planned as an ordered scan of its index with LIMIT.
+    let found = match cluster {
+        Some(c) => {
+            let q = format!(
+                "SELECT {ROW_COLS}, payload FROM sealpost.envelope
+                 WHERE dest_cluster = $3
+                   AND state IN ('PENDING', 'CLAIMED', 'SENDING', 'RETRY_CLAIMED')
+                   AND (state = 'PENDING' OR lease_until_ms IS NULL OR lease_until_ms <= $1)
+                   AND (state <> 'PENDING' OR not_before_ms <= $1)
+                 ORDER BY dest_cluster, committed_seq LIMIT $2 FOR UPDATE SKIP LOCKED"
+            );
+            tx.query(
+                q.as_str(),
+                &[&(now_ms as i64), &(batch_size_max as i64), &c],
+            )
+            .await?
+        }
+        None => {
+            let q = format!(
+                "SELECT {ROW_COLS}, payload FROM sealpost.envelope
+                 WHERE state IN ('PENDING', 'CLAIMED', 'SENDING', 'RETRY_CLAIMED')
+                   AND (state = 'PENDING' OR lease_until_ms IS NULL OR lease_until_ms <= $1)
+                   AND (state <> 'PENDING' OR not_before_ms <= $1)
+                 ORDER BY committed_seq LIMIT $2 FOR UPDATE SKIP LOCKED"
+            );
+            tx.query(q.as_str(), &[&(now_ms as i64), &(batch_size_max as i64)])
+                .await?
+        }
+    };
+    let served: Vec<String> = cluster.map(str::to_string).into_iter().collect();
     let mut before = Vec::with_capacity(found.len());
     let mut payloads = Vec::with_capacity(found.len());
     for r in &found {
@@ -818,8 +834,8 @@ pub async fn claim_batch_for(
         ..ClaimBatch::default()
     };
     for (i, row) in after.iter_mut().enumerate() {
-        let decision = match clusters {
-            Some(c) => decide_dispatch_claim_for(row, c, now_ms, lease_ms),
+        let decision = match cluster {
+            Some(_) => decide_dispatch_claim_for(row, &served, now_ms, lease_ms),
             None => decide_dispatch_claim(row, now_ms, lease_ms),
         };
         match apply_claim(row, &decision, owner, now_ms) {
@@ -1178,16 +1194,27 @@ pub async fn claim_unknown(
 ) -> Result<Vec<Reconciling>> {
     let tx = client.transaction().await?;
     let now_ms = db_now_ms(&tx).await?;
+    // Two index range scans, each stopping at `now`: due unknown rows in the order they fell
+    // due (`envelope_unknown_due`), then `SENDING` rows whose lease ran out
+    // (`envelope_sending_lease`). Neither walks the rows that are not due.
     let q = format!(
         "SELECT {ROW_COLS} FROM sealpost.envelope
-         WHERE (state IN ('DISPATCH_UNKNOWN', 'RECONCILING') AND (lease_until_ms IS NULL OR lease_until_ms <= $1)
-                AND (state <> 'DISPATCH_UNKNOWN' OR next_lookup_at_ms <= $1))
-            OR (state = 'SENDING' AND lease_until_ms <= $1)
-         ORDER BY next_lookup_at_ms, unknown_since_ms NULLS FIRST LIMIT $2 FOR UPDATE SKIP LOCKED"
+         WHERE state IN ('DISPATCH_UNKNOWN', 'RECONCILING') AND next_lookup_at_ms <= $1
+           AND (lease_until_ms IS NULL OR lease_until_ms <= $1)
+         ORDER BY next_lookup_at_ms LIMIT $2 FOR UPDATE SKIP LOCKED"
     );
-    let found = tx
+    let mut found = tx
         .query(q.as_str(), &[&(now_ms as i64), &(batch_size_max as i64)])
         .await?;
+    let q = format!(
+        "SELECT {ROW_COLS} FROM sealpost.envelope
+         WHERE state = 'SENDING' AND lease_until_ms <= $1
+         ORDER BY lease_until_ms LIMIT $2 FOR UPDATE SKIP LOCKED"
+    );
+    found.extend(
+        tx.query(q.as_str(), &[&(now_ms as i64), &(batch_size_max as i64)])
+            .await?,
+    );
     let mut before = found.iter().map(parse_row).collect::<Result<Vec<_>>>()?;
     load_attempts(&tx, &mut before).await?;
     let mut after = before.clone();
@@ -1457,35 +1484,39 @@ pub async fn release_quarantine(
 }
 
 /// The next published rows of the rolling verification pass (R31), after the pass's cursor,
-/// in commit order; the cursor moves past them. An empty answer means the pass wrapped
+/// in primary-key order (UUIDv7 event ids: roughly commit order); the cursor moves past
+/// them. An empty answer means the pass wrapped
 /// around (the cursor starts again at the beginning).
 ///
 /// # Transactions and locks
-/// One short transaction; reads through the primary key order of `committed_seq` and
-/// updates the one cursor row. No row lock on the envelopes.
+/// One short transaction; an ordered scan of the primary key from the cursor, and an update
+/// of the one cursor row. No row lock on the envelopes.
 pub async fn published_after_cursor(
     client: &mut tokio_postgres::Client,
     max: usize,
 ) -> Result<Vec<VerifyItem>> {
     let tx = client.transaction().await?;
-    let after: i64 = tx
+    let after: (Uuid, i16) = tx
         .query_opt(
-            "SELECT after_seq FROM sealpost.verify_cursor WHERE name = 'published' FOR UPDATE",
+            "SELECT after_event_id, after_member FROM sealpost.verify_cursor
+             WHERE name = 'published' FOR UPDATE",
             &[],
         )
         .await?
-        .map_or(0, |r| r.get(0));
+        .map_or((Uuid::nil(), -1), |r| (r.get(0), r.get(1)));
     let q = format!(
-        "SELECT {ROW_COLS}, committed_seq FROM sealpost.envelope
-         WHERE committed_seq > $1 AND state = 'PUBLISHED'
-         ORDER BY committed_seq LIMIT $2"
+        "SELECT {ROW_COLS} FROM sealpost.envelope
+         WHERE (event_id, member) > ($1, $2) AND state = 'PUBLISHED'
+         ORDER BY event_id, member LIMIT $3"
     );
-    let rows = tx.query(q.as_str(), &[&after, &(max as i64)]).await?;
+    let rows = tx
+        .query(q.as_str(), &[&after.0, &after.1, &(max as i64)])
+        .await?;
     let mut items = Vec::with_capacity(rows.len());
-    let mut last = 0i64;
+    let mut last = (Uuid::nil(), -1i16);
     for r in &rows {
         let row = parse_row(r)?;
-        last = r.get(ROW_COLS_LEN);
+        last = (uuid_of(row.event_id), row.member as i16);
         if let Some(p) = &row.primary {
             items.push(VerifyItem {
                 event_id: row.event_id,
@@ -1495,11 +1526,12 @@ pub async fn published_after_cursor(
             });
         }
     }
-    let next = if rows.is_empty() { 0 } else { last };
     tx.execute(
-        "INSERT INTO sealpost.verify_cursor (name, after_seq) VALUES ('published', $1)
-         ON CONFLICT (name) DO UPDATE SET after_seq = EXCLUDED.after_seq",
-        &[&next],
+        "INSERT INTO sealpost.verify_cursor (name, after_event_id, after_member)
+         VALUES ('published', $1, $2)
+         ON CONFLICT (name) DO UPDATE SET after_event_id = EXCLUDED.after_event_id,
+             after_member = EXCLUDED.after_member",
+        &[&last.0, &last.1],
     )
     .await?;
     tx.commit().await?;
