@@ -198,15 +198,9 @@ async fn a_send_stalled_past_its_lease_never_leaves_and_the_broker_holds_one_cop
         Some(DispatchAction::Claim { .. })
     ));
     let started = ms();
-    let batch = store::claim_batch_for(
-        &mut pg,
-        1,
-        Some(&[cfg.nats_cluster.clone()]),
-        10,
-        cfg.lease_ms,
-    )
-    .await
-    .unwrap();
+    let batch = store::claim_batch_for(&mut pg, 1, Some(&cfg.nats_cluster), 10, cfg.lease_ms)
+        .await
+        .unwrap();
     let Some(DispatchAction::Send {
         batch: a_batch,
         deadline_ms,
