@@ -90,6 +90,12 @@ pub enum ReconcileDecision {
     Fenced(Fenced),
 }
 
+/// The row a reconciler claimed is gone (a restore removed it, or it was purged): its claim
+/// is void and nothing is written. Never "stay unknown": there is no row to keep unknown.
+pub fn decide_reconcile_missing() -> ReconcileDecision {
+    ReconcileDecision::Fenced(Fenced::Superseded { current: None })
+}
+
 /// Decides what to do with a lookup result (R13–R14).
 pub fn decide_reconcile(
     row: &EventRow,

@@ -29,7 +29,9 @@ use sealpost_core::inbox::{InboxDecision, InboxRecord};
 use sealpost_core::migration::{apply_migration, decide_migration};
 use sealpost_core::port::{Capabilities, NeverSentReason, RefusalKind, SendRequest, SendResult};
 use sealpost_core::receipt::{apply_receipt, Receipt, ReceiptSource, ReceiptVerdict};
-use sealpost_core::reconcile::{apply_reconcile, Lookup, ReconcileDecision, ReconcilePolicy};
+use sealpost_core::reconcile::{
+    apply_reconcile, decide_reconcile_missing, Lookup, ReconcileDecision, ReconcilePolicy,
+};
 use sealpost_core::reconciler::{
     ReconcileAction, ReconcileItem, ReconcilerConfig, ReconcilerMachine, VerifyItem,
 };
@@ -1823,6 +1825,10 @@ impl World {
     fn reconcile_decide(&mut self, item: &ReconcileItem, lookup: Lookup) {
         self.db_version += 1;
         let Some(row) = self.row_of(item.event_id, item.member) else {
+            // Restored away: the same verdict the store gives.
+            if matches!(decide_reconcile_missing(), ReconcileDecision::Fenced(_)) {
+                self.stats.fenced_writes += 1;
+            }
             return;
         };
         let r = row as usize;

@@ -21,7 +21,8 @@ use sealpost_core::receipt::{
     apply_receipt, decide_receipt, Receipt, ReceiptSource, ReceiptVerdict,
 };
 use sealpost_core::reconcile::{
-    apply_reconcile, decide_reconcile, Lookup, ReconcileDecision, ReconcilePolicy,
+    apply_reconcile, decide_reconcile, decide_reconcile_missing, Lookup, ReconcileDecision,
+    ReconcilePolicy,
 };
 use sealpost_core::reconciler::VerifyItem;
 use sealpost_core::row::{Attempt, AttemptStatus, Claim, EventRow, Pacing, Superseded};
@@ -1269,7 +1270,7 @@ pub async fn finish_reconcile_with(
     let before = lock_rows(&tx, &[(item.event_id, item.member)]).await?;
     let Some(row) = before.first() else {
         tx.commit().await?;
-        return Ok(ReconcileDecision::StayUnknown);
+        return Ok(decide_reconcile_missing());
     };
     let d = decide_reconcile(row, item.token, lookup, policy, now_ms);
     match &d {
