@@ -122,6 +122,15 @@ async fn state_of(pg: &tokio_postgres::Client, id: EventId) -> String {
     .get(0)
 }
 
+async fn all_published(pg: &tokio_postgres::Client, ids: &[EventId]) -> bool {
+    for id in ids {
+        if state_of(pg, *id).await != "PUBLISHED" {
+            return false;
+        }
+    }
+    true
+}
+
 async fn int(pg: &tokio_postgres::Client, sql: &str, id: EventId) -> i64 {
     pg.query_one(sql, &[&uuid::Uuid::from_bytes(id.0)])
         .await
@@ -312,11 +321,7 @@ async fn rows_that_cannot_leave_back_off_and_do_not_starve_the_rest() {
     let f = fleet(&cfg, &n, 1, false);
     let t0 = Instant::now();
     wait_for("the sendable rows", Duration::from_secs(20), async || {
-        let mut all = true;
-        for id in &ok {
-            all &= state_of(&pg, *id).await == "PUBLISHED";
-        }
-        all
+        all_published(&pg, &ok).await
     })
     .await;
     tokio::time::sleep(Duration::from_millis(3_000)).await;
@@ -610,11 +615,7 @@ async fn an_acknowledged_message_lost_at_the_broker_is_a_finding() {
     let ids = enqueue(&mut pg, "orders", b"{}", 3).await;
     let f = fleet(&cfg, &n, 1, false);
     wait_for("publication", Duration::from_secs(20), async || {
-        let mut all = true;
-        for id in &ids {
-            all &= state_of(&pg, *id).await == "PUBLISHED";
-        }
-        all
+        all_published(&pg, &ids).await
     })
     .await;
     f.stop().await;
@@ -710,11 +711,7 @@ async fn a_restore_older_than_the_duplicate_window_adopts_the_copies_at_the_brok
     store::accept_receipts(&mut pg, &receipts).await.unwrap();
     let f = fleet(&cfg, &n, 1, true);
     wait_for("publication", Duration::from_secs(20), async || {
-        let mut all = true;
-        for id in &ids {
-            all &= state_of(&pg, *id).await == "PUBLISHED";
-        }
-        all
+        all_published(&pg, &ids).await
     })
     .await;
     f.stop().await;
@@ -756,13 +753,7 @@ async fn a_restore_older_than_the_duplicate_window_adopts_the_copies_at_the_brok
     wait_for(
         "publication after the restore",
         Duration::from_secs(30),
-        async || {
-            let mut all = true;
-            for id in &ids {
-                all &= state_of(&pg, *id).await == "PUBLISHED";
-            }
-            all
-        },
+        async || all_published(&pg, &ids).await,
     )
     .await;
     f.stop().await;
