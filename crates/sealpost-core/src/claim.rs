@@ -307,13 +307,16 @@ pub fn decide_send_outcome(
         .any(|a| a.id != attempt_id && a.status == AttemptStatus::Unknown);
     match outcome {
         SendOutcome::AckTimeout => SendOutcomeDecision::ToUnknown,
+        // Poison reaches its quarantine even while an older attempt is unknown (else a
+        // retry after every inconclusive lookup loops forever); that attempt's late ACK can
+        // still fill the slot of a QUARANTINED row (R11).
+        SendOutcome::Rejected if row.rejections + 1 >= rejection_limit => {
+            SendOutcomeDecision::ToQuarantine
+        }
         SendOutcome::NeverSent | SendOutcome::Rejected if older_unknown => {
             SendOutcomeDecision::BackToUnknown
         }
         SendOutcome::NeverSent => SendOutcomeDecision::ToPending,
-        SendOutcome::Rejected if row.rejections + 1 >= rejection_limit => {
-            SendOutcomeDecision::ToQuarantine
-        }
         SendOutcome::Rejected => SendOutcomeDecision::ToPending,
     }
 }

@@ -173,6 +173,9 @@ pub fn decide_receipt(row: &EventRow, r: &Receipt) -> ReceiptVerdict {
             None,
             State::Sending | State::DispatchUnknown | State::Reconciling | State::RetryClaimed,
         ) => Primary,
+        // Quarantined as poison while an older attempt was still unknown: that attempt's
+        // genuine late ACK is the publication (R11; the attempt is registered and not failed).
+        (None, State::Quarantined) if attempt.status == AttemptStatus::Unknown => Primary,
         (None, s) => Reject(RejectReason::NotInFlight(s)),
     }
 }

@@ -121,6 +121,8 @@ pub const TRANSITIONS: &[(State, State)] = &[
     (State::Sending, State::Quarantined),
     (State::Reconciling, State::Quarantined),
     (State::Quarantined, State::Pending),
+    // a quarantined row whose older attempt's late ACK arrives is published (R11)
+    (State::Quarantined, State::Published),
     // an explicit migration (R15) re-enters the main path under a new envelope generation
     (State::Pending, State::Pending),
 ];

@@ -1536,3 +1536,37 @@ fn purge_accepted_after_replay_window_and_every_watermark() {
     retained.state = State::Retained;
     assert_eq!(decide_purge(&retained, end, WINDOW, &done), Ok(()));
 }
+
+#[test]
+fn poison_with_an_older_unknown_attempt_reaches_quarantine_and_the_late_ack_still_publishes() {
+    // Attempt 1's outcome is unknown; the broker cannot be asked, so a retry is granted.
+    let (mut row, t) = sending();
+    report(&mut row, t, 1, SendOutcome::AckTimeout, T0 + 2);
+    let late = ack(&row, 1, 7);
+    let rt = reconcile_claim(&mut row, 9, T0 + 3);
+    let d = decide_reconcile(&row, rt, &Lookup::Unqueryable, REDELIVER, T0 + 4);
+    apply_reconcile(&mut row, &d, T0 + 4).unwrap();
+    assert_eq!(row.state, State::RetryClaimed);
+    // The retry is refused for the last time allowed: quarantine, not another round of
+    // "back to unknown, retry, refused" forever.
+    row.rejections = LIMIT - 1;
+    let t2 = claim(&mut row, 2, T0 + 5);
+    begin(&mut row, t2, 2, T0 + 6);
+    assert_eq!(
+        report(&mut row, t2, 2, SendOutcome::Rejected, T0 + 7),
+        SendOutcomeDecision::ToQuarantine
+    );
+    assert_eq!(row.state, State::Quarantined);
+    assert_eq!(row.attempt(1).unwrap().status, AttemptStatus::Unknown);
+    // Attempt 1's genuine late ACK still fills the slot (R11).
+    assert_eq!(accept(&mut row, &late, T0 + 8), ReceiptVerdict::Primary);
+    assert_eq!(row.state, State::Published);
+    // A receipt of the refused attempt never does.
+    let mut row2 = row.clone();
+    row2.state = State::Quarantined;
+    row2.primary = None;
+    assert!(matches!(
+        decide_receipt(&row2, &ack(&row2, 2, 8)),
+        ReceiptVerdict::Reject(_)
+    ));
+}

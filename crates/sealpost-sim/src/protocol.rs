@@ -41,11 +41,17 @@ pub enum Mutant {
     /// A copy found at the broker under an attempt the store never registered (a restore)
     /// is retried instead of filling the slot.
     RetryOverFoundCopy,
+    /// "Stay unknown" releases the row for an immediate new lookup (no per-row backoff): with
+    /// the broker down the reconciler spins on the same rows.
+    ReconcileWithoutBackoff,
+    /// The adapter reports a broker's permanent refusal as "no answer" (poison is never
+    /// counted, never quarantined: retried forever).
+    RefusalAsNoAnswer,
 }
 
 impl Mutant {
     /// Every mutant, in `--list-mutants` order.
-    pub const ALL: [Mutant; 12] = [
+    pub const ALL: [Mutant; 14] = [
         Mutant::AcceptWithoutDigestCheck,
         Mutant::RetryToOtherDestination,
         Mutant::AcceptUnregisteredAttempt,
@@ -58,6 +64,8 @@ impl Mutant {
         Mutant::UnboundedNeverSent,
         Mutant::NoCreateIfAbsent,
         Mutant::RetryOverFoundCopy,
+        Mutant::ReconcileWithoutBackoff,
+        Mutant::RefusalAsNoAnswer,
     ];
 
     /// The CLI name.
@@ -75,6 +83,8 @@ impl Mutant {
             Mutant::UnboundedNeverSent => "unbounded-never-sent",
             Mutant::NoCreateIfAbsent => "no-create-if-absent",
             Mutant::RetryOverFoundCopy => "retry-over-found-copy",
+            Mutant::ReconcileWithoutBackoff => "reconcile-without-backoff",
+            Mutant::RefusalAsNoAnswer => "refusal-as-no-answer",
         }
     }
 
@@ -259,6 +269,26 @@ impl Protocol {
             row.pacing.not_before_ms = 0;
         }
         Ok(())
+    }
+
+    /// Applies a reconcile verdict (the reconcile-without-backoff mutant makes a "stay
+    /// unknown" row due again at once).
+    pub fn apply_reconcile(
+        &self,
+        row: &mut EventRow,
+        decision: &ReconcileDecision,
+        now_ms: u64,
+    ) -> Result<(), sealpost_core::TransitionError> {
+        reconcile::apply_reconcile(row, decision, now_ms)?;
+        if self.is(Mutant::ReconcileWithoutBackoff) && *decision == ReconcileDecision::StayUnknown {
+            row.pacing.next_lookup_at_ms = now_ms;
+        }
+        Ok(())
+    }
+
+    /// Does the adapter report a broker's permanent refusal as a refusal?
+    pub fn reports_refusals(&self) -> bool {
+        !self.is(Mutant::RefusalAsNoAnswer)
     }
 
     /// The reconciler's decision on a lookup.

@@ -58,6 +58,12 @@ const STREAM_DELETED_MAX_MS: u64 = 300_000;
 /// Retry budget (R28: every failure window has a retry limit): send attempts one row may
 /// register in a trace. With the backoff, a ten-minute outage costs about fifteen.
 const ATTEMPTS_PER_ROW_MAX: usize = 100;
+/// Lookup budget: broker lookups of one row in a trace. With the per-row backoff (1 s
+/// doubling to 30 s) a ten-minute outage costs about twenty-five.
+const LOOKUPS_PER_ROW_MAX: u32 = 200;
+/// Broker refusals of one row without a single quarantine: poison must reach its quarantine
+/// (R6: a retry limit and an operator exit, never an infinite loop).
+const REFUSALS_UNQUARANTINED_MAX: u32 = 4 * REJECTION_LIMIT;
 const REPLAY_WINDOW_MS: u64 = 60_000;
 const REJECTION_LIMIT: u32 = 3;
 const DRAIN_MAX_MS: u64 = 3_600_000;
@@ -330,6 +336,10 @@ pub struct World {
     steps: u32,
     /// Database incarnation: bumped by a restore.
     epoch: u32,
+    /// Ghost: broker lookups per row (the lookup budget).
+    lookups: Vec<u32>,
+    /// Ghost: broker refusals per row, and whether the row was ever quarantined.
+    refusals: Vec<(u32, bool)>,
     /// Bumped by every step that may change the store; the checkers run when it moved.
     db_version: u64,
     checked_version: u64,
@@ -490,6 +500,8 @@ impl World {
             log: if log { Some(Vec::new()) } else { None },
             steps: 0,
             epoch: 0,
+            lookups: Vec::new(),
+            refusals: Vec::new(),
             db_version: 0,
             checked_version: u64::MAX,
             conflicts: Vec::new(),
@@ -1325,6 +1337,12 @@ impl World {
         if rep.outcome == SendOutcome::NeverSent {
             self.stats.never_sent += 1;
         }
+        if decision == sealpost_core::SendOutcomeDecision::ToQuarantine {
+            if self.refusals.len() <= r {
+                self.refusals.resize(r + 1, (0, false));
+            }
+            self.refusals[r].1 = true;
+        }
         let now = self.now;
         if let Err(e) = self.proto.apply_send_outcome(
             &mut self.db.rows[r],
@@ -1355,6 +1373,14 @@ impl World {
         if poison {
             // A definite, permanent refusal (e.g. over the size limit): nothing stored.
             self.fault(Fault::PoisonRejected);
+            let r = req.row as usize;
+            if self.refusals.len() <= r {
+                self.refusals.resize(r + 1, (0, false));
+            }
+            self.refusals[r].0 += 1;
+            if !self.proto.reports_refusals() {
+                return; // the mutant's adapter turns the refusal into "no answer"
+            }
             let result = SendResult::Refused {
                 kind: RefusalKind::Rejected,
                 detail: "schema not registered".into(),
@@ -1621,6 +1647,18 @@ impl World {
                 self.reconciler.machine.handle_claimed(now, items);
             }
             ReconcileAction::Lookup(item) => {
+                if let Some(r) = self.row_of(item.event_id, item.member) {
+                    let r = r as usize;
+                    if self.lookups.len() <= r {
+                        self.lookups.resize(r + 1, 0);
+                    }
+                    self.lookups[r] += 1;
+                    if self.lookups[r] > LOOKUPS_PER_ROW_MAX {
+                        self.violation_of(Violation::Liveness, 6_000_000 + r as u32, || {
+                            format!("row {r} looked up more than {LOOKUPS_PER_ROW_MAX} times: the reconciler spins")
+                        });
+                    }
+                }
                 let lookup = self.broker_lookup(&item.destination, item.event_id, item.member);
                 let t = self.now + range(&mut self.rng, 1, 200);
                 self.at(
@@ -1863,7 +1901,10 @@ impl World {
             }
             ReconcileDecision::StayUnknown => {
                 let now = self.now;
-                if let Err(e) = apply_reconcile(&mut self.db.rows[r], &decision, now) {
+                if let Err(e) = self
+                    .proto
+                    .apply_reconcile(&mut self.db.rows[r], &decision, now)
+                {
                     self.violation(Violation::Liveness, || format!("reconcile: {e}"));
                 }
             }
@@ -2319,6 +2360,14 @@ impl World {
                         format!("consumer {c} applied {eid} {n} times")
                     });
                 }
+            }
+        }
+        for i in 0..self.refusals.len() {
+            let (refused, quarantined) = self.refusals[i];
+            if refused > REFUSALS_UNQUARANTINED_MAX && !quarantined {
+                self.violation(Violation::Liveness, || {
+                    format!("row {i} was refused {refused} times and never quarantined")
+                });
             }
         }
         for (i, since) in self.unknown_since.iter().enumerate() {

@@ -76,6 +76,8 @@ fn expected_class(m: Mutant) -> Option<Violation> {
         Mutant::UnboundedNeverSent => Some(Violation::Liveness),
         Mutant::NoCreateIfAbsent => Some(Violation::SecondCopies),
         Mutant::RetryOverFoundCopy => Some(Violation::Liveness),
+        Mutant::ReconcileWithoutBackoff => Some(Violation::Liveness),
+        Mutant::RefusalAsNoAnswer => Some(Violation::Liveness),
     }
 }
 
