@@ -701,16 +701,7 @@ impl Outgoing {
     /// The message the broker adapter sends for this authorised attempt (the adapter sees
     /// the broker port's [`SendRequest`], never the store's row or claim token).
     pub fn send_request(&self) -> SendRequest {
-        SendRequest {
-            event_id: self.event_id,
-            member: self.member,
-            envelope_generation: self.envelope_generation,
-            attempt_id: self.attempt_id,
-            payload_digest: self.payload_digest,
-            destination: self.destination.clone(),
-            destination_digest: self.destination_digest,
-            payload: self.payload.clone(),
-        }
+        self.clone().into_send_request()
     }
 }
 
