@@ -16,7 +16,9 @@ mod simulate;
 #[command(name = "sealpost", version, about = "Sealpost transactional outbox")]
 struct Cli {
     /// TOML config file (keys: database_url, nats_url, nats_cluster, lease_ms, batch_size_max,
-    /// ack_timeout_ms, idle_poll_ms, rejection_limit, reconcile_batch_max, reconcile_every_ms).
+    /// ack_timeout_ms, idle_poll_ms, rejection_limit, reconcile_batch_max, reconcile_every_ms,
+    /// lookups_in_flight_max, unknown_check_every_ms, verify_every_ms, verify_batch_max,
+    /// unknown_alert_s; see docs/operations.md).
     #[arg(long, global = true, env = "SEALPOST_CONFIG")]
     config: Option<String>,
     #[command(subcommand)]
