@@ -162,6 +162,8 @@ pub struct ReconcilerMachine {
     age_outstanding: bool,
     alert: Option<(u64, u64)>,
     counts: ReconcileCounts,
+    /// The clusters this process's adapter can ask (`None`: every cluster).
+    clusters: Option<Vec<String>>,
 }
 
 impl ReconcilerMachine {
@@ -190,7 +192,23 @@ impl ReconcilerMachine {
             age_outstanding: false,
             alert: None,
             counts: ReconcileCounts::default(),
+            clusters: None,
         }
+    }
+
+    /// Restricts the lookups to `clusters` (the one the adapter is connected to): a row of
+    /// another cluster cannot be asked here, so its verdict is "unavailable" (it stays
+    /// unknown and waits out its backoff) without a round trip, and its published rows are
+    /// not verified here.
+    pub fn with_clusters(mut self, clusters: Vec<String>) -> ReconcilerMachine {
+        self.clusters = Some(clusters);
+        self
+    }
+
+    fn can_ask(&self, destination: &Destination) -> bool {
+        self.clusters
+            .as_ref()
+            .is_none_or(|c| c.contains(&destination.cluster))
     }
 
     /// What the machine saw so far.
@@ -224,13 +242,25 @@ impl ReconcilerMachine {
                     self.finish_outstanding += 1;
                     return Some(ReconcileAction::Finish(item, Lookup::Unqueryable));
                 }
+                if !self.can_ask(&item.destination) {
+                    self.finish_outstanding += 1;
+                    return Some(ReconcileAction::Finish(item, Lookup::Unavailable));
+                }
                 self.in_flight += 1;
                 self.counts.lookups += 1;
                 return Some(ReconcileAction::Lookup(item));
             }
-            if let Some(item) = self.verify_queue.pop_front() {
+            while let Some(item) = self.verify_queue.pop_front() {
+                if !self.can_ask(&item.destination) {
+                    continue; // another process's cluster: nothing to learn here
+                }
                 self.verify_in_flight += 1;
                 return Some(ReconcileAction::VerifyLookup(item));
+            }
+            if self.verify == Verify::Working && self.verify_in_flight == 0 {
+                self.verify = Verify::Idle {
+                    wake_at_ms: now_ms + self.cfg.verify_every_ms,
+                };
             }
         }
         if let Scan::Idle { wake_at_ms } = self.scan {
@@ -488,6 +518,18 @@ mod tests {
             })
         );
         assert_eq!(m.counts().alerts, 1);
+    }
+
+    #[test]
+    fn rows_of_another_cluster_are_not_asked_here() {
+        let mut m = ReconcilerMachine::new(cfg(), caps(true), 0).with_clusters(vec!["x".into()]);
+        m.poll_action(0);
+        m.handle_claimed(0, vec![item(1)]);
+        assert_eq!(
+            m.poll_action(0),
+            Some(ReconcileAction::Finish(item(1), Lookup::Unavailable))
+        );
+        assert_eq!(m.counts().lookups, 0);
     }
 
     #[test]

@@ -443,7 +443,8 @@ pub async fn reconciler<B: Broker>(
     let mut pg = pg_connect(&cfg.database_url).await?;
     let owner = owner_id();
     let epoch = Instant::now();
-    let mut m = ReconcilerMachine::new(cfg.reconciler_config(), broker.capabilities(), 0);
+    let mut m = ReconcilerMachine::new(cfg.reconciler_config(), broker.capabilities(), 0)
+        .with_clusters(vec![broker.cluster().to_string()]);
     let policy = ReconcilePolicy::for_capabilities(broker.capabilities());
     let mut lookups: FuturesUnordered<futures::future::BoxFuture<'static, Answer>> =
         FuturesUnordered::new();
@@ -465,7 +466,9 @@ pub async fn reconciler<B: Broker>(
                 ReconcileAction::Lookup(item) => {
                     let b = broker.clone();
                     lookups.push(Box::pin(async move {
-                        let l = ask(&*b, &item.destination, item.event_id, item.member).await;
+                        let l = b
+                            .lookup(&item.destination, item.event_id, item.member)
+                            .await;
                         Answer::Unknown(item, l)
                     }));
                 }
@@ -520,7 +523,9 @@ pub async fn reconciler<B: Broker>(
                 ReconcileAction::VerifyLookup(item) => {
                     let b = broker.clone();
                     lookups.push(Box::pin(async move {
-                        let l = ask(&*b, &item.destination, item.event_id, item.member).await;
+                        let l = b
+                            .lookup(&item.destination, item.event_id, item.member)
+                            .await;
                         Answer::Verify(item, l)
                     }));
                 }
@@ -553,20 +558,6 @@ pub async fn reconciler<B: Broker>(
 enum Answer {
     Unknown(ReconcileItem, Lookup),
     Verify(VerifyItem, Lookup),
-}
-
-/// Asks `broker`; a destination on another cluster cannot be asked here, so nothing is
-/// learned (the row stays unknown and waits out its backoff).
-async fn ask<B: Broker>(
-    broker: &B,
-    destination: &sealpost_core::Destination,
-    event_id: sealpost_core::EventId,
-    member: u16,
-) -> Lookup {
-    if destination.cluster != broker.cluster() {
-        return Lookup::Unavailable;
-    }
-    broker.lookup(destination, event_id, member).await
 }
 
 /// Spawns `dispatchers` dispatcher tasks and, if asked, one reconciler beside them, all
