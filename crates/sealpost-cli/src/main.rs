@@ -174,6 +174,17 @@ enum Cmd {
     },
 }
 
+/// The NATS adapter for the configured cluster (the error says what to check).
+async fn connect_nats(cfg: &Config) -> Result<Nats, String> {
+    Nats::connect(
+        &cfg.nats_url,
+        &cfg.nats_cluster,
+        Duration::from_millis(cfg.ack_timeout_ms),
+    )
+    .await
+    .map_err(|x| x.to_string())
+}
+
 fn main() {
     let cli = Cli::parse();
     let code = match cli.cmd {
@@ -229,13 +240,7 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
             dispatchers,
             no_reconciler,
         } => {
-            let nats = Nats::connect(
-                &cfg.nats_url,
-                &cfg.nats_cluster,
-                Duration::from_millis(cfg.ack_timeout_ms),
-            )
-            .await
-            .map_err(|x| x.to_string())?;
+            let nats = connect_nats(&cfg).await?;
             let stop = Arc::new(AtomicBool::new(false));
             let counters = Arc::new(Counters::default());
             let tasks = runtime::spawn_fleet(
@@ -296,13 +301,7 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
             Ok(0)
         }
         Cmd::Consume { consumer, topic } => {
-            let nats = Nats::connect(
-                &cfg.nats_url,
-                &cfg.nats_cluster,
-                Duration::from_millis(cfg.ack_timeout_ms),
-            )
-            .await
-            .map_err(|x| x.to_string())?;
+            let nats = connect_nats(&cfg).await?;
             let pg = runtime::pg_connect(&cfg.database_url).await.map_err(e)?;
             store::migrate(&pg).await.map_err(|x| x.to_string())?;
             let stop = Arc::new(AtomicBool::new(false));
@@ -327,13 +326,7 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
             json,
         } => {
             let pg = runtime::pg_connect(&cfg.database_url).await.map_err(e)?;
-            let nats = Nats::connect(
-                &cfg.nats_url,
-                &cfg.nats_cluster,
-                Duration::from_millis(cfg.ack_timeout_ms),
-            )
-            .await
-            .map_err(|x| x.to_string())?;
+            let nats = connect_nats(&cfg).await?;
             let opts = sealpost_cli::ops::ReconcileOptions {
                 pending_age_s,
                 unconsumed_age_s,

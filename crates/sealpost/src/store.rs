@@ -885,13 +885,17 @@ pub async fn accept_receipts(
     receipts: &[Receipt],
 ) -> Result<Vec<Accepted>> {
     let tx = client.transaction().await?;
-    let out = accept_in(&tx, receipts).await?;
+    let now_ms = db_now_ms(&tx).await?;
+    let out = accept_in(&tx, receipts, now_ms).await?;
     tx.commit().await?;
     Ok(out)
 }
 
-async fn accept_in(tx: &Transaction<'_>, receipts: &[Receipt]) -> Result<Vec<Accepted>> {
-    let now_ms = db_now_ms(tx).await?;
+async fn accept_in(
+    tx: &Transaction<'_>,
+    receipts: &[Receipt],
+    now_ms: u64,
+) -> Result<Vec<Accepted>> {
     let keys: Vec<(EventId, u16)> = receipts.iter().map(|r| (r.event_id, r.member)).collect();
     let before = lock_rows(tx, &keys).await?;
     let mut after = before.clone();
@@ -1032,15 +1036,17 @@ pub async fn submit(
     rejection_limit: u32,
 ) -> Result<Submitted> {
     let tx = client.transaction().await?;
+    // One read of the database clock for the whole transaction.
+    let now_ms = db_now_ms(&tx).await?;
     let accepted = if submission.receipts.is_empty() {
         Vec::new()
     } else {
-        accept_in(&tx, &submission.receipts).await?
+        accept_in(&tx, &submission.receipts, now_ms).await?
     };
     let (reported, stuck) = if submission.reports.is_empty() {
         (Vec::new(), Vec::new())
     } else {
-        report_in(&tx, &submission.reports, rejection_limit).await?
+        report_in(&tx, &submission.reports, rejection_limit, now_ms).await?
     };
     tx.commit().await?;
     Ok(Submitted {
@@ -1062,7 +1068,8 @@ pub async fn report_outcomes(
     rejection_limit: u32,
 ) -> Result<Vec<SendOutcomeDecision>> {
     let tx = client.transaction().await?;
-    let (out, _) = report_in(&tx, reports, rejection_limit).await?;
+    let now_ms = db_now_ms(&tx).await?;
+    let (out, _) = report_in(&tx, reports, rejection_limit, now_ms).await?;
     tx.commit().await?;
     Ok(out)
 }
@@ -1073,8 +1080,8 @@ async fn report_in(
     tx: &Transaction<'_>,
     reports: &[OutcomeReport],
     rejection_limit: u32,
+    now_ms: u64,
 ) -> Result<(Vec<SendOutcomeDecision>, Stuck)> {
-    let now_ms = db_now_ms(tx).await?;
     let keys: Vec<(EventId, u16)> = reports.iter().map(|r| (r.event_id, r.member)).collect();
     let before = lock_rows(tx, &keys).await?;
     let mut after = before.clone();
@@ -1266,7 +1273,7 @@ pub async fn finish_reconcile_with(
     let d = decide_reconcile(row, item.token, lookup, policy, now_ms);
     match &d {
         ReconcileDecision::Accept(r) => {
-            accept_in(&tx, std::slice::from_ref(r)).await?;
+            accept_in(&tx, std::slice::from_ref(r), now_ms).await?;
         }
         ReconcileDecision::Conflict(q) => {
             let mut after = before.clone();
