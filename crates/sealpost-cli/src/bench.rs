@@ -71,10 +71,9 @@ async fn prefill(
 async fn count_left(pg: &tokio_postgres::Client, topic: &str) -> Result<i64, RunError> {
     Ok(pg
         .query_one(
-            "SELECT (SELECT count(*) FROM sealpost.envelope WHERE dest_topic = $1
-                       AND state IN ('PENDING', 'CLAIMED', 'SENDING', 'RETRY_CLAIMED'))
-                  + (SELECT count(*) FROM sealpost.envelope WHERE dest_topic = $1
-                       AND state IN ('DISPATCH_UNKNOWN', 'RECONCILING'))",
+            "SELECT count(*) FROM sealpost.work w JOIN sealpost.envelope e
+               ON e.event_id = w.event_id AND e.member = w.member AND e.envelope_generation = w.envelope_generation
+             WHERE w.phase < 2 AND e.dest_topic = $1",
             &[&topic],
         )
         .await
@@ -153,7 +152,7 @@ pub async fn run(mut cfg: Config, args: BenchArgs, json: bool) -> Result<BenchRe
     }
     let lat: Vec<i64> = pg
         .query(
-            "SELECT published_at_ms - created_at_ms FROM sealpost.envelope
+            "SELECT published_at_ms - created_at_ms FROM sealpost.outbox
              WHERE dest_topic = $1 AND created_at_ms >= $2 ORDER BY 1",
             &[&topic, &lat_start_ms],
         )

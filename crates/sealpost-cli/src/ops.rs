@@ -80,7 +80,7 @@ pub async fn reconcile(
     let now_ms = store::db_now_ms(pg).await? as i64;
     let r = pg
         .query_one(
-            "SELECT count(*), count(*) FILTER (WHERE state IN ('PUBLISHED', 'RETAINED', 'PURGED')) FROM sealpost.envelope",
+            "SELECT count(*), count(*) FILTER (WHERE state IN ('PUBLISHED', 'RETAINED', 'PURGED')) FROM sealpost.work",
             &[],
         )
         .await?;
@@ -123,7 +123,7 @@ pub async fn reconcile(
     ] {
         let cutoff = now_ms - (threshold_s as i64) * 1000;
         let q = format!(
-            "SELECT event_id, count(*) OVER () FROM sealpost.envelope WHERE state IN {states} AND {col} < $1
+            "SELECT event_id, count(*) OVER () FROM sealpost.work WHERE state IN {states} AND {col} < $1
              ORDER BY {col} LIMIT 20"
         );
         let rows = pg.query(q.as_str(), &[&cutoff]).await?;
@@ -153,7 +153,7 @@ pub async fn reconcile(
         let cutoff = now_ms - (opts.unconsumed_age_s as i64) * 1000;
         let rows = pg
             .query(
-                "SELECT e.event_id, count(*) OVER () FROM sealpost.envelope e
+                "SELECT e.event_id, count(*) OVER () FROM sealpost.outbox e
                  WHERE e.state IN ('PUBLISHED', 'RETAINED') AND e.published_at_ms < $2
                    AND e.dest_topic IN (SELECT stream FROM sealpost.consumer_watermark WHERE consumer_id = $1)
                    AND NOT EXISTS (SELECT 1 FROM sealpost.inbox i
@@ -279,7 +279,7 @@ async fn unknown_ids(pg: &tokio_postgres::Client, batch: &[Uuid]) -> Result<Vec<
     }
     let known: HashSet<Uuid> = pg
         .query(
-            "SELECT DISTINCT event_id FROM sealpost.envelope WHERE event_id = ANY($1)",
+            "SELECT DISTINCT event_id FROM sealpost.work WHERE event_id = ANY($1)",
             &[&batch],
         )
         .await?
@@ -342,12 +342,14 @@ pub async fn purge(
         let now_ms = store::db_now_ms(&tx).await?;
         let rows = tx
             .query(
-                "SELECT event_id, member, state, primary_sequence, published_at_ms, committed_seq
-                 FROM sealpost.envelope
-                 WHERE committed_seq > $1 AND ($3::uuid IS NULL OR event_id = $3)
-                   AND ($4::text IS NULL OR dest_topic = $4)
-                   AND ($3::uuid IS NOT NULL OR state IN ('PUBLISHED', 'RETAINED'))
-                 ORDER BY committed_seq LIMIT $2 FOR UPDATE SKIP LOCKED",
+                "SELECT w.event_id, w.member, w.state, w.primary_sequence, w.published_at_ms, w.committed_seq
+                 FROM sealpost.work w JOIN sealpost.envelope e
+                   ON e.event_id = w.event_id AND e.member = w.member
+                  AND e.envelope_generation = w.envelope_generation
+                 WHERE w.committed_seq > $1 AND ($3::uuid IS NULL OR w.event_id = $3)
+                   AND ($4::text IS NULL OR e.dest_topic = $4)
+                   AND ($3::uuid IS NOT NULL OR w.state IN ('PUBLISHED', 'RETAINED'))
+                 ORDER BY w.committed_seq LIMIT $2 FOR UPDATE OF w SKIP LOCKED",
                 &[
                     &after_seq,
                     &batch_size_max,
@@ -456,23 +458,32 @@ pub async fn purge(
             if !retain_keys.0.is_empty() {
                 // The row lock is held since the scan; the state guard is the CAS.
                 tx.execute(
-                    "UPDATE sealpost.envelope e SET state = $4 FROM unnest($1::uuid[], $2::int2[], $3::text[]) AS k(id, m, s)
-                     WHERE e.event_id = k.id AND e.member = k.m AND e.state = k.s",
+                    "UPDATE sealpost.work w SET state = $4 FROM unnest($1::uuid[], $2::int2[], $3::text[]) AS k(id, m, s)
+                     WHERE w.event_id = k.id AND w.member = k.m AND w.state = k.s",
                     &[&retain_keys.0, &retain_keys.1, &retain_keys.2, &State::Retained.as_str()],
                 )
                 .await?;
             }
             if !purge_keys.0.is_empty() {
                 tx.execute(
-                    "UPDATE sealpost.envelope e SET state = $4, payload = '\\x'::bytea
+                    "UPDATE sealpost.work w SET state = $4
                      FROM unnest($1::uuid[], $2::int2[], $3::text[]) AS k(id, m, s)
-                     WHERE e.event_id = k.id AND e.member = k.m AND e.state = k.s",
+                     WHERE w.event_id = k.id AND w.member = k.m AND w.state = k.s",
                     &[
                         &purge_keys.0,
                         &purge_keys.1,
                         &purge_keys.2,
                         &State::Purged.as_str(),
                     ],
+                )
+                .await?;
+                // Retention's one write to the sealed envelope: the payload bytes of a purged
+                // event are erased (every generation); identity and digests stay as sealed.
+                tx.execute(
+                    "UPDATE sealpost.envelope e SET payload = '\\x'::bytea
+                     FROM unnest($1::uuid[], $2::int2[]) AS k(id, m)
+                     WHERE e.event_id = k.id AND e.member = k.m",
+                    &[&purge_keys.0, &purge_keys.1],
                 )
                 .await?;
                 tx.execute(
@@ -515,13 +526,13 @@ fn reason_key_str(refusal: &str) -> String {
 pub async fn trace(pg: &tokio_postgres::Client, key: &str) -> Result<Value> {
     let rows = if let Some(id) = EventId::parse(key) {
         pg.query(
-            "SELECT event_id, member FROM sealpost.envelope WHERE event_id = $1 ORDER BY member",
+            "SELECT event_id, member FROM sealpost.work WHERE event_id = $1 ORDER BY member",
             &[&Uuid::from_bytes(id.0)],
         )
         .await?
     } else if let Some((t, a)) = key.split_once('/') {
         pg.query(
-            "SELECT event_id, member FROM sealpost.envelope WHERE aggregate_type = $1 AND aggregate_id = $2
+            "SELECT event_id, member FROM sealpost.outbox WHERE aggregate_type = $1 AND aggregate_id = $2
              ORDER BY committed_seq, member",
             &[&t, &a],
         )
@@ -540,13 +551,19 @@ pub async fn trace(pg: &tokio_postgres::Client, key: &str) -> Result<Value> {
                         encode(envelope_digest, 'hex'), dest_cluster, dest_topic, dest_policy_generation,
                         creating_txid, created_at_ms, published_at_ms, primary_stream, primary_sequence,
                         primary_attempt_id, attempt_generation
-                 FROM sealpost.envelope WHERE event_id = $1 AND member = $2",
+                 FROM sealpost.outbox WHERE event_id = $1 AND member = $2",
                 &[&id, &member],
             )
             .await?;
         let q = |sql: &'static str| async move { pg.query(sql, &[&id, &member]).await };
+        // Earlier attempts are kept in sealpost.attempt; the latest is inline in the work row.
         let attempts: Vec<Value> = q("SELECT attempt_id, attempt_generation, claim_generation, owner, status, started_at_ms
-                                      FROM sealpost.attempt WHERE event_id = $1 AND member = $2 ORDER BY attempt_id")
+                                      FROM sealpost.attempt WHERE event_id = $1 AND member = $2
+                                      UNION ALL
+                                      SELECT attempt_id, attempt_agen, attempt_claim_generation, attempt_owner,
+                                             attempt_status, attempt_started_ms
+                                      FROM sealpost.work WHERE event_id = $1 AND member = $2 AND attempt_id IS NOT NULL
+                                      ORDER BY 1")
         .await?
         .iter()
         .map(|a| {
@@ -555,8 +572,20 @@ pub async fn trace(pg: &tokio_postgres::Client, key: &str) -> Result<Value> {
                    "status": a.get::<_, String>(4), "started_at_ms": a.get::<_, i64>(5)})
         })
         .collect();
+        // The primary receipt of the happy path lives in the work row; receipt rows are the
+        // evidence kept beside it (lookups, duplicates, second copies).
         let receipts: Vec<Value> = q("SELECT kind, source, attempt_id, cluster, stream, sequence, broker_duplicate
-                                      FROM sealpost.receipt WHERE event_id = $1 AND member = $2 ORDER BY receipt_id")
+                                      FROM (SELECT 0 AS o, receipt_id, kind, source, attempt_id, cluster, stream, sequence,
+                                                   broker_duplicate
+                                            FROM sealpost.receipt WHERE event_id = $1 AND member = $2
+                                            UNION ALL
+                                            SELECT 1, 0, 'primary', 'ack', primary_attempt_id, primary_cluster, primary_stream,
+                                                   primary_sequence, false
+                                            FROM sealpost.work w WHERE event_id = $1 AND member = $2
+                                              AND primary_sequence IS NOT NULL
+                                              AND NOT EXISTS (SELECT 1 FROM sealpost.receipt r WHERE r.event_id = $1
+                                                              AND r.member = $2 AND r.kind = 'primary')) t
+                                      ORDER BY o, receipt_id")
         .await?
         .iter()
         .map(|a| {

@@ -34,7 +34,21 @@ use uuid::Uuid;
 pub const MIGRATIONS: &[(i32, &str)] = &[
     (1, include_str!("../migrations/0001_outbox.sql")),
     (2, include_str!("../migrations/0002_pacing.sql")),
+    (3, include_str!("../migrations/0003_split.sql")),
 ];
+
+/// Statements the store has sent to PostgreSQL in this process (each query, `BEGIN` and
+/// `COMMIT` counts one): `sealpost bench` divides it by the events drained.
+static STATEMENTS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Statements sent by the store in this process so far.
+pub fn statements_issued() -> u64 {
+    STATEMENTS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+fn counted(n: u64) {
+    STATEMENTS.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+}
 
 /// Largest payload accepted by `enqueue` (NATS' default max_payload is 1 MiB; headers need room).
 pub const PAYLOAD_BYTES_MAX: usize = 900 * 1024;
@@ -72,6 +86,9 @@ pub enum StoreError {
         /// States of its rows.
         states: String,
     },
+    /// A schema migration failed; the database stays at its previous version.
+    #[error("schema migration {0} failed and was rolled back: {1}")]
+    Migration(i32, String),
     /// The schema has not been applied.
     #[error("the sealpost schema is missing; run `sealpost migrate` first")]
     NotMigrated,
@@ -114,12 +131,76 @@ fn digest_of(b: &[u8]) -> Result<Digest> {
     Ok(Digest(arr))
 }
 
-/// Applies every embedded migration (idempotent).
-pub async fn migrate(client: &impl GenericClient) -> Result<()> {
-    for (_, sql) in MIGRATIONS {
-        client.batch_execute(sql).await?;
+/// Applies the embedded migrations this database has not seen yet, each once and in order,
+/// in one transaction under an advisory lock (concurrent `migrate` calls wait for each other;
+/// a failure leaves the database at its previous version). A v1 database is converted in
+/// place (migration 3 splits the envelope into the sealed row and the work row).
+pub async fn migrate(client: &tokio_postgres::Client) -> Result<()> {
+    client
+        .batch_execute(
+            "CREATE SCHEMA IF NOT EXISTS sealpost;
+             CREATE TABLE IF NOT EXISTS sealpost.schema_version (
+                 version int PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())",
+        )
+        .await?;
+    client.batch_execute("BEGIN").await?;
+    let result = migrate_in(client).await;
+    match result {
+        Ok(()) => client.batch_execute("COMMIT").await?,
+        Err(_) => {
+            let _ = client.batch_execute("ROLLBACK").await;
+        }
+    }
+    result
+}
+
+async fn migrate_in(client: &tokio_postgres::Client) -> Result<()> {
+    client
+        .execute("SELECT pg_advisory_xact_lock(7306142521)", &[])
+        .await?;
+    let applied: Vec<i32> = client
+        .query("SELECT version FROM sealpost.schema_version", &[])
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    for (v, sql) in MIGRATIONS {
+        if applied.contains(v) {
+            continue;
+        }
+        client
+            .batch_execute(sql)
+            .await
+            .map_err(|e| StoreError::Migration(*v, db_message(&e)))?;
+        client
+            .execute(
+                "INSERT INTO sealpost.schema_version (version) VALUES ($1) ON CONFLICT DO NOTHING",
+                &[v],
+            )
+            .await?;
     }
     Ok(())
+}
+
+/// The schema version of this database (0: not migrated).
+pub async fn schema_version(client: &impl GenericClient) -> Result<i32> {
+    let exists: bool = client
+        .query_one(
+            "SELECT to_regclass('sealpost.schema_version') IS NOT NULL",
+            &[],
+        )
+        .await?
+        .get(0);
+    if !exists {
+        return Ok(0);
+    }
+    Ok(client
+        .query_one(
+            "SELECT coalesce(max(version), 0) FROM sealpost.schema_version",
+            &[],
+        )
+        .await?
+        .get(0))
 }
 
 /// Creates or revises a route policy: a revision bumps the generation; existing envelopes
@@ -144,6 +225,7 @@ pub async fn set_route(
 
 /// The database clock in milliseconds (R7: leases use it, never a worker's clock).
 pub async fn db_now_ms(client: &impl GenericClient) -> Result<u64> {
+    counted(1);
     let row = client
         .query_one(
             "SELECT (extract(epoch from clock_timestamp()) * 1000)::bigint",
@@ -219,18 +301,22 @@ pub async fn enqueue_many(
         .iter()
         .map(|(_, ev, _)| ev.payload.to_vec())
         .collect();
+    counted(1);
     tx.execute(
-        "INSERT INTO sealpost.envelope (event_id, member, envelope_generation, aggregate_type, aggregate_id,
+        "WITH e AS (INSERT INTO sealpost.envelope (event_id, member, envelope_generation, aggregate_type, aggregate_id,
             aggregate_version, event_type, payload_schema_digest, payload_digest, tenant, occurred_at_ms,
             creating_txid, dest_cluster, dest_topic, dest_routing_key, dest_partition_alg,
             dest_policy_generation, dest_serializer, dest_durability, dest_required_ack,
-            destination_digest, envelope_digest, payload, state)
+            destination_digest, envelope_digest, payload)
          SELECT u.id, 0, 1, u.at, u.ai, u.av, u.et, u.sd, u.pd, u.tn, u.oc, $20, u.dc, u.dt, u.dk, u.da,
-                u.dg, u.ds, u.dd, u.dr, u.dgst, u.edg, u.payload, 'PENDING'
+                u.dg, u.ds, u.dd, u.dr, u.dgst, u.edg, u.payload
          FROM unnest($1::uuid[], $2::text[], $3::text[], $4::int8[], $5::text[], $6::bytea[], $7::bytea[],
                      $8::text[], $9::int8[], $10::text[], $11::text[], $12::text[], $13::text[], $14::int8[],
                      $15::text[], $16::text[], $17::text[], $18::bytea[], $19::bytea[], $21::bytea[])
-              AS u(id, at, ai, av, et, sd, pd, tn, oc, dc, dt, dk, da, dg, ds, dd, dr, dgst, edg, payload)",
+              AS u(id, at, ai, av, et, sd, pd, tn, oc, dc, dt, dk, da, dg, ds, dd, dr, dgst, edg, payload)
+         RETURNING event_id, member, envelope_generation, dest_cluster, created_at_ms)
+         INSERT INTO sealpost.work (event_id, member, envelope_generation, dest_cluster, created_at_ms, phase, state)
+         SELECT event_id, member, envelope_generation, dest_cluster, created_at_ms, 0, 'PENDING' FROM e",
         &[
             &ids,
             &col(&|e| e.aggregate_type.clone()),
@@ -266,14 +352,18 @@ pub(crate) const POLICY_SQL: &str =
             txid_current()
      FROM sealpost.route_policy WHERE name = $1 FOR SHARE";
 
-/// Inserts one sealed envelope (shared with the sqlx flavour).
+/// Inserts one sealed envelope and its `PENDING` work row in one statement (shared with the
+/// sqlx flavour).
 pub(crate) const INSERT_ENVELOPE_SQL: &str =
-    "INSERT INTO sealpost.envelope (event_id, member, envelope_generation, aggregate_type, aggregate_id,
+    "WITH e AS (INSERT INTO sealpost.envelope (event_id, member, envelope_generation, aggregate_type, aggregate_id,
         aggregate_version, event_type, payload_schema_digest, payload_digest, tenant, occurred_at_ms,
         creating_txid, dest_cluster, dest_topic, dest_routing_key, dest_partition_alg,
         dest_policy_generation, dest_serializer, dest_durability, dest_required_ack,
-        destination_digest, envelope_digest, payload, state)
-     VALUES ($1,$2,$3,$4,$5,$6,$7,$8,$9,$10,$11,$12,$13,$14,$15,$16,$17,$18,$19,$20,$21,$22,$23,'PENDING')";
+        destination_digest, envelope_digest, payload)
+     VALUES ($1,$2,$3,$4,$5,$6,$7,$8,$9,$10,$11,$12,$13,$14,$15,$16,$17,$18,$19,$20,$21,$22,$23)
+     RETURNING event_id, member, envelope_generation, dest_cluster, created_at_ms)
+     INSERT INTO sealpost.work (event_id, member, envelope_generation, dest_cluster, created_at_ms, phase, state)
+     SELECT event_id, member, envelope_generation, dest_cluster, created_at_ms, 0, 'PENDING' FROM e";
 
 /// Builds a policy from the columns of [`POLICY_SQL`].
 #[allow(clippy::too_many_arguments)]
@@ -355,18 +445,32 @@ async fn insert_envelope(
     Ok(())
 }
 
+/// The columns every decision reads: the work row and its current sealed generation.
 const ROW_COLS: &str =
-    "event_id, member, envelope_generation, payload_digest, dest_cluster, dest_topic,
-    dest_routing_key, dest_partition_alg, dest_policy_generation, dest_serializer, dest_durability,
-    dest_required_ack, destination_digest, state, claim_owner, claim_generation, lease_until_ms,
-    attempt_generation, rejections, unknown_since_ms, published_at_ms, primary_attempt_id,
-    primary_cluster, primary_stream, primary_partition, primary_sequence, superseded_generations,
-    superseded_digests, not_before_ms, never_sent, next_lookup_at_ms, lookups";
+    "w.event_id, w.member, w.envelope_generation, e.payload_digest, e.dest_cluster, e.dest_topic,
+    e.dest_routing_key, e.dest_partition_alg, e.dest_policy_generation, e.dest_serializer,
+    e.dest_durability, e.dest_required_ack, e.destination_digest, w.state, w.claim_owner,
+    w.claim_generation, w.lease_until_ms, w.attempt_generation, w.rejections, w.unknown_since_ms,
+    w.published_at_ms, w.primary_attempt_id, w.primary_cluster, w.primary_stream,
+    w.primary_partition, w.primary_sequence, w.superseded_generations, w.superseded_digests,
+    w.not_before_ms, w.never_sent, w.next_lookup_at_ms, w.lookups, w.attempt_id, w.attempt_agen,
+    w.attempt_claim_generation, w.attempt_owner, w.attempt_envelope_generation, w.attempt_status,
+    w.attempt_started_ms, w.attempts_archived";
 
 /// Number of columns in [`ROW_COLS`]; extra selected columns start here.
-const ROW_COLS_LEN: usize = 32;
+const ROW_COLS_LEN: usize = 40;
 
-fn parse_row(r: &tokio_postgres::Row) -> Result<EventRow> {
+/// The work row joined with its current sealed generation (alias `w` and `e`).
+const ROW_FROM: &str = "sealpost.work w JOIN sealpost.envelope e
+    ON e.event_id = w.event_id AND e.member = w.member AND e.envelope_generation = w.envelope_generation";
+
+/// A loaded row and the number of its earlier attempts kept in `sealpost.attempt`.
+struct Loaded {
+    row: EventRow,
+    archived: i32,
+}
+
+fn parse_row(r: &tokio_postgres::Row) -> Result<Loaded> {
     let alg: String = r.get(7);
     let destination = Destination {
         cluster: r.get(4),
@@ -409,8 +513,8 @@ fn parse_row(r: &tokio_postgres::Row) -> Result<EventRow> {
         broker_duplicate: false,
         source: ReceiptSource::Ack,
     });
-    let gens: Vec<i32> = r.get(26);
-    let digs: Vec<Vec<u8>> = r.get(27);
+    let gens: Vec<i32> = r.get::<_, Option<Vec<i32>>>(26).unwrap_or_default();
+    let digs: Vec<Vec<u8>> = r.get::<_, Option<Vec<Vec<u8>>>>(27).unwrap_or_default();
     let superseded = gens
         .iter()
         .zip(&digs)
@@ -421,29 +525,62 @@ fn parse_row(r: &tokio_postgres::Row) -> Result<EventRow> {
             })
         })
         .collect::<Result<Vec<_>>>()?;
-    Ok(EventRow {
-        event_id,
-        member,
-        envelope_generation,
-        payload_digest,
-        destination,
-        destination_digest,
-        state,
-        claim,
-        claim_generation: r.get::<_, i64>(15) as u64,
-        attempt_generation: r.get::<_, i32>(17) as u32,
-        attempts: Vec::new(),
-        primary,
-        rejections: r.get::<_, i32>(18) as u32,
-        unknown_since_ms: r.get::<_, Option<i64>>(19).map(|v| v as u64),
-        published_at_ms: r.get::<_, Option<i64>>(20).map(|v| v as u64),
-        superseded,
-        pacing: Pacing {
-            not_before_ms: r.get::<_, i64>(28) as u64,
-            never_sent: r.get::<_, i32>(29) as u32,
-            next_lookup_at_ms: r.get::<_, i64>(30) as u64,
-            lookups: r.get::<_, i32>(31) as u32,
+    let mut attempts = Vec::new();
+    if let Some(id) = r.get::<_, Option<i64>>(32) {
+        // The inline attempt's destination is the one of its envelope generation: the
+        // current one, or a superseded one (R15).
+        let egen = r.get::<_, i32>(36) as u32;
+        let destination_digest = if egen == envelope_generation {
+            destination_digest
+        } else {
+            superseded
+                .iter()
+                .find(|s| s.envelope_generation == egen)
+                .map(|s| s.destination_digest)
+                .ok_or_else(|| {
+                    StoreError::Corrupt(format!(
+                        "attempt {id} of event {event_id} names envelope generation {egen}, which the row does not know"
+                    ))
+                })?
+        };
+        let status: String = r.get(37);
+        attempts.push(Attempt {
+            id: id as u64,
+            attempt_generation: r.get::<_, i32>(33) as u32,
+            claim_generation: r.get::<_, i64>(34) as u64,
+            owner: r.get::<_, i64>(35) as u64,
+            envelope_generation: egen,
+            destination_digest,
+            status: parse_status(&status)?,
+            started_at_ms: r.get::<_, i64>(38) as u64,
+        });
+    }
+    Ok(Loaded {
+        row: EventRow {
+            event_id,
+            member,
+            envelope_generation,
+            payload_digest,
+            destination,
+            destination_digest,
+            state,
+            claim,
+            claim_generation: r.get::<_, i64>(15) as u64,
+            attempt_generation: r.get::<_, i32>(17) as u32,
+            attempts,
+            primary,
+            rejections: r.get::<_, i32>(18) as u32,
+            unknown_since_ms: r.get::<_, Option<i64>>(19).map(|v| v as u64),
+            published_at_ms: r.get::<_, Option<i64>>(20).map(|v| v as u64),
+            superseded,
+            pacing: Pacing {
+                not_before_ms: r.get::<_, i64>(28) as u64,
+                never_sent: r.get::<_, i32>(29) as u32,
+                next_lookup_at_ms: r.get::<_, i64>(30) as u64,
+                lookups: r.get::<_, i32>(31) as u32,
+            },
         },
+        archived: r.get(39),
     })
 }
 
@@ -466,16 +603,32 @@ fn parse_status(s: &str) -> Result<AttemptStatus> {
     })
 }
 
-/// Loads the registered attempts of `rows` into them.
-async fn load_attempts(tx: &impl GenericClient, rows: &mut [EventRow]) -> Result<()> {
-    let ids: Vec<Uuid> = rows
-        .iter()
-        .filter(|r| r.attempt_generation > 0)
-        .map(|r| uuid_of(r.event_id))
-        .collect();
-    if ids.is_empty() {
-        return Ok(());
+/// The index of `state` in the work row's `phase` (see migration 3).
+fn phase_of(state: State) -> i16 {
+    match state {
+        State::Pending | State::Claimed | State::Sending | State::RetryClaimed => 0,
+        State::DispatchUnknown | State::Reconciling => 1,
+        _ => 2,
     }
+}
+
+/// Parses loaded rows and puts the earlier attempts (kept in `sealpost.attempt` only for rows
+/// that have any) before the inline one, in registration order.
+async fn finish_load(
+    tx: &impl GenericClient,
+    found: &[tokio_postgres::Row],
+) -> Result<Vec<EventRow>> {
+    let loaded = found.iter().map(parse_row).collect::<Result<Vec<_>>>()?;
+    let ids: Vec<Uuid> = loaded
+        .iter()
+        .filter(|l| l.archived > 0)
+        .map(|l| uuid_of(l.row.event_id))
+        .collect();
+    let mut rows: Vec<EventRow> = loaded.into_iter().map(|l| l.row).collect();
+    if ids.is_empty() {
+        return Ok(rows);
+    }
+    counted(1);
     let found = tx
         .query(
             "SELECT attempt_id, event_id, member, attempt_generation, claim_generation, owner,
@@ -488,11 +641,12 @@ async fn load_attempts(tx: &impl GenericClient, rows: &mut [EventRow]) -> Result
     for (i, r) in rows.iter().enumerate() {
         index.insert((r.event_id, r.member), i);
     }
+    let mut history: HashMap<usize, Vec<Attempt>> = HashMap::new();
     for a in found {
         let key = (event_of(a.get(1)), a.get::<_, i16>(2) as u16);
         if let Some(&i) = index.get(&key) {
             let status: String = a.get(8);
-            rows[i].attempts.push(Attempt {
+            history.entry(i).or_default().push(Attempt {
                 id: a.get::<_, i64>(0) as u64,
                 attempt_generation: a.get::<_, i32>(3) as u32,
                 claim_generation: a.get::<_, i64>(4) as u64,
@@ -504,7 +658,11 @@ async fn load_attempts(tx: &impl GenericClient, rows: &mut [EventRow]) -> Result
             });
         }
     }
-    Ok(())
+    for (i, mut h) in history {
+        h.append(&mut rows[i].attempts);
+        rows[i].attempts = h;
+    }
+    Ok(rows)
 }
 
 /// Locks and loads the rows for `keys` (in key order, so concurrent batches cannot deadlock).
@@ -515,22 +673,23 @@ async fn lock_rows(tx: &impl GenericClient, keys: &[(EventId, u16)]) -> Result<V
     let ids: Vec<Uuid> = sorted.iter().map(|k| uuid_of(k.0)).collect();
     let members: Vec<i16> = sorted.iter().map(|k| k.1 as i16).collect();
     let q = format!(
-        "SELECT {ROW_COLS} FROM sealpost.envelope e
-         JOIN unnest($1::uuid[], $2::int2[]) AS k(id, m) ON e.event_id = k.id AND e.member = k.m
-         ORDER BY e.event_id, e.member FOR UPDATE OF e"
+        "SELECT {ROW_COLS} FROM {ROW_FROM}
+         JOIN unnest($1::uuid[], $2::int2[]) AS k(id, m) ON w.event_id = k.id AND w.member = k.m
+         ORDER BY w.event_id, w.member FOR UPDATE OF w"
     );
+    counted(1);
     let found = tx.query(q.as_str(), &[&ids, &members]).await?;
-    let mut rows = found.iter().map(parse_row).collect::<Result<Vec<_>>>()?;
-    load_attempts(tx, &mut rows).await?;
-    Ok(rows)
+    finish_load(tx, &found).await
 }
 
-/// Writes every difference between `before` and `after` (same order, same keys): the row
-/// columns the core may change, new attempts and attempt status changes.
+/// Writes every difference between `before` and `after` (same order, same keys): the work
+/// row's columns the core may change (the latest attempt inline among them), and the earlier
+/// attempts in `sealpost.attempt` (new ones inserted, status changes updated).
 async fn persist(tx: &impl GenericClient, before: &[EventRow], after: &[EventRow]) -> Result<()> {
     let mut u_id = Vec::new();
     let mut u_member = Vec::new();
     let mut u_state = Vec::new();
+    let mut u_phase: Vec<i16> = Vec::new();
     let mut u_owner: Vec<Option<i64>> = Vec::new();
     let mut u_cgen = Vec::new();
     let mut u_lease: Vec<Option<i64>> = Vec::new();
@@ -547,6 +706,14 @@ async fn persist(tx: &impl GenericClient, before: &[EventRow], after: &[EventRow
     let mut u_ns: Vec<i32> = Vec::new();
     let mut u_nl: Vec<i64> = Vec::new();
     let mut u_lk: Vec<i32> = Vec::new();
+    let mut i_id: Vec<Option<i64>> = Vec::new();
+    let mut i_agen: Vec<Option<i32>> = Vec::new();
+    let mut i_cgen: Vec<Option<i64>> = Vec::new();
+    let mut i_owner: Vec<Option<i64>> = Vec::new();
+    let mut i_egen: Vec<Option<i32>> = Vec::new();
+    let mut i_status: Vec<Option<String>> = Vec::new();
+    let mut i_started: Vec<Option<i64>> = Vec::new();
+    let mut i_archived: Vec<i32> = Vec::new();
     let mut a_id = Vec::new();
     let mut a_event = Vec::new();
     let mut a_member = Vec::new();
@@ -561,6 +728,8 @@ async fn persist(tx: &impl GenericClient, before: &[EventRow], after: &[EventRow
     let mut s_status = Vec::new();
     for (b, a) in before.iter().zip(after) {
         debug_assert_eq!((b.event_id, b.member), (a.event_id, a.member));
+        let inline_b = b.attempts.last();
+        let inline_a = a.attempts.last();
         let row_changed = b.state != a.state
             || b.claim != a.claim
             || b.claim_generation != a.claim_generation
@@ -569,11 +738,14 @@ async fn persist(tx: &impl GenericClient, before: &[EventRow], after: &[EventRow
             || b.unknown_since_ms != a.unknown_since_ms
             || b.published_at_ms != a.published_at_ms
             || b.primary != a.primary
-            || b.pacing != a.pacing;
+            || b.pacing != a.pacing
+            || inline_b != inline_a
+            || b.attempts.len() != a.attempts.len();
         if row_changed {
             u_id.push(uuid_of(a.event_id));
             u_member.push(a.member as i16);
             u_state.push(a.state.as_str().to_string());
+            u_phase.push(phase_of(a.state));
             u_owner.push(a.claim.as_ref().map(|c| c.owner as i64));
             u_cgen.push(a.claim_generation as i64);
             u_lease.push(a.claim.as_ref().map(|c| c.lease_until_ms as i64));
@@ -594,9 +766,20 @@ async fn persist(tx: &impl GenericClient, before: &[EventRow], after: &[EventRow
             u_ns.push(a.pacing.never_sent as i32);
             u_nl.push(a.pacing.next_lookup_at_ms as i64);
             u_lk.push(a.pacing.lookups as i32);
+            i_id.push(inline_a.map(|x| x.id as i64));
+            i_agen.push(inline_a.map(|x| x.attempt_generation as i32));
+            i_cgen.push(inline_a.map(|x| x.claim_generation as i64));
+            i_owner.push(inline_a.map(|x| x.owner as i64));
+            i_egen.push(inline_a.map(|x| x.envelope_generation as i32));
+            i_status.push(inline_a.map(|x| status_str(x.status).to_string()));
+            i_started.push(inline_a.map(|x| x.started_at_ms as i64));
+            i_archived.push(a.attempts.len().saturating_sub(1) as i32);
         }
-        for at in &a.attempts {
-            match b.attempt(at.id) {
+        // Every attempt but the latest is history, kept in sealpost.attempt.
+        let hist_b = &b.attempts[..b.attempts.len().saturating_sub(1)];
+        let hist_a = &a.attempts[..a.attempts.len().saturating_sub(1)];
+        for at in hist_a {
+            match hist_b.iter().find(|x| x.id == at.id) {
                 None => {
                     a_id.push(at.id as i64);
                     a_event.push(uuid_of(a.event_id));
@@ -618,26 +801,35 @@ async fn persist(tx: &impl GenericClient, before: &[EventRow], after: &[EventRow
         }
     }
     if !u_id.is_empty() {
+        counted(1);
         tx.execute(
-            "UPDATE sealpost.envelope e SET state = u.state, claim_owner = u.owner, claim_generation = u.cgen,
-                lease_until_ms = u.lease, attempt_generation = u.agen, rejections = u.rej,
-                unknown_since_ms = u.unk, published_at_ms = u.pub, primary_attempt_id = u.pa,
-                primary_cluster = u.pc, primary_stream = u.ps, primary_partition = u.pp,
-                primary_sequence = u.pq, not_before_ms = u.nb, never_sent = u.ns,
-                next_lookup_at_ms = u.nl, lookups = u.lk
+            "UPDATE sealpost.work w SET state = u.state, phase = u.phase, claim_owner = u.owner,
+                claim_generation = u.cgen, lease_until_ms = u.lease, attempt_generation = u.agen,
+                rejections = u.rej, unknown_since_ms = u.unk, published_at_ms = u.pub,
+                primary_attempt_id = u.pa, primary_cluster = u.pc, primary_stream = u.ps,
+                primary_partition = u.pp, primary_sequence = u.pq, not_before_ms = u.nb,
+                never_sent = u.ns, next_lookup_at_ms = u.nl, lookups = u.lk, attempt_id = u.iid,
+                attempt_agen = u.iagen, attempt_claim_generation = u.icgen, attempt_owner = u.iown,
+                attempt_envelope_generation = u.iegen, attempt_status = u.ist,
+                attempt_started_ms = u.istart, attempts_archived = u.iarch
              FROM unnest($1::uuid[], $2::int2[], $3::text[], $4::int8[], $5::int8[], $6::int8[], $7::int4[],
                          $8::int4[], $9::int8[], $10::int8[], $11::int8[], $12::text[], $13::text[],
-                         $14::int4[], $15::int8[], $16::int8[], $17::int4[], $18::int8[], $19::int4[])
-                  AS u(id, m, state, owner, cgen, lease, agen, rej, unk, pub, pa, pc, ps, pp, pq, nb, ns, nl, lk)
-             WHERE e.event_id = u.id AND e.member = u.m",
+                         $14::int4[], $15::int8[], $16::int8[], $17::int4[], $18::int8[], $19::int4[],
+                         $20::int2[], $21::int8[], $22::int4[], $23::int8[], $24::int8[], $25::int4[],
+                         $26::text[], $27::int8[], $28::int4[])
+                  AS u(id, m, state, owner, cgen, lease, agen, rej, unk, pub, pa, pc, ps, pp, pq, nb, ns, nl, lk,
+                       phase, iid, iagen, icgen, iown, iegen, ist, istart, iarch)
+             WHERE w.event_id = u.id AND w.member = u.m",
             &[
                 &u_id, &u_member, &u_state, &u_owner, &u_cgen, &u_lease, &u_agen, &u_rej, &u_unknown, &u_pub,
                 &u_pattempt, &u_pcluster, &u_pstream, &u_ppart, &u_pseq, &u_nb, &u_ns, &u_nl, &u_lk,
+                &u_phase, &i_id, &i_agen, &i_cgen, &i_owner, &i_egen, &i_status, &i_started, &i_archived,
             ],
         )
         .await?;
     }
     if !a_id.is_empty() {
+        counted(1);
         tx.execute(
             "INSERT INTO sealpost.attempt (attempt_id, event_id, member, attempt_generation, claim_generation,
                 owner, envelope_generation, destination_digest, status, started_at_ms)
@@ -648,6 +840,7 @@ async fn persist(tx: &impl GenericClient, before: &[EventRow], after: &[EventRow
         .await?;
     }
     if !s_id.is_empty() {
+        counted(1);
         tx.execute(
             "UPDATE sealpost.attempt a SET status = u.status
              FROM unnest($1::int8[], $2::text[]) AS u(id, status) WHERE a.attempt_id = u.id",
@@ -773,54 +966,34 @@ pub async fn claim_batch_for(
     lease_ms: u64,
 ) -> Result<ClaimBatch> {
     let tx = client.transaction().await?;
-    let now_ms = db_now_ms(&tx).await?;
-    // Two statements, so that each is planned as an ordered scan of its index with LIMIT.
-    let found = match cluster {
-        Some(c) => {
-            let q = format!(
-                "SELECT {ROW_COLS}, payload FROM sealpost.envelope
-                 WHERE dest_cluster = $3
-                   AND state IN ('PENDING', 'CLAIMED', 'SENDING', 'RETRY_CLAIMED')
-                   AND (state = 'PENDING' OR lease_until_ms IS NULL OR lease_until_ms <= $1)
-                   AND (state <> 'PENDING' OR not_before_ms <= $1)
-                 ORDER BY dest_cluster, committed_seq LIMIT $2 FOR UPDATE SKIP LOCKED"
-            );
-            tx.query(
-                q.as_str(),
-                &[&(now_ms as i64), &(batch_size_max as i64), &c],
-            )
-            .await?
-        }
-        None => {
-            let q = format!(
-                "SELECT {ROW_COLS}, payload FROM sealpost.envelope
-                 WHERE state IN ('PENDING', 'CLAIMED', 'SENDING', 'RETRY_CLAIMED')
-                   AND (state = 'PENDING' OR lease_until_ms IS NULL OR lease_until_ms <= $1)
-                   AND (state <> 'PENDING' OR not_before_ms <= $1)
-                 ORDER BY committed_seq LIMIT $2 FOR UPDATE SKIP LOCKED"
-            );
-            tx.query(q.as_str(), &[&(now_ms as i64), &(batch_size_max as i64)])
-                .await?
-        }
+    // One statement reads the clock, picks and locks the batch, joins the sealed envelope
+    // (destination, digests, payload) and draws an attempt id per row.
+    let q = format!(
+        "WITH clock AS (SELECT (extract(epoch from clock_timestamp()) * 1000)::bigint AS now_ms)
+         SELECT {ROW_COLS}, e.payload, nextval('sealpost.attempt_id_seq'), clock.now_ms
+         FROM {ROW_FROM} CROSS JOIN clock
+         WHERE w.phase = 0 AND ($2::text IS NULL OR w.dest_cluster = $2)
+           AND (w.state = 'PENDING' OR w.lease_until_ms IS NULL OR w.lease_until_ms <= clock.now_ms)
+           AND (w.state <> 'PENDING' OR w.not_before_ms <= clock.now_ms)
+         ORDER BY w.dest_cluster, w.committed_seq LIMIT $1 FOR UPDATE OF w SKIP LOCKED"
+    );
+    counted(3);
+    let found = tx
+        .query(q.as_str(), &[&(batch_size_max as i64), &cluster])
+        .await?;
+    let now_ms = match found.first() {
+        Some(r) => r.get::<_, i64>(ROW_COLS_LEN + 2) as u64,
+        None => db_now_ms(&tx).await?,
     };
     let served: Vec<String> = cluster.map(str::to_string).into_iter().collect();
-    let mut before = Vec::with_capacity(found.len());
     let mut payloads = Vec::with_capacity(found.len());
+    let mut ids = Vec::with_capacity(found.len());
     for r in &found {
-        before.push(parse_row(r)?);
         payloads.push(r.get::<_, Vec<u8>>(ROW_COLS_LEN));
+        ids.push(r.get::<_, i64>(ROW_COLS_LEN + 1));
     }
-    load_attempts(&tx, &mut before).await?;
+    let before = finish_load(&tx, &found).await?;
     let mut after = before.clone();
-    let ids: Vec<i64> = tx
-        .query(
-            "SELECT nextval('sealpost.attempt_id_seq') FROM generate_series(1, $1::int)",
-            &[&(after.len() as i32)],
-        )
-        .await?
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
     let mut batch = ClaimBatch {
         db_now_ms: now_ms,
         ..ClaimBatch::default()
@@ -918,7 +1091,13 @@ async fn accept_in(
         apply_receipt(&mut after[i], r, v, now_ms)
             .map_err(|e| StoreError::Corrupt(e.to_string()))?;
         match v {
-            ReceiptVerdict::Primary => rec_rows.push((k, "primary")),
+            // The happy path's primary receipt lives in the work row (R10); a receipt row is
+            // evidence kept only where there is something to show: a primary found by a
+            // lookup, a broker-side duplicate, a second copy.
+            ReceiptVerdict::Primary if r.source == ReceiptSource::Lookup || r.broker_duplicate => {
+                rec_rows.push((k, "primary"))
+            }
+            ReceiptVerdict::Primary => {}
             ReceiptVerdict::Duplicate(sealpost_core::DuplicateKind::SamePosition) => {
                 rec_rows.push((k, "same_position"))
             }
@@ -958,6 +1137,7 @@ async fn accept_in(
             seqs.push(r.sequence as i64);
             dups.push(r.broker_duplicate);
         }
+        counted(1);
         tx.execute(
             "INSERT INTO sealpost.receipt (event_id, member, attempt_id, kind, source, cluster, stream, partition,
                 sequence, broker_duplicate, accepted_at_ms)
@@ -1035,6 +1215,7 @@ pub async fn submit(
     submission: &Submission,
     rejection_limit: u32,
 ) -> Result<Submitted> {
+    counted(2);
     let tx = client.transaction().await?;
     // One read of the database clock for the whole transaction.
     let now_ms = db_now_ms(&tx).await?;
@@ -1147,9 +1328,9 @@ async fn report_in(
     persist(tx, &before, &after).await?;
     if !e_id.is_empty() {
         tx.execute(
-            "UPDATE sealpost.envelope e SET last_error = u.t
+            "UPDATE sealpost.work w SET last_error = u.t
              FROM unnest($1::uuid[], $2::int2[], $3::text[]) AS u(id, m, t)
-             WHERE e.event_id = u.id AND e.member = u.m",
+             WHERE w.event_id = u.id AND w.member = u.m",
             &[&e_id, &e_member, &e_text],
         )
         .await?;
@@ -1193,29 +1374,43 @@ pub async fn claim_unknown(
 ) -> Result<Vec<Reconciling>> {
     let tx = client.transaction().await?;
     let now_ms = db_now_ms(&tx).await?;
-    // Two index range scans, each stopping at `now`: due unknown rows in the order they fell
-    // due (`envelope_unknown_due`), then `SENDING` rows whose lease ran out
-    // (`envelope_sending_lease`). Neither walks the rows that are not due.
+    // Due unknown rows in the order they fell due: a range scan of `work_unknown_due` that
+    // stops at `now`, never walking rows that are not due.
     let q = format!(
-        "SELECT {ROW_COLS} FROM sealpost.envelope
-         WHERE state IN ('DISPATCH_UNKNOWN', 'RECONCILING') AND next_lookup_at_ms <= $1
-           AND (lease_until_ms IS NULL OR lease_until_ms <= $1)
-         ORDER BY next_lookup_at_ms LIMIT $2 FOR UPDATE SKIP LOCKED"
+        "SELECT {ROW_COLS} FROM {ROW_FROM}
+         WHERE w.phase = 1 AND w.next_lookup_at_ms <= $1
+           AND (w.lease_until_ms IS NULL OR w.lease_until_ms <= $1)
+         ORDER BY w.next_lookup_at_ms LIMIT $2 FOR UPDATE OF w SKIP LOCKED"
     );
+    counted(4);
     let mut found = tx
         .query(q.as_str(), &[&(now_ms as i64), &(batch_size_max as i64)])
         .await?;
+    // `SENDING` rows whose lease ran out. The lease is not indexed (a claim must change no
+    // indexed column, so that it stays a HOT update), so this looks only at the front of the
+    // claim index: the oldest dispatchable rows, where a dispatcher that died mid-send left
+    // them (claims go in commit order). Every dispatcher's claim scan moves any expired
+    // `SENDING` row it passes to `DISPATCH_UNKNOWN` as well.
     let q = format!(
-        "SELECT {ROW_COLS} FROM sealpost.envelope
-         WHERE state = 'SENDING' AND lease_until_ms <= $1
-         ORDER BY lease_until_ms LIMIT $2 FOR UPDATE SKIP LOCKED"
+        "SELECT {ROW_COLS} FROM {ROW_FROM}
+         JOIN (SELECT event_id, member FROM sealpost.work WHERE phase = 0
+               ORDER BY dest_cluster, committed_seq LIMIT $3) f
+           ON f.event_id = w.event_id AND f.member = w.member
+         WHERE w.state = 'SENDING' AND w.lease_until_ms <= $1
+         LIMIT $2 FOR UPDATE OF w SKIP LOCKED"
     );
     found.extend(
-        tx.query(q.as_str(), &[&(now_ms as i64), &(batch_size_max as i64)])
-            .await?,
+        tx.query(
+            q.as_str(),
+            &[
+                &(now_ms as i64),
+                &(batch_size_max as i64),
+                &((batch_size_max * 8) as i64),
+            ],
+        )
+        .await?,
     );
-    let mut before = found.iter().map(parse_row).collect::<Result<Vec<_>>>()?;
-    load_attempts(&tx, &mut before).await?;
+    let before = finish_load(&tx, &found).await?;
     let mut after = before.clone();
     let mut out = Vec::new();
     for row in &mut after {
@@ -1294,7 +1489,7 @@ pub async fn finish_reconcile_with(
             )
             .await?;
             tx.execute(
-                "UPDATE sealpost.envelope SET last_error = $3 WHERE event_id = $1 AND member = $2",
+                "UPDATE sealpost.work SET last_error = $3 WHERE event_id = $1 AND member = $2",
                 &[&uuid_of(item.event_id), &(item.member as i16), &detail],
             )
             .await?;
@@ -1339,8 +1534,7 @@ pub async fn unknown_age(client: &impl GenericClient) -> Result<(i64, f64)> {
     let now_ms = db_now_ms(client).await? as i64;
     let r = client
         .query_one(
-            "SELECT count(*), min(unknown_since_ms) FROM sealpost.envelope
-             WHERE state IN ('DISPATCH_UNKNOWN', 'RECONCILING')",
+            "SELECT count(*), min(unknown_since_ms) FROM sealpost.work WHERE phase = 1",
             &[],
         )
         .await?;
@@ -1353,7 +1547,7 @@ pub async fn unknown_age(client: &impl GenericClient) -> Result<(i64, f64)> {
 /// Reads the status figures.
 pub async fn status(client: &impl GenericClient) -> Result<Status> {
     let exists: bool = client
-        .query_one("SELECT to_regclass('sealpost.envelope') IS NOT NULL", &[])
+        .query_one("SELECT to_regclass('sealpost.work') IS NOT NULL", &[])
         .await?
         .get(0);
     if !exists {
@@ -1366,7 +1560,7 @@ pub async fn status(client: &impl GenericClient) -> Result<Status> {
     }
     for r in client
         .query(
-            "SELECT state, count(*) FROM sealpost.envelope GROUP BY state",
+            "SELECT state, count(*) FROM sealpost.work GROUP BY state",
             &[],
         )
         .await?
@@ -1375,12 +1569,11 @@ pub async fn status(client: &impl GenericClient) -> Result<Status> {
     }
     let r = client
         .query_one(
-            "SELECT min(created_at_ms) FILTER (WHERE state = 'PENDING'),
-                    min(unknown_since_ms) FILTER (WHERE state IN ('DISPATCH_UNKNOWN', 'RECONCILING')),
-                    count(*) FILTER (WHERE state IN ('DISPATCH_UNKNOWN', 'RECONCILING')),
-                    (SELECT count(*) FROM sealpost.quarantine) + count(*) FILTER (WHERE state = 'QUARANTINED')
-             FROM sealpost.envelope
-             WHERE state NOT IN ('PUBLISHED', 'RETAINED', 'PURGED')",
+            "SELECT (SELECT min(created_at_ms) FROM sealpost.work WHERE phase = 0 AND state = 'PENDING'),
+                    (SELECT min(unknown_since_ms) FROM sealpost.work WHERE phase = 1),
+                    (SELECT count(*) FROM sealpost.work WHERE phase = 1),
+                    (SELECT count(*) FROM sealpost.quarantine)
+                      + (SELECT count(*) FROM sealpost.work WHERE state = 'QUARANTINED')",
             &[],
         )
         .await?;
@@ -1394,7 +1587,7 @@ pub async fn status(client: &impl GenericClient) -> Result<Status> {
     s.quarantined = r.get(3);
     for r in client
         .query(
-            "SELECT event_id::text, coalesce(last_error, '') FROM sealpost.envelope
+            "SELECT event_id::text, coalesce(last_error, '') FROM sealpost.work
              WHERE state = 'QUARANTINED' ORDER BY committed_seq LIMIT 20",
             &[],
         )
@@ -1404,8 +1597,8 @@ pub async fn status(client: &impl GenericClient) -> Result<Status> {
     }
     for r in client
         .query(
-            "SELECT event_id::text, never_sent, coalesce(last_error, '') FROM sealpost.envelope
-             WHERE state = 'PENDING' AND never_sent >= $1 ORDER BY committed_seq LIMIT 20",
+            "SELECT event_id::text, never_sent, coalesce(last_error, '') FROM sealpost.work
+             WHERE phase = 0 AND state = 'PENDING' AND never_sent >= $1 ORDER BY committed_seq LIMIT 20",
             &[&(NEVER_SENT_ALERT_COUNT as i32)],
         )
         .await?
@@ -1438,7 +1631,7 @@ pub async fn release_quarantine(
     let now_ms = db_now_ms(&tx).await?;
     let members: Vec<i16> = tx
         .query(
-            "SELECT member FROM sealpost.envelope WHERE event_id = $1 ORDER BY member",
+            "SELECT member FROM sealpost.work WHERE event_id = $1 ORDER BY member",
             &[&uuid_of(event_id)],
         )
         .await?
@@ -1504,9 +1697,9 @@ pub async fn published_after_cursor(
         .await?
         .map_or((Uuid::nil(), -1), |r| (r.get(0), r.get(1)));
     let q = format!(
-        "SELECT {ROW_COLS} FROM sealpost.envelope
-         WHERE (event_id, member) > ($1, $2) AND state = 'PUBLISHED'
-         ORDER BY event_id, member LIMIT $3"
+        "SELECT {ROW_COLS} FROM {ROW_FROM}
+         WHERE (w.event_id, w.member) > ($1, $2) AND w.state = 'PUBLISHED'
+         ORDER BY w.event_id, w.member LIMIT $3"
     );
     let rows = tx
         .query(q.as_str(), &[&after.0, &after.1, &(max as i64)])
@@ -1514,7 +1707,7 @@ pub async fn published_after_cursor(
     let mut items = Vec::with_capacity(rows.len());
     let mut last = (Uuid::nil(), -1i16);
     for r in &rows {
-        let row = parse_row(r)?;
+        let row = parse_row(r)?.row;
         last = (uuid_of(row.event_id), row.member as i16);
         if let Some(p) = &row.primary {
             items.push(VerifyItem {
@@ -1591,8 +1784,13 @@ pub async fn migrate_event(
     let (policy, _) = load_policy(&tx, route).await?;
     let key: String = tx
         .query_one(
-            "SELECT dest_routing_key FROM sealpost.envelope WHERE event_id = $1 AND member = $2",
-            &[&uuid_of(event_id), &(member as i16)],
+            "SELECT dest_routing_key FROM sealpost.envelope
+             WHERE event_id = $1 AND member = $2 AND envelope_generation = $3",
+            &[
+                &uuid_of(event_id),
+                &(member as i16),
+                &(row.envelope_generation as i32),
+            ],
         )
         .await?
         .get(0);
@@ -1618,6 +1816,58 @@ pub async fn migrate_event(
     let mut after = row.clone();
     sealpost_core::migration::apply_migration(&mut after, &grant, to.clone())
         .map_err(|e| StoreError::Corrupt(e.to_string()))?;
+    // The first generation stays as it was sealed; the new one is a new envelope row with
+    // its own destination and envelope digest, the same payload and identity.
+    let sealed = tx
+        .query_one(
+            "SELECT aggregate_type, aggregate_id, aggregate_version, event_type, payload_schema_digest,
+                    payload_digest, tenant, occurred_at_ms, creating_txid
+             FROM sealpost.envelope WHERE event_id = $1 AND member = $2 AND envelope_generation = $3",
+            &[&uuid_of(event_id), &(member as i16), &(row.envelope_generation as i32)],
+        )
+        .await?;
+    let env = SealedEnvelope {
+        event_id,
+        envelope_generation: grant.envelope_generation,
+        aggregate_type: sealed.get(0),
+        aggregate_id: sealed.get(1),
+        aggregate_version: sealed.get::<_, i64>(2) as u64,
+        event_type: sealed.get(3),
+        payload_schema_digest: digest_of(sealed.get(4))?,
+        payload_digest: digest_of(sealed.get(5))?,
+        tenant: sealed.get(6),
+        occurred_at_ms: sealed.get::<_, i64>(7) as u64,
+        creating_txid: sealed.get::<_, i64>(8) as u64,
+        destination: to.clone(),
+        destination_digest: grant.to_digest,
+    };
+    tx.execute(
+        "INSERT INTO sealpost.envelope (event_id, member, envelope_generation, aggregate_type, aggregate_id,
+            aggregate_version, event_type, payload_schema_digest, payload_digest, tenant, occurred_at_ms,
+            creating_txid, dest_cluster, dest_topic, dest_routing_key, dest_partition_alg,
+            dest_policy_generation, dest_serializer, dest_durability, dest_required_ack,
+            destination_digest, envelope_digest, payload, created_at_ms)
+         SELECT event_id, member, $4, aggregate_type, aggregate_id, aggregate_version, event_type,
+            payload_schema_digest, payload_digest, tenant, occurred_at_ms, creating_txid, $5, $6,
+            dest_routing_key, $7, $8, $9, $10, $11, $12, $13, payload, created_at_ms
+         FROM sealpost.envelope WHERE event_id = $1 AND member = $2 AND envelope_generation = $3",
+        &[
+            &uuid_of(event_id),
+            &(member as i16),
+            &(row.envelope_generation as i32),
+            &(grant.envelope_generation as i32),
+            &to.cluster,
+            &to.topic,
+            &to.partition_algorithm.name(),
+            &(to.route_policy_generation as i64),
+            &to.serializer,
+            &to.durability,
+            &to.required_ack,
+            &grant.to_digest.0.as_slice(),
+            &env.digest().0.as_slice(),
+        ],
+    )
+    .await?;
     let gens: Vec<i32> = after
         .superseded
         .iter()
@@ -1629,30 +1879,20 @@ pub async fn migrate_event(
         .map(|s| s.destination_digest.0.to_vec())
         .collect();
     tx.execute(
-        "UPDATE sealpost.envelope SET envelope_generation = $3, dest_cluster = $4, dest_topic = $5,
-            dest_partition_alg = $6, dest_policy_generation = $7, dest_serializer = $8,
-            dest_durability = $9, dest_required_ack = $10, destination_digest = $11, state = $12,
-            claim_owner = NULL, lease_until_ms = NULL, rejections = 0,
-            superseded_generations = $13, superseded_digests = $14
+        "UPDATE sealpost.work SET envelope_generation = $3, dest_cluster = $4,
+            superseded_generations = $5, superseded_digests = $6
          WHERE event_id = $1 AND member = $2",
         &[
             &uuid_of(event_id),
             &(member as i16),
             &(grant.envelope_generation as i32),
             &to.cluster,
-            &to.topic,
-            &to.partition_algorithm.name(),
-            &(to.route_policy_generation as i64),
-            &to.serializer,
-            &to.durability,
-            &to.required_ack,
-            &grant.to_digest.0.as_slice(),
-            &after.state.as_str(),
             &gens,
             &digs,
         ],
     )
     .await?;
+    persist(&tx, std::slice::from_ref(row), std::slice::from_ref(&after)).await?;
     tx.execute(
         "INSERT INTO sealpost.migration (event_id, member, from_generation, to_generation, from_digest,
             to_digest, failed_attempts, at_ms) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
