@@ -3,6 +3,7 @@
 //! persists the difference. No transaction is ever held across a network send.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use sealpost_core::claim::apply_release_quarantine;
 use sealpost_core::claim::{
@@ -35,6 +36,16 @@ pub const MIGRATIONS: &[(i32, &str)] = &[
     (1, include_str!("../migrations/0001_outbox.sql")),
     (2, include_str!("../migrations/0002_pacing.sql")),
 ];
+
+/// Statements the store has sent to the server, process-wide (see [`statements_issued`]).
+static STATEMENTS: AtomicU64 = AtomicU64::new(0);
+
+/// Statements the store has issued in this process so far (a monotonic counter; `sealpost
+/// bench` reads it before and after a drain for its `statements_per_event`). Stays 0 until
+/// the store's statement sites count themselves.
+pub fn statements_issued() -> u64 {
+    STATEMENTS.load(Ordering::Relaxed)
+}
 
 /// Largest payload accepted by `enqueue` (NATS' default max_payload is 1 MiB; headers need room).
 pub const PAYLOAD_BYTES_MAX: usize = 900 * 1024;
