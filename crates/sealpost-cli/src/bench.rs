@@ -1,62 +1,153 @@
-//! `sealpost bench`: drains a prefilled backlog through Sealpost's dispatchers, then the same
-//! backlog through a naive hand-written relay in the same run (SKIP LOCKED batch, publish
-//! with the transaction held open, mark sent), then measures commit -> `PUBLISHED` latency at
-//! a fixed offered rate. Figures are printed, never asserted.
+//! `sealpost bench`: three phases in one run, every figure printed, none asserted.
+//!
+//! * **A, drain.** Optionally `--retained N` rows that are already `PUBLISHED` are put in the
+//!   outbox first (the table of a system that has run for a while). Then a backlog of
+//!   `--events` is committed and Sealpost's dispatchers (and a reconciler, as in production)
+//!   start on it with no producer running: `sealpost_events_per_s`, with the WAL bytes and
+//!   the store's statements per event of that drain.
+//! * **B, latency under load.** A second backlog (`--load-backlog`, default a quarter of
+//!   `--events`) is committed, then a fresh fleet starts on it while producers commit at the
+//!   offered `--rate` for `--latency-s` seconds: the net drain rate of the backlog with
+//!   production still flowing, and commit -> `PUBLISHED` latency of the producers' events.
+//! * **Naive relay.** The same `--events` drained by the careful relay users write by hand
+//!   ([`naive_relay`]), as many relays as Sealpost has dispatchers, in its own table and
+//!   stream, with the same WAL and statement figures.
+//!
+//! The bench's tables and streams are named after the run (`BENCH<tag>`, `NAIVE<tag>`,
+//! `sealpost_bench_naive_<tag>`), so concurrent runs never see each other's rows; the naive
+//! table, the retained rows and both streams are removed at the end.
+//!
+//! **Schema-dependent SQL.** Every statement that reads or writes the Sealpost schema
+//! (`sealpost.envelope` and friends) directly, rather than through `sealpost::store`, is in
+//! the functions of the section marked `SCHEMA-DEPENDENT` below ([`count_left`],
+//! [`fill_retained`], [`drop_retained`], [`published_until_ms`], [`latencies`]); a schema
+//! change ports those and nothing else here.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use async_nats::jetstream::message::PublishMessage;
 use sealpost::runtime::{self, Config, Counters, RunError};
 use sealpost::store::{self, StoreError};
 use sealpost_nats::Nats;
+use tokio::task::JoinHandle;
 
 /// Bench parameters.
 #[derive(Clone, Copy, Debug)]
 pub struct BenchArgs {
-    /// Backlog size.
+    /// Backlog size of the drain phase (and of the naive relay's drain).
     pub events: u64,
     /// Payload bytes.
     pub payload_bytes: usize,
     /// Dispatcher tasks (and naive relays).
     pub dispatchers: usize,
-    /// Offered rate for the latency phase.
+    /// Offered rate of the producers in the load phase.
     pub rate_per_s: u64,
-    /// Duration of the latency phase.
+    /// Duration of the producers in the load phase (at least; see [`BenchReport::load_s`]).
     pub latency_s: u64,
+    /// Backlog committed before the load phase starts.
+    pub load_backlog: u64,
+    /// `PUBLISHED` rows put in the outbox before the drain phase.
+    pub retained: u64,
 }
 
-/// Bench results.
+/// Bench results. Rates are events per second; `NaN` figures (nothing to measure) are
+/// `null` in JSON.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct BenchReport {
-    /// Backlog size.
+    /// Backlog size of the drain phase (and of the naive relay's drain).
     pub events: u64,
-    /// Sealpost drain rate.
+    /// `PUBLISHED` rows already in the outbox during both Sealpost phases (`--retained`).
+    pub retained: u64,
+    /// Sealpost dispatchers, and naive relays.
+    pub dispatchers: usize,
+    /// Sealpost drain rate of the prefilled backlog, no producers running: events divided
+    /// by the time from starting the fleet to the last of them `PUBLISHED` (database clock).
     pub sealpost_events_per_s: f64,
-    /// Naive relay drain rate.
+    /// Naive relay drain rate of a backlog of the same size.
     pub naive_events_per_s: f64,
     /// sealpost / naive.
     pub ratio: f64,
-    /// Commit -> PUBLISHED latency, median.
+    /// The naive relay publishes every message with `Nats-Msg-Id` = its event id (always
+    /// true: says which relay the ratio is against).
+    pub naive_msg_id: bool,
+    /// Publishes or acknowledgements of the naive relay that failed (each failure rolled its
+    /// batch back and the batch was sent again).
+    pub naive_publish_failures: u64,
+    /// WAL the server wrote during Sealpost's drain, per event (`pg_wal_lsn_diff` of
+    /// `pg_current_wal_lsn()` before and after). Server-wide: other sessions on the same
+    /// server during the drain are counted too.
+    pub wal_bytes_per_event: f64,
+    /// The same for the naive relay's drain.
+    pub naive_wal_bytes_per_event: f64,
+    /// Statements the store issued during Sealpost's drain per event
+    /// ([`store::statements_issued`], dispatchers and reconciler). `null` while the store
+    /// does not count its statements (the counter did not move).
+    pub statements_per_event: f64,
+    /// Statements the naive relays sent during their drain per event: every statement,
+    /// `BEGIN`, `COMMIT` and `ROLLBACK` and the idle check included, each prepared statement
+    /// counted once when prepared and once per execution.
+    pub naive_statements_per_event: f64,
+    /// Backlog committed before the load phase started.
+    pub load_backlog: u64,
+    /// Offered rate of the producers during the load phase.
+    pub rate_per_s: u64,
+    /// Rate the producers achieved (events committed / `load_s`).
+    pub produced_events_per_s: f64,
+    /// How long the producers ran: `--latency-s`, or longer when the backlog outlasted it
+    /// (they run until it is gone, so the net drain is always measured under load).
+    pub load_s: f64,
+    /// Net drain rate under load: the rate at which the load-phase backlog shrinks with
+    /// production still flowing, i.e. `load_backlog` divided by the seconds from the start
+    /// of the load phase (fleet started, producers starting) until no row committed before
+    /// that start is unpublished (the last of them `PUBLISHED`, database clock).
+    pub net_drain_events_per_s: f64,
+    /// Events the producers committed during the load phase (the latency sample).
+    pub latency_events: u64,
+    /// Commit -> `PUBLISHED` latency of the producers' events under load (while the
+    /// backlog drained and after), median.
     pub latency_ms_p50: f64,
-    /// Commit -> PUBLISHED latency, 99th percentile.
+    /// The same, 99th percentile.
     pub latency_ms_p99: f64,
+    /// Producers' events committed after the backlog was gone.
+    pub latency_events_after_backlog: u64,
+    /// 99th percentile latency of those events. They still queue behind the producers'
+    /// events committed while the backlog drained (the dispatchers claim in commit order), so
+    /// this includes the catch-up; with a long enough `--latency-s` it approaches the
+    /// steady-state figure at the offered rate.
+    pub latency_ms_p99_after_backlog: f64,
 }
 
 fn db(e: tokio_postgres::Error) -> RunError {
     RunError::Store(StoreError::Db(e))
 }
 
+fn round(x: f64, digits: i32) -> f64 {
+    let f = 10f64.powi(digits);
+    (x * f).round() / f
+}
+
+/// The `p` quantile of sorted values (nearest rank); `NaN` when there are none.
+fn quantile(sorted: &[i64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    sorted[((p * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len()) - 1] as f64
+}
+
+/// Commits `n` events on `route` in transactions of 2,000 (keys `<prefix>-<k>`).
 async fn prefill(
     pg: &mut tokio_postgres::Client,
     route: &str,
+    prefix: &str,
     n: u64,
     payload: &[u8],
 ) -> Result<(), RunError> {
     let mut i = 0;
     while i < n {
         let m = (n - i).min(2_000);
-        let keys: Vec<String> = (i..i + m).map(|k| format!("o-{k}")).collect();
+        let keys: Vec<String> = (i..i + m).map(|k| format!("{prefix}-{k}")).collect();
         let events = crate::demo::order_batch(&keys, payload);
         let tx = pg.transaction().await.map_err(db)?;
         store::enqueue_many(&tx, route, &events).await?;
@@ -66,31 +157,475 @@ async fn prefill(
     Ok(())
 }
 
-/// Rows of `topic` not yet published. Reads only the two partial indexes (rows that still
-/// need work, and unknown rows), so polling it does not scan the retained rows.
-async fn count_left(pg: &tokio_postgres::Client, topic: &str) -> Result<i64, RunError> {
+/// The server's current WAL position.
+async fn wal_lsn(pg: &tokio_postgres::Client) -> Result<String, RunError> {
+    Ok(pg
+        .query_one("SELECT pg_current_wal_lsn()::text", &[])
+        .await
+        .map_err(db)?
+        .get(0))
+}
+
+/// WAL bytes the server wrote since `lsn`.
+async fn wal_bytes_since(pg: &tokio_postgres::Client, lsn: &str) -> Result<f64, RunError> {
     Ok(pg
         .query_one(
-            "SELECT count(*) FROM sealpost.work w JOIN sealpost.envelope e
-               ON e.event_id = w.event_id AND e.member = w.member AND e.envelope_generation = w.envelope_generation
-             WHERE w.phase < 2 AND e.dest_topic = $1",
-            &[&topic],
+            "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), $1::text::pg_lsn)::float8",
+            &[&lsn],
         )
         .await
         .map_err(db)?
         .get(0))
 }
 
-/// Runs the benchmark.
+// ---------------------------------------------------------------------------------------
+// SCHEMA-DEPENDENT: the only SQL in this file that names Sealpost's tables. Port these when
+// the schema changes (v2 layout); everything else goes through `sealpost::store`.
+// ---------------------------------------------------------------------------------------
+
+/// Marks the rows [`fill_retained`] writes (their `aggregate_type`), so [`drop_retained`]
+/// finds them.
+const RETAINED_AGGREGATE: &str = "bench.retained";
+
+/// Rows of `topic` not yet published, among those created at or before `created_before_ms`
+/// (`i64::MAX`: all). Reads only the two partial indexes (rows that still need work, and
+/// unknown rows), so polling it does not scan the retained rows.
+async fn count_left(
+    pg: &tokio_postgres::Client,
+    topic: &str,
+    created_before_ms: i64,
+) -> Result<i64, RunError> {
+    Ok(pg
+        .query_one(
+            "SELECT count(*) FROM sealpost.work w JOIN sealpost.envelope e
+               ON e.event_id = w.event_id AND e.member = w.member
+              AND e.envelope_generation = w.envelope_generation
+             WHERE w.phase < 2 AND e.dest_topic = $1 AND w.created_at_ms <= $2",
+            &[&topic, &created_before_ms],
+        )
+        .await
+        .map_err(db)?
+        .get(0))
+}
+
+/// Puts `n` rows that are already `PUBLISHED` (primary receipt in the work row, never sent)
+/// on `route`, in statements of 500,000 rows: one event is enqueued as a template, its
+/// sealed envelope and work row are copied by `INSERT ... SELECT ... FROM generate_series`
+/// with fresh UUIDv7-shaped event ids dated before now (ascending, as a system that ran for
+/// a while has them), then the template is deleted. Ends with `VACUUM ANALYZE` so the drain
+/// sees the steady state of old rows rather than a vacuum of the fill.
+async fn fill_retained(
+    pg: &mut tokio_postgres::Client,
+    route: &str,
+    n: u64,
+    payload: &[u8],
+    say: &dyn Fn(String),
+) -> Result<(), RunError> {
+    if n == 0 {
+        return Ok(());
+    }
+    let keys = vec!["retained-template".to_string()];
+    let events = crate::demo::order_batch(&keys, payload);
+    let tx = pg.transaction().await.map_err(db)?;
+    let env = store::enqueue_many(&tx, route, &events).await?;
+    tx.commit().await.map_err(db)?;
+    let template = uuid::Uuid::from_bytes(env[0].event_id.0);
+    let now_ms = store::db_now_ms(&*pg).await? as i64;
+    // One id per millisecond, the last one `now_ms`.
+    let first_ms = now_ms - n as i64;
+    let chunk = 500_000u64;
+    let mut done = 0u64;
+    while done < n {
+        let m = (n - done).min(chunk) as i64;
+        pg.execute(
+            "WITH e AS (
+               INSERT INTO sealpost.envelope (event_id, member, envelope_generation, aggregate_type,
+                   aggregate_id, aggregate_version, event_type, payload_schema_digest, payload_digest,
+                   tenant, occurred_at_ms, creating_txid, dest_cluster, dest_topic, dest_routing_key,
+                   dest_partition_alg, dest_policy_generation, dest_serializer, dest_durability,
+                   dest_required_ack, destination_digest, envelope_digest, payload, created_at_ms)
+               SELECT (lpad(to_hex($3::int8 + g), 12, '0') || '7'
+                          || substr(replace(gen_random_uuid()::text, '-', ''), 14, 19))::uuid,
+                      0, t.envelope_generation, $4, 'r-' || ($3::int8 + g), t.aggregate_version,
+                      t.event_type, t.payload_schema_digest, t.payload_digest, t.tenant,
+                      $3::int8 + g, t.creating_txid, t.dest_cluster, t.dest_topic,
+                      t.dest_routing_key, t.dest_partition_alg, t.dest_policy_generation,
+                      t.dest_serializer, t.dest_durability, t.dest_required_ack,
+                      t.destination_digest, t.envelope_digest, t.payload, $3::int8 + g
+               FROM sealpost.envelope t, generate_series($2::int8 + 1, $2::int8 + $5::int8) g
+               WHERE t.event_id = $1 AND t.member = 0
+               RETURNING event_id, member, envelope_generation, dest_cluster, dest_topic, created_at_ms)
+             INSERT INTO sealpost.work (event_id, member, envelope_generation, dest_cluster,
+                 created_at_ms, phase, state, attempt_generation, published_at_ms,
+                 primary_attempt_id, primary_cluster, primary_stream, primary_sequence)
+             SELECT event_id, member, envelope_generation, dest_cluster, created_at_ms, 2,
+                    'PUBLISHED', 1, created_at_ms + 5, 0, dest_cluster, dest_topic,
+                    created_at_ms - $3::int8
+             FROM e",
+            &[
+                &template,
+                &(done as i64),
+                &first_ms,
+                &RETAINED_AGGREGATE,
+                &m,
+            ],
+        )
+        .await
+        .map_err(db)?;
+        done += m as u64;
+        say(format!("retained rows: {done} / {n}"));
+    }
+    pg.batch_execute(&format!(
+        "DELETE FROM sealpost.work WHERE event_id = '{template}';
+         DELETE FROM sealpost.envelope WHERE event_id = '{template}';"
+    ))
+    .await
+    .map_err(db)?;
+    say("vacuum analyze sealpost.envelope, sealpost.work ...".to_string());
+    pg.batch_execute("VACUUM (ANALYZE) sealpost.envelope, sealpost.work")
+        .await
+        .map_err(db)?;
+    Ok(())
+}
+
+/// Deletes the rows [`fill_retained`] put on `topic`, and the verification pass's findings
+/// about them (it looks them up at the broker and finds nothing: they were never sent).
+async fn drop_retained(pg: &tokio_postgres::Client, topic: &str) -> Result<u64, RunError> {
+    pg.execute(
+        "DELETE FROM sealpost.finding f USING sealpost.envelope e
+         WHERE f.event_id = e.event_id AND f.member = e.member
+           AND e.dest_topic = $1 AND e.aggregate_type = $2",
+        &[&topic, &RETAINED_AGGREGATE],
+    )
+    .await
+    .map_err(db)?;
+    pg.execute(
+        "DELETE FROM sealpost.work w USING sealpost.envelope e
+         WHERE w.event_id = e.event_id AND w.member = e.member
+           AND e.dest_topic = $1 AND e.aggregate_type = $2",
+        &[&topic, &RETAINED_AGGREGATE],
+    )
+    .await
+    .map_err(db)?;
+    pg.execute(
+        "DELETE FROM sealpost.envelope WHERE dest_topic = $1 AND aggregate_type = $2",
+        &[&topic, &RETAINED_AGGREGATE],
+    )
+    .await
+    .map_err(db)
+}
+
+/// When the last row of `topic` created in `[from_ms, to_ms]` was `PUBLISHED` (database
+/// clock, ms); `None` if none was.
+async fn published_until_ms(
+    pg: &tokio_postgres::Client,
+    topic: &str,
+    from_ms: i64,
+    to_ms: i64,
+) -> Result<Option<i64>, RunError> {
+    Ok(pg
+        .query_one(
+            "SELECT max(published_at_ms) FROM sealpost.outbox
+             WHERE dest_topic = $1 AND created_at_ms BETWEEN $2 AND $3",
+            &[&topic, &from_ms, &to_ms],
+        )
+        .await
+        .map_err(db)?
+        .get(0))
+}
+
+/// `(created_at_ms, commit -> PUBLISHED ms)` of the rows of `topic` created after
+/// `after_ms`, by latency.
+async fn latencies(
+    pg: &tokio_postgres::Client,
+    topic: &str,
+    after_ms: i64,
+) -> Result<Vec<(i64, i64)>, RunError> {
+    Ok(pg
+        .query(
+            "SELECT created_at_ms, published_at_ms - created_at_ms FROM sealpost.outbox
+             WHERE dest_topic = $1 AND created_at_ms > $2 AND published_at_ms IS NOT NULL
+             ORDER BY 2",
+            &[&topic, &after_ms],
+        )
+        .await
+        .map_err(db)?
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect())
+}
+
+// ------------------------------------------------------------------ end SCHEMA-DEPENDENT
+
+/// A running fleet of dispatchers and a reconciler.
+struct Fleet {
+    stop: Arc<AtomicBool>,
+    tasks: Vec<JoinHandle<Result<(), RunError>>>,
+}
+
+impl Fleet {
+    fn start(cfg: &Config, nats: &Nats, dispatchers: usize) -> Fleet {
+        let stop = Arc::new(AtomicBool::new(false));
+        let counters = Arc::new(Counters::default());
+        // As in production, a reconciler runs beside the dispatchers.
+        let broker = Arc::new(nats.clone());
+        let tasks = runtime::spawn_fleet(cfg, &broker, dispatchers, true, &stop, &counters);
+        Fleet { stop, tasks }
+    }
+
+    /// A task ended before it was told to stop (it failed).
+    fn broken(&self) -> bool {
+        self.tasks.iter().any(|t| t.is_finished())
+    }
+
+    async fn stop(self) -> Result<(), RunError> {
+        self.stop.store(true, Ordering::Relaxed);
+        for t in self.tasks {
+            t.await.expect("dispatcher panicked")?;
+        }
+        Ok(())
+    }
+}
+
+/// Waits until no row of `topic` created at or before `created_before_ms` is unpublished;
+/// false if the fleet broke meanwhile.
+async fn wait_drained(
+    pg: &tokio_postgres::Client,
+    topic: &str,
+    created_before_ms: i64,
+    fleet: &Fleet,
+) -> Result<bool, RunError> {
+    while count_left(pg, topic, created_before_ms).await? > 0 {
+        if fleet.broken() {
+            return Ok(false);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Ok(true)
+}
+
+/// Stops a broken fleet and returns its error.
+async fn fleet_error(fleet: Fleet) -> RunError {
+    match fleet.stop().await {
+        Err(e) => e,
+        Ok(()) => RunError::broker(std::io::Error::other(
+            "a dispatcher or the reconciler stopped before the bench told it to",
+        )),
+    }
+}
+
+/// Producers of the load phase: on their own connection, one transaction of
+/// `rate_per_s / 100` events every 10 ms tick, for `min_s` seconds and at least until
+/// `backlog_gone`. Returns (events committed, seconds run).
+async fn produce(
+    cfg: Config,
+    route: String,
+    payload: Vec<u8>,
+    rate_per_s: u64,
+    min_s: u64,
+    backlog_gone: Arc<AtomicBool>,
+) -> Result<(u64, f64), RunError> {
+    let mut pg = runtime::pg_connect(&cfg.database_url).await?;
+    let tick_ms = 10u64;
+    let per_tick = (rate_per_s * tick_ms / 1000).max(1);
+    let min = Duration::from_secs(min_s);
+    let t0 = Instant::now();
+    let mut produced = 0u64;
+    let mut t = 0u64;
+    while t0.elapsed() < min || !backlog_gone.load(Ordering::Relaxed) {
+        tokio::time::sleep_until((t0 + Duration::from_millis(t * tick_ms)).into()).await;
+        let keys: Vec<String> = (0..per_tick).map(|k| format!("l-{t}-{k}")).collect();
+        let events = crate::demo::order_batch(&keys, &payload);
+        let tx = pg.transaction().await.map_err(db)?;
+        store::enqueue_many(&tx, &route, &events).await?;
+        tx.commit().await.map_err(db)?;
+        produced += per_tick;
+        t += 1;
+    }
+    Ok((produced, t0.elapsed().as_secs_f64()))
+}
+
+/// Counters shared by the naive relays.
+#[derive(Default)]
+struct NaiveStats {
+    statements: AtomicU64,
+    failures: AtomicU64,
+}
+
+/// Consecutive failed batches after which a naive relay gives up.
+const NAIVE_FAILED_BATCHES_MAX: u32 = 50;
+
+/// The careful relay users write by hand: a `sent` flag with a partial index on unsent rows
+/// serving the claim; `SELECT ... ORDER BY id LIMIT 1000 FOR UPDATE SKIP LOCKED`; every
+/// message published with `Nats-Msg-Id` = its event id; all publishes sent, then all
+/// acknowledgements awaited together; the rows marked sent (`UPDATE ... WHERE id = ANY`) in
+/// the same transaction, held open across the sends. A failed publish or acknowledgement
+/// rolls the batch back and it is sent again (the broker's duplicate window absorbs the
+/// copies already stored); it is counted, never ignored. Ends when no row is unsent.
+async fn naive_relay(
+    cfg: Config,
+    nats: Nats,
+    table: String,
+    subject: String,
+    stats: Arc<NaiveStats>,
+) -> Result<(), RunError> {
+    let mut pg = runtime::pg_connect(&cfg.database_url).await?;
+    let count = |n: u64| stats.statements.fetch_add(n, Ordering::Relaxed);
+    let claim = pg
+        .prepare(&format!(
+            "SELECT id, event_id, payload FROM {table} WHERE NOT sent ORDER BY id
+             LIMIT 1000 FOR UPDATE SKIP LOCKED"
+        ))
+        .await
+        .map_err(db)?;
+    let mark = pg
+        .prepare(&format!(
+            "UPDATE {table} SET sent = true WHERE id = ANY($1)"
+        ))
+        .await
+        .map_err(db)?;
+    let any_left = pg
+        .prepare(&format!(
+            "SELECT id FROM {table} WHERE NOT sent ORDER BY id LIMIT 1"
+        ))
+        .await
+        .map_err(db)?;
+    count(3);
+    let mut failed_batches = 0u32;
+    loop {
+        let tx = pg.transaction().await.map_err(db)?;
+        let rows = tx.query(&claim, &[]).await.map_err(db)?;
+        count(2);
+        if rows.is_empty() {
+            tx.commit().await.map_err(db)?;
+            let left = pg.query_opt(&any_left, &[]).await.map_err(db)?;
+            count(2);
+            if left.is_none() {
+                return Ok(());
+            }
+            // Every unsent row is locked by another relay.
+            tokio::time::sleep(Duration::from_millis(cfg.idle_poll_ms)).await;
+            continue;
+        }
+        // The transaction stays open across the sends: what hand-written relays do.
+        let mut failed = 0u64;
+        let mut acks = Vec::with_capacity(rows.len());
+        for r in &rows {
+            let event_id: uuid::Uuid = r.get(1);
+            let payload: Vec<u8> = r.get(2);
+            let msg = PublishMessage::build()
+                .payload(payload.into())
+                .message_id(event_id.to_string());
+            match nats.js.send_publish(subject.clone(), msg).await {
+                Ok(ack) => acks.push(async move { ack.await }),
+                Err(_) => failed += 1,
+            }
+        }
+        failed += futures::future::join_all(acks)
+            .await
+            .iter()
+            .filter(|a| a.is_err())
+            .count() as u64;
+        if failed > 0 {
+            stats.failures.fetch_add(failed, Ordering::Relaxed);
+            tx.rollback().await.map_err(db)?;
+            count(1);
+            failed_batches += 1;
+            if failed_batches >= NAIVE_FAILED_BATCHES_MAX {
+                return Err(RunError::broker(std::io::Error::other(format!(
+                    "naive relay: {failed_batches} batches in a row had failed publishes"
+                ))));
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            continue;
+        }
+        failed_batches = 0;
+        let ids: Vec<i64> = rows.iter().map(|r| r.get(0)).collect();
+        tx.execute(&mark, &[&ids]).await.map_err(db)?;
+        tx.commit().await.map_err(db)?;
+        count(2);
+    }
+}
+
+/// Naive relay results.
+struct NaiveRun {
+    events_per_s: f64,
+    wal_bytes_per_event: f64,
+    statements_per_event: f64,
+    failures: u64,
+}
+
+/// Fills the naive relay's table with `events` rows (a fresh UUID each) and drains it with
+/// `relays` relays into its own stream.
+async fn naive_phase(
+    pg: &tokio_postgres::Client,
+    cfg: &Config,
+    nats: &Nats,
+    names: &Names,
+    events: u64,
+    relays: usize,
+    payload: &[u8],
+) -> Result<NaiveRun, RunError> {
+    let table = names.naive_table.as_str();
+    pg.batch_execute(&format!(
+        "CREATE TABLE {table} (id bigserial PRIMARY KEY, event_id uuid NOT NULL,
+             payload bytea NOT NULL, sent boolean NOT NULL DEFAULT false);
+         CREATE INDEX {table}_unsent ON {table} (id) WHERE NOT sent;"
+    ))
+    .await
+    .map_err(db)?;
+    pg.execute(
+        &format!(
+            "INSERT INTO {table} (event_id, payload)
+             SELECT gen_random_uuid(), $1::bytea FROM generate_series(1, $2::int8)"
+        ),
+        &[&payload, &(events as i64)],
+    )
+    .await
+    .map_err(db)?;
+    pg.batch_execute(&format!("ANALYZE {table}"))
+        .await
+        .map_err(db)?;
+    let stats = Arc::new(NaiveStats::default());
+    let lsn = wal_lsn(pg).await?;
+    let started = Instant::now();
+    let tasks: Vec<_> = (0..relays)
+        .map(|_| {
+            tokio::spawn(naive_relay(
+                cfg.clone(),
+                nats.clone(),
+                table.to_string(),
+                format!("sp.{}.naive", names.naive_topic),
+                stats.clone(),
+            ))
+        })
+        .collect();
+    for t in tasks {
+        t.await.expect("relay panicked")?;
+    }
+    let secs = started.elapsed().as_secs_f64();
+    let wal = wal_bytes_since(pg, &lsn).await?;
+    Ok(NaiveRun {
+        events_per_s: events as f64 / secs,
+        wal_bytes_per_event: wal / events as f64,
+        statements_per_event: stats.statements.load(Ordering::Relaxed) as f64 / events as f64,
+        failures: stats.failures.load(Ordering::Relaxed),
+    })
+}
+
+/// Runs the benchmark, then removes what it created (also when a phase failed).
 pub async fn run(mut cfg: Config, args: BenchArgs, json: bool) -> Result<BenchReport, RunError> {
     cfg.idle_poll_ms = 2;
     let mut pg = runtime::pg_connect(&cfg.database_url).await?;
     store::migrate(&pg).await?;
     let tag = runtime::owner_id() % 1_000_000;
-    let topic = format!("BENCH{tag}");
-    let naive_topic = format!("NAIVE{tag}");
-    let route = format!("bench-{tag}");
-    store::set_route(&pg, &route, &cfg.nats_cluster, &topic).await?;
+    let names = Names {
+        topic: format!("BENCH{tag}"),
+        naive_topic: format!("NAIVE{tag}"),
+        naive_table: format!("sealpost_bench_naive_{tag}"),
+        route: format!("bench-{tag}"),
+    };
+    store::set_route(&pg, &names.route, &cfg.nats_cluster, &names.topic).await?;
     let nats = Nats::connect(
         &cfg.nats_url,
         &cfg.nats_cluster,
@@ -98,8 +633,41 @@ pub async fn run(mut cfg: Config, args: BenchArgs, json: bool) -> Result<BenchRe
     )
     .await
     .map_err(RunError::broker)?;
-    nats.ensure_stream(&topic).await.map_err(RunError::broker)?;
-    nats.ensure_stream(&naive_topic)
+    let r = phases(&mut pg, &cfg, &nats, &names, args, json).await;
+    // Clean up whatever the phases got to create.
+    if !json {
+        eprintln!("cleaning up ...");
+    }
+    let _ = pg
+        .batch_execute(&format!("DROP TABLE IF EXISTS {}", names.naive_table))
+        .await;
+    if args.retained > 0 {
+        let _ = drop_retained(&pg, &names.topic).await;
+    }
+    let _ = nats.js.delete_stream(&names.topic).await;
+    let _ = nats.js.delete_stream(&names.naive_topic).await;
+    r
+}
+
+/// The run's names.
+struct Names {
+    topic: String,
+    naive_topic: String,
+    naive_table: String,
+    route: String,
+}
+
+async fn phases(
+    pg: &mut tokio_postgres::Client,
+    cfg: &Config,
+    nats: &Nats,
+    names: &Names,
+    args: BenchArgs,
+    json: bool,
+) -> Result<BenchReport, RunError> {
+    let topic = names.topic.as_str();
+    nats.ensure_stream(topic).await.map_err(RunError::broker)?;
+    nats.ensure_stream(&names.naive_topic)
         .await
         .map_err(RunError::broker)?;
     let payload = vec![b'x'; args.payload_bytes];
@@ -109,158 +677,161 @@ pub async fn run(mut cfg: Config, args: BenchArgs, json: bool) -> Result<BenchRe
         }
     };
 
-    // 1. Sealpost drains a prefilled backlog.
-    say(format!("prefilling {} events ...", args.events));
-    prefill(&mut pg, &route, args.events, &payload).await?;
-    let stop = Arc::new(AtomicBool::new(false));
-    let counters = Arc::new(Counters::default());
-    let started = Instant::now();
-    // As in production, a reconciler runs beside the dispatchers.
-    let broker = Arc::new(nats.clone());
-    let tasks = runtime::spawn_fleet(&cfg, &broker, args.dispatchers, true, &stop, &counters);
-    while count_left(&pg, &topic).await? > 0 {
-        tokio::time::sleep(Duration::from_millis(100)).await;
+    // A. Sealpost drains a prefilled backlog, beside the retained rows; no producers.
+    if args.retained > 0 {
+        say(format!(
+            "putting {} PUBLISHED rows in the outbox ...",
+            args.retained
+        ));
+        fill_retained(pg, &names.route, args.retained, &payload, &say).await?;
     }
-    let sealpost_s = started.elapsed().as_secs_f64();
+    say(format!("prefilling {} events ...", args.events));
+    let a_from_ms = store::db_now_ms(&*pg).await? as i64;
+    prefill(pg, &names.route, "o", args.events, &payload).await?;
+    let statements0 = store::statements_issued();
+    let lsn = wal_lsn(pg).await?;
+    let a_start_ms = store::db_now_ms(&*pg).await? as i64;
+    let fleet = Fleet::start(cfg, nats, args.dispatchers);
+    if !wait_drained(pg, topic, i64::MAX, &fleet).await? {
+        return Err(fleet_error(fleet).await);
+    }
+    let wal = wal_bytes_since(pg, &lsn).await?;
+    let statements = store::statements_issued() - statements0;
+    fleet.stop().await?;
+    let a_end_ms = published_until_ms(pg, topic, a_from_ms, a_start_ms)
+        .await?
+        .unwrap_or(a_start_ms);
+    let sealpost_s = (a_end_ms - a_start_ms).max(1) as f64 / 1000.0;
     let sealpost_rate = args.events as f64 / sealpost_s;
+    let per_event = |x: f64| x / args.events.max(1) as f64;
+    let statements_per_event = if statements == 0 {
+        f64::NAN
+    } else {
+        per_event(statements as f64)
+    };
     say(format!(
-        "sealpost: {} events in {sealpost_s:.2} s = {sealpost_rate:.0} events/s",
-        args.events
+        "sealpost: {} events in {sealpost_s:.2} s = {sealpost_rate:.0} events/s \
+         ({} retained rows); {:.0} WAL bytes/event, {} statements/event",
+        args.events,
+        args.retained,
+        per_event(wal),
+        if statements == 0 {
+            "? (store does not count yet)".to_string()
+        } else {
+            format!("{statements_per_event:.2}")
+        }
     ));
 
-    // 3 (while dispatchers still run). Latency at a fixed offered rate.
-    let tick_ms = 10u64;
-    let per_tick = (args.rate_per_s * tick_ms / 1000).max(1);
-    let ticks = args.latency_s * 1000 / tick_ms;
-    let lat_start_ms = store::db_now_ms(&pg).await? as i64;
-    let t0 = Instant::now();
-    for t in 0..ticks {
-        let due = t0 + Duration::from_millis(t * tick_ms);
-        tokio::time::sleep_until(due.into()).await;
-        let keys: Vec<String> = (0..per_tick).map(|k| format!("l-{t}-{k}")).collect();
-        let events = crate::demo::order_batch(&keys, &payload);
-        let tx = pg.transaction().await.map_err(db)?;
-        store::enqueue_many(&tx, &route, &events).await?;
-        tx.commit().await.map_err(db)?;
-    }
-    while count_left(&pg, &topic).await? > 0 {
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    stop.store(true, Ordering::Relaxed);
-    for t in tasks {
-        t.await.expect("dispatcher panicked")?;
-    }
-    let lat: Vec<i64> = pg
-        .query(
-            "SELECT published_at_ms - created_at_ms FROM sealpost.outbox
-             WHERE dest_topic = $1 AND created_at_ms >= $2 ORDER BY 1",
-            &[&topic, &lat_start_ms],
-        )
-        .await
-        .map_err(db)?
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
-    let q = |p: f64| -> f64 {
-        if lat.is_empty() {
-            return f64::NAN;
-        }
-        lat[((p * lat.len() as f64).ceil() as usize).clamp(1, lat.len()) - 1] as f64
-    };
-    let (p50, p99) = (q(0.50), q(0.99));
+    // B. A second backlog drains while producers commit at the offered rate.
     say(format!(
-        "latency at {} events/s over {} s: p50 {p50} ms, p99 {p99} ms ({} events)",
+        "load phase: prefilling {} events, then {} events/s offered for {} s ...",
+        args.load_backlog, args.rate_per_s, args.latency_s
+    ));
+    let b_from_ms = store::db_now_ms(&*pg).await? as i64;
+    prefill(pg, &names.route, "b", args.load_backlog, &payload).await?;
+    let b_start_ms = store::db_now_ms(&*pg).await? as i64;
+    // Every producer row is created after `b_start_ms`, every backlog row at or before it.
+    tokio::time::sleep(Duration::from_millis(2)).await;
+    let fleet = Fleet::start(cfg, nats, args.dispatchers);
+    let backlog_gone = Arc::new(AtomicBool::new(false));
+    let producers = tokio::spawn(produce(
+        cfg.clone(),
+        names.route.clone(),
+        payload.clone(),
         args.rate_per_s,
         args.latency_s,
-        lat.len()
+        backlog_gone.clone(),
+    ));
+    if !wait_drained(pg, topic, b_start_ms, &fleet).await? {
+        producers.abort();
+        return Err(fleet_error(fleet).await);
+    }
+    backlog_gone.store(true, Ordering::Relaxed);
+    say("load phase: backlog gone; producers continue".to_string());
+    let (produced, load_s) = producers.await.expect("producers panicked")?;
+    if !wait_drained(pg, topic, i64::MAX, &fleet).await? {
+        return Err(fleet_error(fleet).await);
+    }
+    fleet.stop().await?;
+    let drained_at_ms = if args.load_backlog == 0 {
+        b_start_ms
+    } else {
+        published_until_ms(pg, topic, b_from_ms, b_start_ms)
+            .await?
+            .unwrap_or(b_start_ms)
+    };
+    let net_drain = if args.load_backlog == 0 {
+        f64::NAN
+    } else {
+        args.load_backlog as f64 / ((drained_at_ms - b_start_ms).max(1) as f64 / 1000.0)
+    };
+    let lat = latencies(pg, topic, b_start_ms).await?;
+    let all: Vec<i64> = lat.iter().map(|&(_, l)| l).collect();
+    let after: Vec<i64> = lat
+        .iter()
+        .filter(|&&(c, _)| c > drained_at_ms)
+        .map(|&(_, l)| l)
+        .collect();
+    let (p50, p99, p99_after) = (
+        quantile(&all, 0.50),
+        quantile(&all, 0.99),
+        quantile(&after, 0.99),
+    );
+    let produced_rate = produced as f64 / load_s;
+    say(format!(
+        "load phase: backlog of {} gone in {:.2} s = net drain {net_drain:.0} events/s while \
+         producers committed {produced_rate:.0} events/s (offered {}) for {load_s:.1} s",
+        args.load_backlog,
+        (drained_at_ms - b_start_ms) as f64 / 1000.0,
+        args.rate_per_s
+    ));
+    say(format!(
+        "latency under load: p50 {p50} ms, p99 {p99} ms ({} events); after the backlog: \
+         p99 {p99_after} ms ({} events)",
+        all.len(),
+        after.len()
     ));
 
-    // 2. The naive relay over the same backlog size.
-    pg.batch_execute(
-        "CREATE TABLE IF NOT EXISTS sealpost_bench_naive (id bigserial PRIMARY KEY, payload bytea NOT NULL,
-             sent boolean NOT NULL DEFAULT false);
-         TRUNCATE sealpost_bench_naive;",
+    // The naive relay over a backlog of the same size.
+    say(format!("naive relay: {} events ...", args.events));
+    let naive = naive_phase(
+        pg,
+        cfg,
+        nats,
+        names,
+        args.events,
+        args.dispatchers,
+        &payload,
     )
-    .await
-    .map_err(db)?;
-    pg.execute(
-        "INSERT INTO sealpost_bench_naive (payload) SELECT $1::bytea FROM generate_series(1, $2::int8)",
-        &[&payload, &(args.events as i64)],
-    )
-    .await
-    .map_err(db)?;
-    let started = Instant::now();
-    let mut relays = Vec::new();
-    for _ in 0..args.dispatchers {
-        let cfg = cfg.clone();
-        let nats = nats.clone();
-        let subject = format!("sp.{naive_topic}.naive");
-        relays.push(tokio::spawn(async move {
-            let mut pg = runtime::pg_connect(&cfg.database_url).await?;
-            loop {
-                let tx = pg.transaction().await.map_err(db)?;
-                let rows = tx
-                    .query(
-                        "SELECT id, payload FROM sealpost_bench_naive WHERE NOT sent ORDER BY id
-                         LIMIT 1000 FOR UPDATE SKIP LOCKED",
-                        &[],
-                    )
-                    .await
-                    .map_err(db)?;
-                if rows.is_empty() {
-                    tx.commit().await.map_err(db)?;
-                    let left: i64 = pg
-                        .query_one(
-                            "SELECT count(*) FROM sealpost_bench_naive WHERE NOT sent",
-                            &[],
-                        )
-                        .await
-                        .map_err(db)?
-                        .get(0);
-                    if left == 0 {
-                        return Ok::<_, RunError>(());
-                    }
-                    continue;
-                }
-                // The transaction stays open across the sends: what hand-written relays do.
-                let mut acks = Vec::with_capacity(rows.len());
-                for r in &rows {
-                    let p: Vec<u8> = r.get(1);
-                    if let Ok(f) = nats.js.publish(subject.clone(), p.into()).await {
-                        acks.push(f);
-                    }
-                }
-                for a in acks {
-                    let _ = a.await;
-                }
-                let ids: Vec<i64> = rows.iter().map(|r| r.get(0)).collect();
-                tx.execute(
-                    "UPDATE sealpost_bench_naive SET sent = true WHERE id = ANY($1)",
-                    &[&ids],
-                )
-                .await
-                .map_err(db)?;
-                tx.commit().await.map_err(db)?;
-            }
-        }));
-    }
-    for r in relays {
-        r.await.expect("relay panicked")?;
-    }
-    let naive_s = started.elapsed().as_secs_f64();
-    let naive_rate = args.events as f64 / naive_s;
+    .await?;
     say(format!(
-        "naive relay: {} events in {naive_s:.2} s = {naive_rate:.0} events/s",
-        args.events
+        "naive relay: {:.0} events/s; {:.0} WAL bytes/event, {:.2} statements/event, \
+         {} failed publishes",
+        naive.events_per_s, naive.wal_bytes_per_event, naive.statements_per_event, naive.failures
     ));
-    let _ = nats.js.delete_stream(&topic).await;
-    let _ = nats.js.delete_stream(&naive_topic).await;
+
     Ok(BenchReport {
         events: args.events,
-        sealpost_events_per_s: (sealpost_rate * 10.0).round() / 10.0,
-        naive_events_per_s: (naive_rate * 10.0).round() / 10.0,
-        ratio: (sealpost_rate / naive_rate * 1000.0).round() / 1000.0,
+        retained: args.retained,
+        dispatchers: args.dispatchers,
+        sealpost_events_per_s: round(sealpost_rate, 1),
+        naive_events_per_s: round(naive.events_per_s, 1),
+        ratio: round(sealpost_rate / naive.events_per_s, 3),
+        naive_msg_id: true,
+        naive_publish_failures: naive.failures,
+        wal_bytes_per_event: round(per_event(wal), 1),
+        naive_wal_bytes_per_event: round(naive.wal_bytes_per_event, 1),
+        statements_per_event: round(statements_per_event, 3),
+        naive_statements_per_event: round(naive.statements_per_event, 3),
+        load_backlog: args.load_backlog,
+        rate_per_s: args.rate_per_s,
+        produced_events_per_s: round(produced_rate, 1),
+        load_s: round(load_s, 2),
+        net_drain_events_per_s: round(net_drain, 1),
+        latency_events: all.len() as u64,
         latency_ms_p50: p50,
         latency_ms_p99: p99,
+        latency_events_after_backlog: after.len() as u64,
+        latency_ms_p99_after_backlog: p99_after,
     })
 }

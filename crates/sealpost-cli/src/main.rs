@@ -71,9 +71,11 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
-    /// Drain a prefilled backlog vs a naive relay, then measure latency at a fixed rate.
+    /// Drain a prefilled backlog, then a second backlog while producers commit at a fixed
+    /// rate (net drain, latency under load), then the same backlog through a careful naive
+    /// relay; WAL bytes and statements per event of both drains.
     Bench {
-        /// Backlog size.
+        /// Backlog size of the drain (and of the naive relay's drain).
         #[arg(long, default_value_t = 200_000)]
         events: u64,
         /// Payload size in bytes.
@@ -82,12 +84,18 @@ enum Cmd {
         /// Dispatchers (and naive relays).
         #[arg(long, default_value_t = 2)]
         dispatchers: usize,
-        /// Offered rate for the latency phase (events/s).
+        /// Offered rate of the producers in the load phase (events/s).
         #[arg(long, default_value_t = 2_000)]
         rate: u64,
-        /// Length of the latency phase (s).
+        /// How long producers commit in the load phase (s); longer if the backlog outlasts it.
         #[arg(long, default_value_t = 10)]
         latency_s: u64,
+        /// Backlog committed before the load phase [default: events / 4].
+        #[arg(long)]
+        load_backlog: Option<u64>,
+        /// Rows already PUBLISHED put in the outbox before the drain (removed at the end).
+        #[arg(long, default_value_t = 0)]
+        retained: u64,
         /// One JSON object.
         #[arg(long)]
         json: bool,
@@ -280,6 +288,8 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
             dispatchers,
             rate,
             latency_s,
+            load_backlog,
+            retained,
             json,
         } => {
             let args = sealpost_cli::bench::BenchArgs {
@@ -288,14 +298,27 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
                 dispatchers,
                 rate_per_s: rate,
                 latency_s,
+                load_backlog: load_backlog.unwrap_or(events / 4),
+                retained,
             };
             let r = sealpost_cli::bench::run(cfg, args, json).await.map_err(e)?;
             if json {
                 println!("{}", serde_json::to_string(&r).map_err(|x| x.to_string())?);
             } else {
                 println!(
-                    "events {}  sealpost {:.0}/s  naive {:.0}/s  ratio {:.3}  latency p50 {} ms p99 {} ms",
-                    r.events, r.sealpost_events_per_s, r.naive_events_per_s, r.ratio, r.latency_ms_p50, r.latency_ms_p99
+                    "events {}  retained {}  dispatchers {}  sealpost {:.0}/s  naive {:.0}/s  ratio {:.3}",
+                    r.events, r.retained, r.dispatchers, r.sealpost_events_per_s, r.naive_events_per_s, r.ratio
+                );
+                println!(
+                    "WAL bytes/event sealpost {:.0} naive {:.0}  statements/event sealpost {:.2} naive {:.2}  naive failed publishes {}",
+                    r.wal_bytes_per_event, r.naive_wal_bytes_per_event, r.statements_per_event,
+                    r.naive_statements_per_event, r.naive_publish_failures
+                );
+                println!(
+                    "under load (backlog {}, {:.0}/s produced of {}/s offered, {:.1} s): net drain {:.0}/s  latency p50 {} ms p99 {} ms ({} events)  after the backlog p99 {} ms ({} events)",
+                    r.load_backlog, r.produced_events_per_s, r.rate_per_s, r.load_s, r.net_drain_events_per_s,
+                    r.latency_ms_p50, r.latency_ms_p99, r.latency_events, r.latency_ms_p99_after_backlog,
+                    r.latency_events_after_backlog
                 );
             }
             Ok(0)
