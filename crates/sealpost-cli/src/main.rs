@@ -315,10 +315,10 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
                     r.naive_statements_per_event, r.naive_publish_failures
                 );
                 println!(
-                    "under load (backlog {}, {:.0}/s produced of {}/s offered, {:.1} s): net drain {:.0}/s  latency p50 {} ms p99 {} ms ({} events)  after the backlog p99 {} ms ({} events)",
+                    "under load (backlog {}, {:.0}/s produced of {}/s offered, {:.1} s): net drain {:.0}/s  latency with producers running p50 {} ms p99 {} ms ({} events)  committed during the backlog p99 {} ms ({} events)",
                     r.load_backlog, r.produced_events_per_s, r.rate_per_s, r.load_s, r.net_drain_events_per_s,
-                    r.latency_ms_p50, r.latency_ms_p99, r.latency_events, r.latency_ms_p99_after_backlog,
-                    r.latency_events_after_backlog
+                    r.latency_ms_p50, r.latency_ms_p99, r.latency_events, r.latency_ms_p99_during_backlog,
+                    r.latency_events_during_backlog
                 );
             }
             Ok(0)

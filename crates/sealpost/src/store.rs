@@ -460,9 +460,22 @@ const ROW_COLS: &str =
 /// Number of columns in [`ROW_COLS`]; extra selected columns start here.
 const ROW_COLS_LEN: usize = 40;
 
-/// The work row joined with its current sealed generation (alias `w` and `e`).
-const ROW_FROM: &str = "sealpost.work w JOIN sealpost.envelope e
-    ON e.event_id = w.event_id AND e.member = w.member AND e.envelope_generation = w.envelope_generation";
+/// Selects (and locks, if `pick` says `FOR UPDATE`) work rows with `pick` (a
+/// `FROM sealpost.work w ...` clause with its own order and limit), then joins their sealed envelopes: the rows are chosen
+/// and locked by an ordered scan of the work row's index alone (the planner cannot misjudge
+/// the join and sort the whole backlog), and only the locked rows are joined.
+fn locked_rows_sql(pick: &str, extra_cols: &str, order: &str) -> String {
+    format!(
+        "WITH w AS (SELECT w.* {pick})
+         SELECT {ROW_COLS}{extra_cols} FROM w JOIN sealpost.envelope e
+           ON e.event_id = w.event_id AND e.member = w.member
+          AND e.envelope_generation = w.envelope_generation
+         ORDER BY {order}"
+    )
+}
+
+/// The database clock in milliseconds at the start of the statement, as SQL.
+const NOW_MS_SQL: &str = "(extract(epoch from statement_timestamp()) * 1000)::bigint";
 
 /// A loaded row and the number of its earlier attempts kept in `sealpost.attempt`.
 struct Loaded {
@@ -672,10 +685,12 @@ async fn lock_rows(tx: &impl GenericClient, keys: &[(EventId, u16)]) -> Result<V
     sorted.dedup();
     let ids: Vec<Uuid> = sorted.iter().map(|k| uuid_of(k.0)).collect();
     let members: Vec<i16> = sorted.iter().map(|k| k.1 as i16).collect();
-    let q = format!(
-        "SELECT {ROW_COLS} FROM {ROW_FROM}
+    let q = locked_rows_sql(
+        "FROM sealpost.work w
          JOIN unnest($1::uuid[], $2::int2[]) AS k(id, m) ON w.event_id = k.id AND w.member = k.m
-         ORDER BY w.event_id, w.member FOR UPDATE OF w"
+         ORDER BY w.event_id, w.member FOR UPDATE OF w",
+        "",
+        "w.event_id, w.member",
     );
     counted(1);
     let found = tx.query(q.as_str(), &[&ids, &members]).await?;
@@ -968,14 +983,16 @@ pub async fn claim_batch_for(
     let tx = client.transaction().await?;
     // One statement reads the clock, picks and locks the batch, joins the sealed envelope
     // (destination, digests, payload) and draws an attempt id per row.
-    let q = format!(
-        "WITH clock AS (SELECT (extract(epoch from clock_timestamp()) * 1000)::bigint AS now_ms)
-         SELECT {ROW_COLS}, e.payload, nextval('sealpost.attempt_id_seq'), clock.now_ms
-         FROM {ROW_FROM} CROSS JOIN clock
-         WHERE w.phase = 0 AND ($2::text IS NULL OR w.dest_cluster = $2)
-           AND (w.state = 'PENDING' OR w.lease_until_ms IS NULL OR w.lease_until_ms <= clock.now_ms)
-           AND (w.state <> 'PENDING' OR w.not_before_ms <= clock.now_ms)
-         ORDER BY w.dest_cluster, w.committed_seq LIMIT $1 FOR UPDATE OF w SKIP LOCKED"
+    let q = locked_rows_sql(
+        &format!(
+            "FROM sealpost.work w
+             WHERE w.phase = 0 AND ($2::text IS NULL OR w.dest_cluster = $2)
+               AND (w.state = 'PENDING' OR w.lease_until_ms IS NULL OR w.lease_until_ms <= {NOW_MS_SQL})
+               AND (w.state <> 'PENDING' OR w.not_before_ms <= {NOW_MS_SQL})
+             ORDER BY w.dest_cluster, w.committed_seq LIMIT $1 FOR UPDATE OF w SKIP LOCKED"
+        ),
+        &format!(", e.payload, nextval('sealpost.attempt_id_seq'), {NOW_MS_SQL}"),
+        "w.dest_cluster, w.committed_seq",
     );
     counted(3);
     let found = tx
@@ -1376,11 +1393,13 @@ pub async fn claim_unknown(
     let now_ms = db_now_ms(&tx).await?;
     // Due unknown rows in the order they fell due: a range scan of `work_unknown_due` that
     // stops at `now`, never walking rows that are not due.
-    let q = format!(
-        "SELECT {ROW_COLS} FROM {ROW_FROM}
+    let q = locked_rows_sql(
+        "FROM sealpost.work w
          WHERE w.phase = 1 AND w.next_lookup_at_ms <= $1
            AND (w.lease_until_ms IS NULL OR w.lease_until_ms <= $1)
-         ORDER BY w.next_lookup_at_ms LIMIT $2 FOR UPDATE OF w SKIP LOCKED"
+         ORDER BY w.next_lookup_at_ms LIMIT $2 FOR UPDATE OF w SKIP LOCKED",
+        "",
+        "w.next_lookup_at_ms",
     );
     counted(4);
     let mut found = tx
@@ -1391,13 +1410,15 @@ pub async fn claim_unknown(
     // claim index: the oldest dispatchable rows, where a dispatcher that died mid-send left
     // them (claims go in commit order). Every dispatcher's claim scan moves any expired
     // `SENDING` row it passes to `DISPATCH_UNKNOWN` as well.
-    let q = format!(
-        "SELECT {ROW_COLS} FROM {ROW_FROM}
+    let q = locked_rows_sql(
+        "FROM sealpost.work w
          JOIN (SELECT event_id, member FROM sealpost.work WHERE phase = 0
                ORDER BY dest_cluster, committed_seq LIMIT $3) f
            ON f.event_id = w.event_id AND f.member = w.member
          WHERE w.state = 'SENDING' AND w.lease_until_ms <= $1
-         LIMIT $2 FOR UPDATE OF w SKIP LOCKED"
+         LIMIT $2 FOR UPDATE OF w SKIP LOCKED",
+        "",
+        "w.committed_seq",
     );
     found.extend(
         tx.query(
@@ -1696,10 +1717,12 @@ pub async fn published_after_cursor(
         )
         .await?
         .map_or((Uuid::nil(), -1), |r| (r.get(0), r.get(1)));
-    let q = format!(
-        "SELECT {ROW_COLS} FROM {ROW_FROM}
+    let q = locked_rows_sql(
+        "FROM sealpost.work w
          WHERE (w.event_id, w.member) > ($1, $2) AND w.state = 'PUBLISHED'
-         ORDER BY w.event_id, w.member LIMIT $3"
+         ORDER BY w.event_id, w.member LIMIT $3",
+        "",
+        "w.event_id, w.member",
     );
     let rows = tx
         .query(q.as_str(), &[&after.0, &after.1, &(max as i64)])
