@@ -25,11 +25,13 @@ fn db(e: tokio_postgres::Error) -> RunError {
 /// the `events`-th effect has committed. Afterwards the durable consumer and the consumer's
 /// inbox, watermark and effect rows are removed, so a retention run never waits for it.
 ///
+/// The schema must be applied (`sealpost migrate`); `measure` does not migrate, so it may
+/// run beside dispatchers without taking the migration's locks.
+///
 /// Fails if the consumer stops with an error, or applies nothing for 60 s before reaching
 /// `events` (the topic holds fewer messages).
 pub async fn measure(cfg: &Config, nats: &Nats, topic: &str, events: u64) -> Result<f64, RunError> {
     let admin = runtime::pg_connect(&cfg.database_url).await?;
-    store::migrate(&admin).await?;
     crate::demo::prepare(&admin).await?;
     let consumer_id = format!("consume-bench-{}", runtime::owner_id());
     let stop = Arc::new(AtomicBool::new(false));
