@@ -5,6 +5,7 @@
 
 pub mod bench;
 pub mod config;
+pub mod consume_bench;
 pub mod consumer;
 pub mod demo;
 pub mod ops;

@@ -3,6 +3,12 @@
 //! the caller acks the broker only after that commit. A duplicate returns the original
 //! consumption receipt and runs nothing; a different payload under a known event id is
 //! quarantined and never applied. The decision is `sealpost_core::inbox::decide_inbox`.
+//! [`process`] applies one delivery per transaction; [`process_batch`] applies a fetched
+//! batch in one transaction with the same decisions, isolating a failing message's effect
+//! under a savepoint so the rest of the batch commits.
+
+use std::collections::hash_map::Entry;
+use std::collections::HashMap;
 
 use futures::future::BoxFuture;
 use sealpost_core::encoding::Digest;
@@ -56,6 +62,9 @@ pub type Effect<'c> = Box<
         + 'c,
 >;
 
+/// The reason recorded for a different payload under an event id the consumer already holds.
+const DIFFERENT_PAYLOAD: &str = "a different payload under an event id already consumed";
+
 /// Processes one delivery for `consumer_id` in one transaction. Ack the broker message only
 /// after this returns `Ok`.
 ///
@@ -70,66 +79,28 @@ pub async fn process(
     effect: Effect<'_>,
 ) -> Result<InboxOutcome> {
     let tx = client.transaction().await?;
-    let id = Uuid::from_bytes(d.event_id.0);
-    let member = d.member as i16;
     if let Err(refusal) = decide_delivery(d.claimed_digest, d.payload_digest) {
-        quarantine(&tx, consumer_id, d, &refusal.to_string()).await?;
+        quarantine(&tx, consumer_id, &[(d, refusal.to_string())]).await?;
         tx.commit().await?;
         return Ok(InboxOutcome::Quarantined);
     }
-    let inserted = tx
-        .query_opt(
-            "INSERT INTO sealpost.inbox (consumer_id, event_id, member, payload_digest, stream, sequence)
-             VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING RETURNING receipt_id",
-            &[&consumer_id, &id, &member, &d.payload_digest.0.as_slice(), &d.stream, &(d.sequence as i64)],
-        )
-        .await?;
-    let existing = match &inserted {
-        Some(_) => None,
-        None => {
-            let r = tx
-                .query_one(
-                    "SELECT payload_digest, receipt_id FROM sealpost.inbox
-                     WHERE consumer_id = $1 AND event_id = $2 AND member = $3",
-                    &[&consumer_id, &id, &member],
-                )
-                .await?;
-            let dg: Vec<u8> = r.get(0);
-            let dg: [u8; 32] = dg
-                .try_into()
-                .map_err(|_| StoreError::Corrupt("inbox digest".into()))?;
-            Some(InboxRecord {
-                payload_digest: Digest(dg),
-                receipt_id: r.get::<_, i64>(1) as u64,
-            })
-        }
-    };
-    let outcome = match decide_inbox(existing, d.payload_digest) {
+    let slot = take_slots(&tx, consumer_id, std::slice::from_ref(d), &[0])
+        .await?
+        .pop()
+        .ok_or_else(|| StoreError::Corrupt("inbox slot".into()))?;
+    let outcome = match slot.decision {
         InboxDecision::Apply => {
             effect(&tx).await?;
-            tx.execute(
-                "INSERT INTO sealpost.consumer_watermark (consumer_id, stream, high_water, updated_at_ms)
-                 VALUES ($1, $2, $3, (extract(epoch from clock_timestamp()) * 1000)::bigint)
-                 ON CONFLICT (consumer_id, stream) DO UPDATE
-                 SET high_water = greatest(sealpost.consumer_watermark.high_water, EXCLUDED.high_water),
-                     updated_at_ms = EXCLUDED.updated_at_ms",
-                &[&consumer_id, &d.stream, &(d.sequence as i64)],
-            )
-            .await?;
-            let receipt_id = inserted.map_or(0, |r| r.get::<_, i64>(0));
-            InboxOutcome::Applied { receipt_id }
+            advance_watermark(&tx, consumer_id, &[d]).await?;
+            InboxOutcome::Applied {
+                receipt_id: slot.record.receipt_id as i64,
+            }
         }
         InboxDecision::Duplicate { receipt_id } => InboxOutcome::Duplicate {
             receipt_id: receipt_id as i64,
         },
         InboxDecision::Quarantine => {
-            quarantine(
-                &tx,
-                consumer_id,
-                d,
-                "a different payload under an event id already consumed",
-            )
-            .await?;
+            quarantine(&tx, consumer_id, &[(d, DIFFERENT_PAYLOAD.to_string())]).await?;
             InboxOutcome::Quarantined
         }
     };
@@ -137,16 +108,353 @@ pub async fn process(
     Ok(outcome)
 }
 
+/// What processing one message of a batch did ([`process_batch`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum BatchOutcome {
+    /// First delivery: the effect ran and committed with the inbox row.
+    Applied {
+        /// The consumption receipt.
+        receipt_id: i64,
+    },
+    /// Seen before (or earlier in the same batch): nothing ran; the original receipt.
+    Duplicate {
+        /// The original consumption receipt.
+        receipt_id: i64,
+    },
+    /// Refused and recorded in `sealpost.inbox_quarantine`: never applied.
+    Quarantined,
+    /// The message's inbox row or effect failed; both were rolled back alone (the rest of
+    /// the batch committed). Do not ack it: the broker redelivers it.
+    Failed {
+        /// The database's own words.
+        error: String,
+    },
+}
+
+impl BatchOutcome {
+    /// Whether the broker message may be acked (after the commit): everything but `Failed`.
+    pub fn ack(&self) -> bool {
+        !matches!(self, BatchOutcome::Failed { .. })
+    }
+}
+
+impl From<InboxOutcome> for BatchOutcome {
+    fn from(o: InboxOutcome) -> Self {
+        match o {
+            InboxOutcome::Applied { receipt_id } => BatchOutcome::Applied { receipt_id },
+            InboxOutcome::Duplicate { receipt_id } => BatchOutcome::Duplicate { receipt_id },
+            InboxOutcome::Quarantined => BatchOutcome::Quarantined,
+        }
+    }
+}
+
+/// The effect of a batch: applies the messages at the given indices of the batch (each a
+/// first delivery) inside the inbox transaction, all writes through it. It may be called
+/// more than once per batch, on a subset each time (see [`process_batch`]); each call must
+/// write for exactly the messages it is given.
+pub type BatchEffect<'c> = Box<
+    dyn for<'a> FnMut(
+            &'a Transaction<'a>,
+            &'a [usize],
+        ) -> BoxFuture<'a, std::result::Result<(), tokio_postgres::Error>>
+        + Send
+        + 'c,
+>;
+
+/// Processes a batch of deliveries for `consumer_id` in ONE transaction and returns one
+/// outcome per delivery, in order. Each message is decided exactly as [`process`] decides
+/// it (the core's `decide_delivery` and `decide_inbox`): a payload not matching its digest
+/// header and a different payload under a consumed event id are quarantined with the same
+/// reasons, a duplicate returns the original receipt, a first delivery runs the effect and
+/// moves the watermark. A later copy of a key earlier in the same batch is decided against
+/// that earlier copy (a duplicate, or quarantined), as if the two came one after the other.
+///
+/// Ack the messages whose outcome [`BatchOutcome::ack`]s only after this returns `Ok`; an
+/// `Err` means nothing committed.
+///
+/// # Transactions, isolation and locks
+/// One transaction. The first deliveries take their inbox slots in one `INSERT ... SELECT
+/// FROM unnest(...) ON CONFLICT DO NOTHING` (in key order, so two batches never wait on each
+/// other in a cycle; a concurrent holder of a key is waited for, then seen as a conflict),
+/// the slots that conflicted are read in one statement, and the effect runs once for all
+/// the new ones, all under one savepoint. If that fails, the savepoint is rolled back and
+/// the set is split in halves, each retried under its own savepoint, down to single
+/// messages: a message that fails alone is `Failed` with the database's error, holds no
+/// inbox row and no effect, and the others commit. (A later copy of a failed message's key
+/// in the batch is `Failed` too.) Then the quarantine rows and the watermark (one row per
+/// stream) are written in one statement each, and the transaction commits.
+pub async fn process_batch(
+    client: &mut tokio_postgres::Client,
+    consumer_id: &str,
+    deliveries: &[Delivery],
+    mut effect: BatchEffect<'_>,
+) -> Result<Vec<BatchOutcome>> {
+    let ds = deliveries;
+    let mut outcomes: Vec<Option<BatchOutcome>> = vec![None; ds.len()];
+    let mut refused: Vec<(&Delivery, String)> = Vec::new();
+    // The first copy of each key in the batch takes the slot; later copies follow it.
+    let mut first: HashMap<(EventId, u16), usize> = HashMap::new();
+    let mut candidates = Vec::new();
+    let mut followers = Vec::new();
+    for (i, d) in ds.iter().enumerate() {
+        if let Err(refusal) = decide_delivery(d.claimed_digest, d.payload_digest) {
+            refused.push((d, refusal.to_string()));
+            outcomes[i] = Some(BatchOutcome::Quarantined);
+            continue;
+        }
+        match first.entry((d.event_id, d.member)) {
+            Entry::Vacant(v) => {
+                v.insert(i);
+                candidates.push(i);
+            }
+            Entry::Occupied(o) => followers.push((i, *o.get())),
+        }
+    }
+    let mut tx = client.transaction().await?;
+    let mut records: HashMap<usize, InboxRecord> = HashMap::new();
+    let mut groups = Vec::new();
+    if !candidates.is_empty() {
+        groups.push(candidates);
+    }
+    while let Some(group) = groups.pop() {
+        let sp = tx.savepoint("sealpost_inbox_batch").await?;
+        match attempt(&sp, consumer_id, ds, &group, &mut effect).await {
+            Ok(slots) => {
+                sp.commit().await?;
+                for slot in slots {
+                    let outcome = match slot.decision {
+                        InboxDecision::Apply => BatchOutcome::Applied {
+                            receipt_id: slot.record.receipt_id as i64,
+                        },
+                        InboxDecision::Duplicate { receipt_id } => BatchOutcome::Duplicate {
+                            receipt_id: receipt_id as i64,
+                        },
+                        InboxDecision::Quarantine => {
+                            refused.push((&ds[slot.index], DIFFERENT_PAYLOAD.to_string()));
+                            BatchOutcome::Quarantined
+                        }
+                    };
+                    outcomes[slot.index] = Some(outcome);
+                    records.insert(slot.index, slot.record);
+                }
+            }
+            Err(e) => {
+                sp.rollback().await?;
+                if let [only] = group[..] {
+                    let error = match &e {
+                        StoreError::Db(db) => crate::store::db_message(db),
+                        other => other.to_string(),
+                    };
+                    outcomes[only] = Some(BatchOutcome::Failed { error });
+                } else {
+                    let (a, b) = group.split_at(group.len() / 2);
+                    groups.push(b.to_vec());
+                    groups.push(a.to_vec());
+                }
+            }
+        }
+    }
+    for (i, f) in followers {
+        let outcome = match (records.get(&f), &outcomes[f]) {
+            (Some(rec), _) => match decide_inbox(Some(*rec), ds[i].payload_digest) {
+                InboxDecision::Duplicate { receipt_id } => BatchOutcome::Duplicate {
+                    receipt_id: receipt_id as i64,
+                },
+                InboxDecision::Quarantine => {
+                    refused.push((&ds[i], DIFFERENT_PAYLOAD.to_string()));
+                    BatchOutcome::Quarantined
+                }
+                InboxDecision::Apply => unreachable!("decide_inbox applies only a free slot"),
+            },
+            (None, Some(BatchOutcome::Failed { error })) => BatchOutcome::Failed {
+                error: error.clone(),
+            },
+            (None, _) => unreachable!("the first copy of a key is decided or failed"),
+        };
+        outcomes[i] = Some(outcome);
+    }
+    if !refused.is_empty() {
+        quarantine(&tx, consumer_id, &refused).await?;
+    }
+    let applied: Vec<&Delivery> = ds
+        .iter()
+        .zip(&outcomes)
+        .filter(|(_, o)| matches!(o, Some(BatchOutcome::Applied { .. })))
+        .map(|(d, _)| d)
+        .collect();
+    if !applied.is_empty() {
+        advance_watermark(&tx, consumer_id, &applied).await?;
+    }
+    tx.commit().await?;
+    Ok(outcomes
+        .into_iter()
+        .map(|o| o.expect("every delivery has an outcome"))
+        .collect())
+}
+
+/// One group's try under its savepoint: take the slots, run the effect for the new ones.
+async fn attempt(
+    tx: &Transaction<'_>,
+    consumer_id: &str,
+    ds: &[Delivery],
+    group: &[usize],
+    effect: &mut BatchEffect<'_>,
+) -> Result<Vec<Slot>> {
+    let slots = take_slots(tx, consumer_id, ds, group).await?;
+    let apply: Vec<usize> = slots
+        .iter()
+        .filter(|s| s.decision == InboxDecision::Apply)
+        .map(|s| s.index)
+        .collect();
+    if !apply.is_empty() {
+        effect(tx, &apply).await?;
+    }
+    Ok(slots)
+}
+
+/// A delivery's inbox slot and the core's decision on it.
+struct Slot {
+    /// Index into the deliveries.
+    index: usize,
+    /// `decide_inbox` on what the inbox held.
+    decision: InboxDecision,
+    /// What the inbox holds for the key now (the new row when `Apply`).
+    record: InboxRecord,
+}
+
+/// Takes the inbox slots of `items` (indices into `ds`, distinct keys) with one `INSERT ...
+/// ON CONFLICT DO NOTHING` in key order, reads the slots that were already taken, and
+/// decides each with the core's `decide_inbox`.
+async fn take_slots(
+    tx: &Transaction<'_>,
+    consumer_id: &str,
+    ds: &[Delivery],
+    items: &[usize],
+) -> Result<Vec<Slot>> {
+    let mut order = items.to_vec();
+    order.sort_by_key(|&i| (ds[i].event_id, ds[i].member));
+    let key = |i: usize| (Uuid::from_bytes(ds[i].event_id.0), ds[i].member as i16);
+    let ids: Vec<Uuid> = order.iter().map(|&i| key(i).0).collect();
+    let members: Vec<i16> = order.iter().map(|&i| key(i).1).collect();
+    let digests: Vec<&[u8]> = order
+        .iter()
+        .map(|&i| ds[i].payload_digest.0.as_slice())
+        .collect();
+    let streams: Vec<&str> = order.iter().map(|&i| ds[i].stream.as_str()).collect();
+    let seqs: Vec<i64> = order.iter().map(|&i| ds[i].sequence as i64).collect();
+    let inserted: HashMap<(Uuid, i16), i64> = tx
+        .query(
+            "INSERT INTO sealpost.inbox (consumer_id, event_id, member, payload_digest, stream, sequence)
+             SELECT $1, * FROM unnest($2::uuid[], $3::int2[], $4::bytea[], $5::text[], $6::int8[])
+             ON CONFLICT DO NOTHING RETURNING event_id, member, receipt_id",
+            &[&consumer_id, &ids, &members, &digests, &streams, &seqs],
+        )
+        .await?
+        .iter()
+        .map(|r| ((r.get(0), r.get(1)), r.get(2)))
+        .collect();
+    let mut existing: HashMap<(Uuid, i16), InboxRecord> = HashMap::new();
+    if inserted.len() < order.len() {
+        let (ids, members): (Vec<Uuid>, Vec<i16>) = order
+            .iter()
+            .map(|&i| key(i))
+            .filter(|k| !inserted.contains_key(k))
+            .unzip();
+        for r in tx
+            .query(
+                "SELECT event_id, member, i.payload_digest, i.receipt_id
+                 FROM unnest($2::uuid[], $3::int2[]) AS k(event_id, member)
+                 JOIN sealpost.inbox i USING (event_id, member)
+                 WHERE i.consumer_id = $1",
+                &[&consumer_id, &ids, &members],
+            )
+            .await?
+        {
+            let dg: Vec<u8> = r.get(2);
+            let dg: [u8; 32] = dg
+                .try_into()
+                .map_err(|_| StoreError::Corrupt("inbox digest".into()))?;
+            existing.insert(
+                (r.get(0), r.get(1)),
+                InboxRecord {
+                    payload_digest: Digest(dg),
+                    receipt_id: r.get::<_, i64>(3) as u64,
+                },
+            );
+        }
+    }
+    items
+        .iter()
+        .map(|&i| {
+            let d = &ds[i];
+            let k = key(i);
+            let (held, record) = match inserted.get(&k) {
+                Some(&receipt_id) => (
+                    None,
+                    InboxRecord {
+                        payload_digest: d.payload_digest,
+                        receipt_id: receipt_id as u64,
+                    },
+                ),
+                None => {
+                    let rec = *existing.get(&k).ok_or_else(|| {
+                        StoreError::Corrupt(format!(
+                            "inbox slot of event {} member {} conflicted but is gone",
+                            k.0, k.1
+                        ))
+                    })?;
+                    (Some(rec), rec)
+                }
+            };
+            Ok(Slot {
+                index: i,
+                decision: decide_inbox(held, d.payload_digest),
+                record,
+            })
+        })
+        .collect()
+}
+
+/// Moves the consumer's high-water position of each stream to the highest applied sequence.
+async fn advance_watermark(
+    tx: &Transaction<'_>,
+    consumer_id: &str,
+    applied: &[&Delivery],
+) -> Result<()> {
+    let streams: Vec<&str> = applied.iter().map(|d| d.stream.as_str()).collect();
+    let seqs: Vec<i64> = applied.iter().map(|d| d.sequence as i64).collect();
+    tx.execute(
+        "INSERT INTO sealpost.consumer_watermark (consumer_id, stream, high_water, updated_at_ms)
+         SELECT $1, s, max(q), (extract(epoch from clock_timestamp()) * 1000)::bigint
+         FROM unnest($2::text[], $3::int8[]) AS t(s, q) GROUP BY s
+         ON CONFLICT (consumer_id, stream) DO UPDATE
+         SET high_water = greatest(sealpost.consumer_watermark.high_water, EXCLUDED.high_water),
+             updated_at_ms = EXCLUDED.updated_at_ms",
+        &[&consumer_id, &streams, &seqs],
+    )
+    .await?;
+    Ok(())
+}
+
+/// Records refused deliveries, each with its reason, in one statement.
 async fn quarantine(
     tx: &Transaction<'_>,
     consumer_id: &str,
-    d: &Delivery,
-    reason: &str,
+    refused: &[(&Delivery, String)],
 ) -> Result<()> {
+    let ids: Vec<Uuid> = refused
+        .iter()
+        .map(|(d, _)| Uuid::from_bytes(d.event_id.0))
+        .collect();
+    let members: Vec<i16> = refused.iter().map(|(d, _)| d.member as i16).collect();
+    let streams: Vec<&str> = refused.iter().map(|(d, _)| d.stream.as_str()).collect();
+    let seqs: Vec<i64> = refused.iter().map(|(d, _)| d.sequence as i64).collect();
+    let reasons: Vec<&str> = refused.iter().map(|(_, r)| r.as_str()).collect();
     tx.execute(
         "INSERT INTO sealpost.inbox_quarantine (consumer_id, event_id, member, stream, sequence, reason, at_ms)
-         VALUES ($1, $2, $3, $4, $5, $6, (extract(epoch from clock_timestamp()) * 1000)::bigint)",
-        &[&consumer_id, &Uuid::from_bytes(d.event_id.0), &(d.member as i16), &d.stream, &(d.sequence as i64), &reason],
+         SELECT $1, e, m, s, q, r, (extract(epoch from clock_timestamp()) * 1000)::bigint
+         FROM unnest($2::uuid[], $3::int2[], $4::text[], $5::int8[], $6::text[]) AS t(e, m, s, q, r)",
+        &[&consumer_id, &ids, &members, &streams, &seqs, &reasons],
     )
     .await?;
     Ok(())
