@@ -114,6 +114,9 @@ pub struct BenchReport {
     pub latency_events_during_backlog: u64,
     /// 99th percentile latency of those events.
     pub latency_ms_p99_during_backlog: f64,
+    /// One `sealpost consume` consumer applying the topic's events through the batched inbox
+    /// (one transaction and one effect statement per fetched batch, acks after the commit).
+    pub consume_events_per_s: f64,
 }
 
 fn db(e: tokio_postgres::Error) -> RunError {
@@ -811,6 +814,13 @@ async fn phases(
         during.len()
     ));
 
+    // One consumer applies everything the topic holds (phase A, the load phase's backlog and
+    // the producers' events) through the batched inbox, effect and all.
+    let on_topic = args.events + args.load_backlog + produced;
+    say(format!("consumer: applying {on_topic} events ..."));
+    let consume_rate = crate::consume_bench::measure(cfg, nats, topic, on_topic).await?;
+    say(format!("consumer: {consume_rate:.0} events/s"));
+
     // The naive relay over a backlog of the same size.
     say(format!("naive relay: {} events ...", args.events));
     let naive = naive_phase(
@@ -852,5 +862,6 @@ async fn phases(
         latency_ms_p99: p99,
         latency_events_during_backlog: during.len() as u64,
         latency_ms_p99_during_backlog: p99_during,
+        consume_events_per_s: round(consume_rate, 1),
     })
 }

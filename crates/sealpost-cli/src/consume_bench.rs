@@ -160,7 +160,7 @@ pub async fn prefill(
     loop {
         let left: i64 = pg
             .query_one(
-                "SELECT count(*) FROM sealpost.envelope WHERE dest_topic = $1
+                "SELECT count(*) FROM sealpost.outbox WHERE dest_topic = $1
                    AND state IN ('PENDING', 'CLAIMED', 'SENDING', 'RETRY_CLAIMED',
                                  'DISPATCH_UNKNOWN', 'RECONCILING')",
                 &[&topic],

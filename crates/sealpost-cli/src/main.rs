@@ -320,6 +320,7 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
                     r.latency_ms_p50, r.latency_ms_p99, r.latency_events, r.latency_ms_p99_during_backlog,
                     r.latency_events_during_backlog
                 );
+                println!("consumer: {:.0} events/s applied", r.consume_events_per_s);
             }
             Ok(0)
         }

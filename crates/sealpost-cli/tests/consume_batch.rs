@@ -439,7 +439,7 @@ async fn the_consumer_naks_a_failing_message_and_applies_it_once_when_it_can() {
         .unwrap();
     let poison: uuid::Uuid = pg
         .query_one(
-            "SELECT event_id FROM sealpost.envelope WHERE aggregate_id = 'o-7'",
+            "SELECT event_id FROM sealpost.outbox WHERE aggregate_id = 'o-7'",
             &[],
         )
         .await

@@ -114,7 +114,7 @@ async fn enqueue(
 
 async fn state_of(pg: &tokio_postgres::Client, id: EventId) -> String {
     pg.query_one(
-        "SELECT state FROM sealpost.envelope WHERE event_id = $1",
+        "SELECT state FROM sealpost.outbox WHERE event_id = $1",
         &[&uuid::Uuid::from_bytes(id.0)],
     )
     .await
@@ -332,7 +332,7 @@ async fn rows_that_cannot_leave_back_off_and_do_not_starve_the_rest() {
         assert_eq!(state_of(&pg, *id).await, "PENDING");
         let attempts = int(
             &pg,
-            "SELECT count(*) FROM sealpost.attempt WHERE event_id = $1",
+            "SELECT count(*) FROM sealpost.attempts WHERE event_id = $1",
             *id,
         )
         .await;
@@ -347,13 +347,13 @@ async fn rows_that_cannot_leave_back_off_and_do_not_starve_the_rest() {
         assert_eq!(state_of(&pg, *id).await, "PENDING");
         let never_sent = int(
             &pg,
-            "SELECT never_sent::bigint FROM sealpost.envelope WHERE event_id = $1",
+            "SELECT never_sent::bigint FROM sealpost.outbox WHERE event_id = $1",
             *id,
         )
         .await;
         let attempts = int(
             &pg,
-            "SELECT count(*) FROM sealpost.attempt WHERE event_id = $1",
+            "SELECT count(*) FROM sealpost.attempts WHERE event_id = $1",
             *id,
         )
         .await;
@@ -365,7 +365,7 @@ async fn rows_that_cannot_leave_back_off_and_do_not_starve_the_rest() {
         );
         let why: String = pg
             .query_one(
-                "SELECT last_error FROM sealpost.envelope WHERE event_id = $1",
+                "SELECT last_error FROM sealpost.outbox WHERE event_id = $1",
                 &[&uuid::Uuid::from_bytes(id.0)],
             )
             .await
@@ -418,7 +418,7 @@ async fn the_reconciler_backs_off_reaches_every_unknown_row_and_alerts_while_bus
     for id in &ids {
         let lookups = int(
             &pg,
-            "SELECT lookups::bigint FROM sealpost.envelope WHERE event_id = $1",
+            "SELECT lookups::bigint FROM sealpost.outbox WHERE event_id = $1",
             *id,
         )
         .await;
@@ -480,7 +480,7 @@ async fn receipts_and_reports_commit_together_or_not_at_all() {
     let mut blocker = runtime::pg_connect(&cfg.database_url).await.unwrap();
     let btx = blocker.transaction().await.unwrap();
     btx.execute(
-        "SELECT 1 FROM sealpost.envelope WHERE event_id = $1 FOR UPDATE",
+        "SELECT 1 FROM sealpost.work WHERE event_id = $1 FOR UPDATE",
         &[&uuid::Uuid::from_bytes(ids[1].0)],
     )
     .await
@@ -652,7 +652,7 @@ async fn an_acknowledged_message_lost_at_the_broker_is_a_finding() {
 }
 
 async fn receipt_rows(pg: &tokio_postgres::Client) -> i64 {
-    pg.query_one("SELECT count(*) FROM sealpost.receipt", &[])
+    pg.query_one("SELECT count(*) FROM sealpost.receipts", &[])
         .await
         .unwrap()
         .get(0)
@@ -722,7 +722,7 @@ async fn a_restore_older_than_the_duplicate_window_adopts_the_copies_at_the_brok
             v.push(
                 int(
                     &pg,
-                    "SELECT primary_sequence FROM sealpost.envelope WHERE event_id = $1",
+                    "SELECT primary_sequence FROM sealpost.outbox WHERE event_id = $1",
                     *id,
                 )
                 .await,
@@ -765,7 +765,7 @@ async fn a_restore_older_than_the_duplicate_window_adopts_the_copies_at_the_brok
     for (id, before) in ids.iter().zip(seqs_before) {
         let seq = int(
             &pg,
-            "SELECT primary_sequence FROM sealpost.envelope WHERE event_id = $1",
+            "SELECT primary_sequence FROM sealpost.outbox WHERE event_id = $1",
             *id,
         )
         .await;

@@ -39,7 +39,7 @@ async fn env(tag: &str) -> Env {
         .expect("PostgreSQL must be running");
     store::migrate(&pg).await.expect("migrate");
     pg.batch_execute(
-        "TRUNCATE sealpost.envelope, sealpost.attempt, sealpost.receipt, sealpost.quarantine, sealpost.audit, sealpost.migration",
+        "TRUNCATE sealpost.envelope, sealpost.work, sealpost.attempt, sealpost.receipt, sealpost.quarantine, sealpost.audit, sealpost.migration",
     )
     .await
     .expect("truncate");
@@ -102,7 +102,7 @@ async fn enqueue_n(pg: &mut tokio_postgres::Client, n: usize) -> Vec<EventId> {
 
 async fn state_of(pg: &tokio_postgres::Client, id: EventId) -> String {
     pg.query_one(
-        "SELECT state FROM sealpost.envelope WHERE event_id = $1",
+        "SELECT state FROM sealpost.outbox WHERE event_id = $1",
         &[&uuid::Uuid::from_bytes(id.0)],
     )
     .await
@@ -112,7 +112,7 @@ async fn state_of(pg: &tokio_postgres::Client, id: EventId) -> String {
 
 async fn receipt_kinds(pg: &tokio_postgres::Client, id: EventId) -> Vec<String> {
     pg.query(
-        "SELECT kind FROM sealpost.receipt WHERE event_id = $1 ORDER BY receipt_id",
+        "SELECT kind FROM sealpost.receipts WHERE event_id = $1 ORDER BY receipt_id",
         &[&uuid::Uuid::from_bytes(id.0)],
     )
     .await
@@ -133,7 +133,7 @@ async fn rolled_back_business_transaction_leaves_no_envelope() {
         .unwrap();
     tx.rollback().await.unwrap();
     let n: i64 =
-        e.pg.query_one("SELECT count(*) FROM sealpost.envelope", &[])
+        e.pg.query_one("SELECT count(*) FROM sealpost.outbox", &[])
             .await
             .unwrap()
             .get(0);
@@ -343,7 +343,7 @@ async fn receipt_transaction_rollback_then_retry_fills_slot() {
     let holder = other.transaction().await.unwrap();
     holder
         .execute(
-            "SELECT 1 FROM sealpost.envelope WHERE event_id = $1 FOR UPDATE",
+            "SELECT 1 FROM sealpost.work WHERE event_id = $1 FOR UPDATE",
             &[&uuid::Uuid::from_bytes(id.0)],
         )
         .await

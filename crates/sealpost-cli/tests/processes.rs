@@ -58,7 +58,7 @@ async fn drill(tag: &str, n: usize) -> Drill {
         .await
         .expect("PostgreSQL must be running");
     store::migrate(&pg).await.expect("migrate");
-    pg.batch_execute("TRUNCATE sealpost.envelope, sealpost.attempt, sealpost.receipt, sealpost.quarantine, sealpost.audit")
+    pg.batch_execute("TRUNCATE sealpost.envelope, sealpost.work, sealpost.attempt, sealpost.receipt, sealpost.quarantine, sealpost.audit")
         .await
         .expect("truncate");
     let topic = format!("P{}{}", tag.to_uppercase(), runtime::owner_id() % 1_000_000);
@@ -124,7 +124,7 @@ impl Drill {
         let deadline = Instant::now() + limit;
         loop {
             let done = self
-                .count("SELECT count(*) FROM sealpost.envelope WHERE state = 'PUBLISHED'")
+                .count("SELECT count(*) FROM sealpost.outbox WHERE state = 'PUBLISHED'")
                 .await;
             if done == n {
                 return;
@@ -140,22 +140,22 @@ impl Drill {
     /// Every event PUBLISHED, one primary each, the stream holding each exactly once.
     async fn assert_exactly_once(&self, n: i64) {
         assert_eq!(
-            self.count("SELECT count(*) FROM sealpost.envelope WHERE state <> 'PUBLISHED'")
+            self.count("SELECT count(*) FROM sealpost.outbox WHERE state <> 'PUBLISHED'")
                 .await,
             0
         );
         assert_eq!(
-            self.count("SELECT count(*) FROM sealpost.receipt WHERE kind = 'primary'")
+            self.count("SELECT count(*) FROM sealpost.receipts WHERE kind = 'primary'")
                 .await,
             n
         );
         assert_eq!(
-            self.count("SELECT count(DISTINCT (event_id, member)) FROM sealpost.receipt WHERE kind = 'primary'").await,
+            self.count("SELECT count(DISTINCT (event_id, member)) FROM sealpost.receipts WHERE kind = 'primary'").await,
             n
         );
         assert_eq!(
             self.count(
-                "SELECT count(*) FROM sealpost.envelope e JOIN sealpost.receipt r
+                "SELECT count(*) FROM sealpost.outbox e JOIN sealpost.receipts r
                    ON r.event_id = e.event_id AND r.kind = 'primary' AND r.sequence = e.primary_sequence"
             )
             .await,
@@ -170,7 +170,7 @@ impl Drill {
         let sample = self
             .pg
             .query(
-                "SELECT event_id FROM sealpost.envelope ORDER BY random() LIMIT 20",
+                "SELECT event_id FROM sealpost.outbox ORDER BY random() LIMIT 20",
                 &[],
             )
             .await
@@ -204,12 +204,12 @@ async fn dispatcher_killed_between_send_and_receipt() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert_eq!(
-        d.count("SELECT count(*) FROM sealpost.envelope WHERE state = 'SENDING'")
+        d.count("SELECT count(*) FROM sealpost.outbox WHERE state = 'SENDING'")
             .await,
         n as i64
     );
     assert_eq!(
-        d.count("SELECT count(*) FROM sealpost.receipt").await,
+        d.count("SELECT count(*) FROM sealpost.receipts").await,
         0,
         "no receipt accepted yet"
     );
@@ -223,14 +223,14 @@ async fn dispatcher_killed_between_send_and_receipt() {
     d.assert_exactly_once(n as i64).await;
     assert_eq!(
         d.count(
-            "SELECT count(*) FROM sealpost.receipt WHERE kind = 'primary' AND source = 'lookup'"
+            "SELECT count(*) FROM sealpost.receipts WHERE kind = 'primary' AND source = 'lookup'"
         )
         .await,
         n as i64,
         "every receipt came from the reconciler's lookup"
     );
     assert_eq!(
-        d.count("SELECT count(*) FROM sealpost.attempt").await,
+        d.count("SELECT count(*) FROM sealpost.attempts").await,
         n as i64,
         "no second send was needed"
     );
@@ -267,7 +267,7 @@ async fn nats_stopped_and_restarted_mid_run() {
     assert!(stopped.success());
     tokio::time::sleep(Duration::from_secs(3)).await;
     let published_while_down = d
-        .count("SELECT count(*) FROM sealpost.envelope WHERE state = 'PUBLISHED'")
+        .count("SELECT count(*) FROM sealpost.outbox WHERE state = 'PUBLISHED'")
         .await;
     assert!(
         published_while_down < n as i64,
@@ -295,7 +295,7 @@ async fn four_dispatcher_processes_over_50k_events() {
     d.wait_published(n as i64, Duration::from_secs(300)).await;
     d.assert_exactly_once(n as i64).await;
     let owners = d
-        .count("SELECT count(DISTINCT owner) FROM sealpost.attempt")
+        .count("SELECT count(DISTINCT owner) FROM sealpost.attempts")
         .await;
     assert!(
         owners >= 2,

@@ -152,7 +152,7 @@ async fn early_purge_is_refused_with_its_reason_and_nothing_needed_is_lost() {
     );
     let left: i64 = pg
         .query_one(
-            "SELECT count(*) FROM sealpost.envelope WHERE dest_topic = $1 AND state = 'PUBLISHED'",
+            "SELECT count(*) FROM sealpost.outbox WHERE dest_topic = $1 AND state = 'PUBLISHED'",
             &[&topic],
         )
         .await
@@ -187,7 +187,7 @@ async fn early_purge_is_refused_with_its_reason_and_nothing_needed_is_lost() {
     assert_eq!(done.purged, n as u64);
     let purged: i64 = pg
         .query_one(
-            "SELECT count(*) FROM sealpost.envelope WHERE dest_topic = $1 AND state = 'PURGED' AND length(payload) = 0",
+            "SELECT count(*) FROM sealpost.outbox WHERE dest_topic = $1 AND state = 'PURGED' AND length(payload) = 0",
             &[&topic],
         )
         .await
@@ -329,7 +329,7 @@ async fn restore_from_a_dump_taken_mid_run_keeps_event_ids_and_has_no_second_eff
     let pg = runtime::pg_connect(&cfg.database_url).await.unwrap();
     let pending: i64 = pg
         .query_one(
-            "SELECT count(*) FROM sealpost.envelope WHERE state = 'PENDING'",
+            "SELECT count(*) FROM sealpost.outbox WHERE state = 'PENDING'",
             &[],
         )
         .await
@@ -354,7 +354,7 @@ async fn restore_from_a_dump_taken_mid_run_keeps_event_ids_and_has_no_second_eff
     ];
     wait_for("republication", Duration::from_secs(60), async || {
         pg.query_one(
-            "SELECT count(*) FROM sealpost.envelope WHERE state <> 'PUBLISHED'",
+            "SELECT count(*) FROM sealpost.outbox WHERE state <> 'PUBLISHED'",
             &[],
         )
         .await
@@ -371,7 +371,7 @@ async fn restore_from_a_dump_taken_mid_run_keeps_event_ids_and_has_no_second_eff
     }
     ctask.await.unwrap().unwrap();
     let restored: BTreeSet<String> = pg
-        .query("SELECT event_id::text FROM sealpost.envelope", &[])
+        .query("SELECT event_id::text FROM sealpost.outbox", &[])
         .await
         .unwrap()
         .iter()

@@ -127,3 +127,28 @@ SELECT w.event_id, w.member, w.envelope_generation, e.aggregate_type, e.aggregat
 FROM sealpost.work w
 JOIN sealpost.envelope e
   ON e.event_id = w.event_id AND e.member = w.member AND e.envelope_generation = w.envelope_generation;
+
+-- Every registered attempt: the earlier ones kept as evidence and the latest, inline.
+CREATE VIEW sealpost.attempts AS
+SELECT attempt_id, event_id, member, attempt_generation, claim_generation, owner,
+       envelope_generation, status, started_at_ms
+FROM sealpost.attempt
+UNION ALL
+SELECT attempt_id, event_id, member, attempt_agen, attempt_claim_generation, attempt_owner,
+       attempt_envelope_generation, attempt_status, attempt_started_ms
+FROM sealpost.work WHERE attempt_id IS NOT NULL;
+
+-- Every receipt: the evidence rows (primaries found by lookups, broker duplicates, second
+-- copies) and the primaries of the happy path, which live in the work row only.
+CREATE VIEW sealpost.receipts AS
+SELECT receipt_id, event_id, member, attempt_id, kind, source, cluster, stream, partition,
+       sequence, broker_duplicate, accepted_at_ms
+FROM sealpost.receipt
+UNION ALL
+SELECT NULL::bigint, w.event_id, w.member, w.primary_attempt_id, 'primary', 'ack',
+       w.primary_cluster, w.primary_stream, w.primary_partition, w.primary_sequence, false,
+       w.published_at_ms
+FROM sealpost.work w
+WHERE w.primary_sequence IS NOT NULL
+  AND NOT EXISTS (SELECT 1 FROM sealpost.receipt r
+                  WHERE r.event_id = w.event_id AND r.member = w.member AND r.kind = 'primary');

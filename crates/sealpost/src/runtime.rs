@@ -313,7 +313,12 @@ pub async fn dispatcher<B: Broker>(
     let mut m = DispatcherMachine::new(cfg.dispatcher_config(), 0);
     tracing::info!(owner, %cluster, "dispatcher started");
     let mut next: Option<DispatchAction> = None;
-    while !stop.load(Ordering::Relaxed) {
+    loop {
+        // A stop lets the batch in hand finish (sent, submitted) and starts no new claim, so
+        // a stopped dispatcher leaves no row SENDING behind it.
+        if stop.load(Ordering::Relaxed) && next.is_none() && m.is_idle() {
+            break;
+        }
         let Some(action) = next.take().or_else(|| m.poll_action(ms_since(epoch))) else {
             let wake = m
                 .poll_timeout()

@@ -110,7 +110,7 @@ async fn random_fault_sequences_persist_exactly_what_the_core_decides() {
     store::migrate(&pg).await.unwrap();
     let mut steps = 0;
     for seed in 1..=12u64 {
-        pg.batch_execute("TRUNCATE sealpost.envelope, sealpost.attempt, sealpost.receipt, sealpost.quarantine, sealpost.audit")
+        pg.batch_execute("TRUNCATE sealpost.envelope, sealpost.work, sealpost.attempt, sealpost.receipt, sealpost.quarantine, sealpost.audit")
             .await
             .unwrap();
         let topic = format!("D{seed}");

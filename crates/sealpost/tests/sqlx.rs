@@ -30,7 +30,7 @@ async fn sqlx_enqueue_commits_with_the_callers_transaction() {
         .expect("PostgreSQL must be running");
     store::migrate(&pg).await.expect("migrate");
     pg.batch_execute(
-        "TRUNCATE sealpost.envelope, sealpost.attempt, sealpost.receipt, sealpost.quarantine, sealpost.audit, sealpost.migration",
+        "TRUNCATE sealpost.envelope, sealpost.work, sealpost.attempt, sealpost.receipt, sealpost.quarantine, sealpost.audit, sealpost.migration",
     )
     .await
     .expect("truncate");
@@ -47,7 +47,7 @@ async fn sqlx_enqueue_commits_with_the_callers_transaction() {
         .unwrap();
     tx.rollback().await.unwrap();
     let n: i64 = pg
-        .query_one("SELECT count(*) FROM sealpost.envelope", &[])
+        .query_one("SELECT count(*) FROM sealpost.outbox", &[])
         .await
         .unwrap()
         .get(0);
@@ -59,7 +59,7 @@ async fn sqlx_enqueue_commits_with_the_callers_transaction() {
     tx.commit().await.unwrap();
     let row = pg
         .query_one(
-            "SELECT envelope_digest, state FROM sealpost.envelope WHERE event_id = $1",
+            "SELECT envelope_digest, state FROM sealpost.outbox WHERE event_id = $1",
             &[&uuid::Uuid::from_bytes(id.0)],
         )
         .await
