@@ -34,6 +34,13 @@ pub struct DispatcherConfig {
     pub error_backoff_ms: u64,
     /// Receipt transaction attempts before the batch is left to the reconciler.
     pub submit_tries_max: u32,
+    /// A claim scans from the commit position after its previous batch (the rows before it
+    /// were claimed, are in flight, or wait out a backoff), so it does not walk the queue's
+    /// dead head again and again; at least this often it scans from the start instead, and
+    /// finds whatever became claimable behind the position: a transaction that committed
+    /// late with a lower position, a released row, a backoff that ended, a lease that ran
+    /// out.
+    pub rescan_every_ms: u64,
 }
 
 impl Default for DispatcherConfig {
@@ -45,6 +52,7 @@ impl Default for DispatcherConfig {
             idle_poll_ms: 50,
             error_backoff_ms: 500,
             submit_tries_max: 5,
+            rescan_every_ms: 1_000,
         }
     }
 }
@@ -82,6 +90,9 @@ pub struct Claimed {
     pub db_now_ms: u64,
     /// Sends authorised, in claim order.
     pub sends: Vec<ClaimedSend>,
+    /// The highest commit position the claim scan locked (claimed or moved to unknown);
+    /// `None` if it found nothing.
+    pub last_position: Option<u64>,
 }
 
 /// A sender's report on its own attempt, without a receipt.
@@ -125,6 +136,8 @@ pub enum DispatchAction {
     Claim {
         /// Batch size.
         batch_size_max: usize,
+        /// Scan only rows at or after this commit position (0: the whole queue).
+        from_position: u64,
     },
     /// Send the batch, no message after `deadline_ms`; answer with
     /// [`DispatcherMachine::handle_sent`].
@@ -191,6 +204,10 @@ pub struct DispatcherMachine {
     /// Receipts that arrived after their batch was settled (late ACKs, R11).
     late: VecDeque<Receipt>,
     counts: DispatchCounts,
+    /// Where the next claim scan starts (see [`DispatcherConfig::rescan_every_ms`]).
+    scan_from: u64,
+    /// When the next claim scans from the start.
+    full_scan_at_ms: u64,
 }
 
 impl DispatcherMachine {
@@ -201,6 +218,8 @@ impl DispatcherMachine {
             phase: Phase::Idle { wake_at_ms: now_ms },
             late: VecDeque::new(),
             counts: DispatchCounts::default(),
+            scan_from: 0,
+            full_scan_at_ms: now_ms,
         }
     }
 
@@ -237,8 +256,13 @@ impl DispatcherMachine {
                 }
                 if now_ms >= *wake_at_ms {
                     self.phase = Phase::Claiming;
+                    if now_ms >= self.full_scan_at_ms {
+                        self.scan_from = 0;
+                        self.full_scan_at_ms = now_ms + self.cfg.rescan_every_ms;
+                    }
                     return Some(DispatchAction::Claim {
                         batch_size_max: self.cfg.batch_size_max,
+                        from_position: self.scan_from,
                     });
                 }
                 None
@@ -280,6 +304,11 @@ impl DispatcherMachine {
     /// empty (the same one [`DispatcherMachine::poll_action`] would return).
     pub fn handle_claimed(&mut self, now_ms: u64, claimed: Claimed) -> Option<DispatchAction> {
         debug_assert_eq!(self.phase, Phase::Claiming);
+        if let Some(p) = claimed.last_position {
+            // Everything before it was claimed, is in flight or waits: the next scan starts
+            // after it until the next full scan.
+            self.scan_from = self.scan_from.max(p + 1);
+        }
         if claimed.sends.is_empty() {
             self.phase = Phase::Idle {
                 wake_at_ms: now_ms + self.cfg.idle_poll_ms,
@@ -514,7 +543,47 @@ mod tests {
                     db_lease_until_ms: db_now + lease_ms,
                 })
                 .collect(),
+            last_position: (n > 0).then_some(100 + n),
         }
+    }
+
+    #[test]
+    fn a_claim_scans_after_the_previous_batch_and_from_the_start_at_least_every_rescan_period() {
+        let cfg = DispatcherConfig {
+            rescan_every_ms: 1_000,
+            ..DispatcherConfig::default()
+        };
+        let mut m = DispatcherMachine::new(cfg, 0);
+        let from = |a: Option<DispatchAction>| match a {
+            Some(DispatchAction::Claim { from_position, .. }) => from_position,
+            other => panic!("expected a claim, got {other:?}"),
+        };
+        assert_eq!(
+            from(m.poll_action(0)),
+            0,
+            "the first scan starts at the start"
+        );
+        m.handle_claimed(0, claimed(3, 0, 0, 10_000));
+        m.handle_sent(1, vec![SendResult::NoAnswer; 3]);
+        m.handle_submitted(2, true);
+        assert_eq!(
+            from(m.poll_action(2)),
+            104,
+            "then after the last position claimed"
+        );
+        m.handle_claimed(3, Claimed::default());
+        assert_eq!(m.poll_action(3), None);
+        assert_eq!(
+            from(m.poll_action(3 + cfg.idle_poll_ms)),
+            104,
+            "an empty scan keeps the position"
+        );
+        m.handle_claimed(60, Claimed::default());
+        assert_eq!(
+            from(m.poll_action(1_000)),
+            0,
+            "a full scan when the rescan period is over"
+        );
     }
 
     #[test]
@@ -532,7 +601,8 @@ mod tests {
         assert_eq!(
             m.poll_action(0),
             Some(DispatchAction::Claim {
-                batch_size_max: cfg.batch_size_max
+                batch_size_max: cfg.batch_size_max,
+                from_position: 0
             })
         );
         assert_eq!(m.poll_action(0), None, "one claim at a time");

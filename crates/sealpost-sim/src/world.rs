@@ -270,6 +270,7 @@ fn dispatcher_config() -> DispatcherConfig {
         idle_poll_ms: DISPATCH_IDLE_POLL_MS,
         error_backoff_ms: 500,
         submit_tries_max: 5,
+        rescan_every_ms: 1_000,
     }
 }
 
@@ -913,8 +914,11 @@ impl World {
 
     fn dispatch_action(&mut self, d: u8, action: DispatchAction) {
         match action {
-            DispatchAction::Claim { batch_size_max } => {
-                let claimed = self.store_claim(d, batch_size_max);
+            DispatchAction::Claim {
+                batch_size_max,
+                from_position,
+            } => {
+                let claimed = self.store_claim(d, batch_size_max, from_position);
                 let now = self.now;
                 if let Some(send) = self.dispatchers[d as usize]
                     .machine
@@ -936,7 +940,8 @@ impl World {
 
     /// The store's claim transaction (`store::claim_batch`): claim in commit order, only the
     /// clusters this dispatcher serves, and register each attempt before anything is sent.
-    fn store_claim(&mut self, d: u8, max: usize) -> Claimed {
+    /// The claim scan in commit order (row index = commit position), from `from_position`.
+    fn store_claim(&mut self, d: u8, max: usize, from_position: u64) -> Claimed {
         self.db_version += 1;
         let di = d as usize;
         let owner = self.dispatchers[di].owner;
@@ -945,9 +950,10 @@ impl World {
             claim_started_ms: self.now,
             db_now_ms: self.now,
             sends: Vec::new(),
+            last_position: None,
         };
         let mut meta = Vec::new();
-        for i in 0..self.db.rows.len() {
+        for i in (from_position as usize)..self.db.rows.len() {
             if claimed.sends.len() >= max {
                 break;
             }
@@ -956,6 +962,7 @@ impl World {
             if decision == ClaimDecision::Skip {
                 continue;
             }
+            claimed.last_position = Some(i as u64);
             if let ClaimDecision::Grant {
                 superseding: true, ..
             } = decision

@@ -272,6 +272,7 @@ impl Config {
             idle_poll_ms: self.idle_poll_ms,
             error_backoff_ms: 500,
             submit_tries_max: 5,
+            rescan_every_ms: DispatcherConfig::default().rescan_every_ms,
         }
     }
 
@@ -328,12 +329,16 @@ pub async fn dispatcher<B: Broker>(
             continue;
         };
         match action {
-            DispatchAction::Claim { batch_size_max } => {
+            DispatchAction::Claim {
+                batch_size_max,
+                from_position,
+            } => {
                 let started = ms_since(epoch);
-                match store::claim_batch_for(
+                match store::claim_batch_from(
                     &mut pg,
                     owner,
                     Some(&cluster),
+                    from_position,
                     batch_size_max,
                     cfg.lease_ms,
                 )

@@ -922,6 +922,8 @@ pub struct ClaimBatch {
     pub outgoing: Vec<Outgoing>,
     /// `SENDING` rows whose lease had expired, moved to `DISPATCH_UNKNOWN`.
     pub expired_to_unknown: usize,
+    /// The highest commit position among the rows the scan locked.
+    pub last_position: Option<u64>,
 }
 
 impl ClaimBatch {
@@ -930,6 +932,7 @@ impl ClaimBatch {
     pub fn claimed(self, claim_started_ms: u64) -> Claimed {
         let db_now_ms = self.db_now_ms;
         Claimed {
+            last_position: self.last_position,
             claim_started_ms,
             db_now_ms,
             sends: self
@@ -980,6 +983,24 @@ pub async fn claim_batch_for(
     batch_size_max: usize,
     lease_ms: u64,
 ) -> Result<ClaimBatch> {
+    claim_batch_from(client, owner, cluster, 0, batch_size_max, lease_ms).await
+}
+
+/// [`claim_batch_for`] over the rows at or after commit position `from_position` only (the
+/// dispatcher machine's scan position: it skips the head of the queue that earlier batches
+/// claimed, whose index entries are dead until vacuum, and scans from 0 at least every
+/// `rescan_every_ms`). [`ClaimBatch::last_position`] is where the next scan may start.
+///
+/// # Transactions and locks
+/// As [`claim_batch`].
+pub async fn claim_batch_from(
+    client: &mut tokio_postgres::Client,
+    owner: u64,
+    cluster: Option<&str>,
+    from_position: u64,
+    batch_size_max: usize,
+    lease_ms: u64,
+) -> Result<ClaimBatch> {
     let tx = client.transaction().await?;
     // One statement reads the clock, picks and locks the batch, joins the sealed envelope
     // (destination, digests, payload) and draws an attempt id per row.
@@ -987,16 +1008,20 @@ pub async fn claim_batch_for(
         &format!(
             "FROM sealpost.work w
              WHERE w.phase = 0 AND ($2::text IS NULL OR w.dest_cluster = $2)
+               AND w.committed_seq >= $3
                AND (w.state = 'PENDING' OR w.lease_until_ms IS NULL OR w.lease_until_ms <= {NOW_MS_SQL})
                AND (w.state <> 'PENDING' OR w.not_before_ms <= {NOW_MS_SQL})
              ORDER BY w.dest_cluster, w.committed_seq LIMIT $1 FOR UPDATE OF w SKIP LOCKED"
         ),
-        &format!(", e.payload, nextval('sealpost.attempt_id_seq'), {NOW_MS_SQL}"),
+        &format!(", e.payload, nextval('sealpost.attempt_id_seq'), {NOW_MS_SQL}, w.committed_seq"),
         "w.dest_cluster, w.committed_seq",
     );
     counted(3);
     let found = tx
-        .query(q.as_str(), &[&(batch_size_max as i64), &cluster])
+        .query(
+            q.as_str(),
+            &[&(batch_size_max as i64), &cluster, &(from_position as i64)],
+        )
         .await?;
     let now_ms = match found.first() {
         Some(r) => r.get::<_, i64>(ROW_COLS_LEN + 2) as u64,
@@ -1013,6 +1038,10 @@ pub async fn claim_batch_for(
     let mut after = before.clone();
     let mut batch = ClaimBatch {
         db_now_ms: now_ms,
+        last_position: found
+            .iter()
+            .map(|r| r.get::<_, i64>(ROW_COLS_LEN + 3) as u64)
+            .max(),
         ..ClaimBatch::default()
     };
     for (i, row) in after.iter_mut().enumerate() {
