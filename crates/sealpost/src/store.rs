@@ -816,32 +816,80 @@ async fn persist(tx: &impl GenericClient, before: &[EventRow], after: &[EventRow
         }
     }
     if !u_id.is_empty() {
-        counted(1);
-        tx.execute(
-            "UPDATE sealpost.work w SET state = u.state, phase = u.phase, claim_owner = u.owner,
-                claim_generation = u.cgen, lease_until_ms = u.lease, attempt_generation = u.agen,
-                rejections = u.rej, unknown_since_ms = u.unk, published_at_ms = u.pub,
-                primary_attempt_id = u.pa, primary_cluster = u.pc, primary_stream = u.ps,
-                primary_partition = u.pp, primary_sequence = u.pq, not_before_ms = u.nb,
-                never_sent = u.ns, next_lookup_at_ms = u.nl, lookups = u.lk, attempt_id = u.iid,
-                attempt_agen = u.iagen, attempt_claim_generation = u.icgen, attempt_owner = u.iown,
-                attempt_envelope_generation = u.iegen, attempt_status = u.ist,
-                attempt_started_ms = u.istart, attempts_archived = u.iarch
-             FROM unnest($1::uuid[], $2::int2[], $3::text[], $4::int8[], $5::int8[], $6::int8[], $7::int4[],
-                         $8::int4[], $9::int8[], $10::int8[], $11::int8[], $12::text[], $13::text[],
-                         $14::int4[], $15::int8[], $16::int8[], $17::int4[], $18::int8[], $19::int4[],
-                         $20::int2[], $21::int8[], $22::int4[], $23::int8[], $24::int8[], $25::int4[],
-                         $26::text[], $27::int8[], $28::int4[])
-                  AS u(id, m, state, owner, cgen, lease, agen, rej, unk, pub, pa, pc, ps, pp, pq, nb, ns, nl, lk,
-                       phase, iid, iagen, icgen, iown, iegen, ist, istart, iarch)
+        // Only the column groups some row of this batch changed are sent and written: a
+        // claim writes the state, the claim and the inline attempt; an acceptance the state,
+        // the slot and the attempt's status.
+        let changed = |f: &dyn Fn(&EventRow, &EventRow) -> bool| {
+            before.iter().zip(after).any(|(b, a)| f(b, a))
+        };
+        type Col<'a> = (
+            &'static str,
+            &'static str,
+            &'a (dyn tokio_postgres::types::ToSql + Sync),
+        );
+        let mut cols: Vec<Col<'_>> = vec![("state", "text", &u_state), ("phase", "int2", &u_phase)];
+        if changed(&|b, a| b.claim != a.claim || b.claim_generation != a.claim_generation) {
+            cols.push(("claim_owner", "int8", &u_owner));
+            cols.push(("claim_generation", "int8", &u_cgen));
+            cols.push(("lease_until_ms", "int8", &u_lease));
+        }
+        if changed(&|b, a| b.attempt_generation != a.attempt_generation) {
+            cols.push(("attempt_generation", "int4", &u_agen));
+        }
+        if changed(&|b, a| b.rejections != a.rejections) {
+            cols.push(("rejections", "int4", &u_rej));
+        }
+        if changed(&|b, a| b.unknown_since_ms != a.unknown_since_ms) {
+            cols.push(("unknown_since_ms", "int8", &u_unknown));
+        }
+        if changed(&|b, a| b.published_at_ms != a.published_at_ms) {
+            cols.push(("published_at_ms", "int8", &u_pub));
+        }
+        if changed(&|b, a| b.primary != a.primary) {
+            cols.push(("primary_attempt_id", "int8", &u_pattempt));
+            cols.push(("primary_cluster", "text", &u_pcluster));
+            cols.push(("primary_stream", "text", &u_pstream));
+            cols.push(("primary_partition", "int4", &u_ppart));
+            cols.push(("primary_sequence", "int8", &u_pseq));
+        }
+        if changed(&|b, a| b.pacing != a.pacing) {
+            cols.push(("not_before_ms", "int8", &u_nb));
+            cols.push(("never_sent", "int4", &u_ns));
+            cols.push(("next_lookup_at_ms", "int8", &u_nl));
+            cols.push(("lookups", "int4", &u_lk));
+        }
+        if changed(&|b, a| b.attempts != a.attempts) {
+            cols.push(("attempt_id", "int8", &i_id));
+            cols.push(("attempt_agen", "int4", &i_agen));
+            cols.push(("attempt_claim_generation", "int8", &i_cgen));
+            cols.push(("attempt_owner", "int8", &i_owner));
+            cols.push(("attempt_envelope_generation", "int4", &i_egen));
+            cols.push(("attempt_status", "text", &i_status));
+            cols.push(("attempt_started_ms", "int8", &i_started));
+            cols.push(("attempts_archived", "int4", &i_archived));
+        }
+        let set: Vec<String> = cols
+            .iter()
+            .map(|(c, _, _)| format!("{c} = u.{c}"))
+            .collect();
+        let arrays: Vec<String> = cols
+            .iter()
+            .enumerate()
+            .map(|(i, (_, t, _))| format!("${}::{t}[]", i + 3))
+            .collect();
+        let names: Vec<&str> = cols.iter().map(|(c, _, _)| *c).collect();
+        let q = format!(
+            "UPDATE sealpost.work w SET {}
+             FROM unnest($1::uuid[], $2::int2[], {}) AS u(id, m, {})
              WHERE w.event_id = u.id AND w.member = u.m",
-            &[
-                &u_id, &u_member, &u_state, &u_owner, &u_cgen, &u_lease, &u_agen, &u_rej, &u_unknown, &u_pub,
-                &u_pattempt, &u_pcluster, &u_pstream, &u_ppart, &u_pseq, &u_nb, &u_ns, &u_nl, &u_lk,
-                &u_phase, &i_id, &i_agen, &i_cgen, &i_owner, &i_egen, &i_status, &i_started, &i_archived,
-            ],
-        )
-        .await?;
+            set.join(", "),
+            arrays.join(", "),
+            names.join(", ")
+        );
+        let mut params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = vec![&u_id, &u_member];
+        params.extend(cols.iter().map(|(_, _, p)| *p));
+        counted(1);
+        tx.execute(q.as_str(), &params).await?;
     }
     if !a_id.is_empty() {
         counted(1);
