@@ -87,7 +87,8 @@ enum Cmd {
         /// Offered rate of the producers in the load phase (events/s).
         #[arg(long, default_value_t = 2_000)]
         rate: u64,
-        /// How long producers commit in the load phase (s); longer if the backlog outlasts it.
+        /// How long producers keep committing after the load phase's backlog is gone (s): the
+        /// steady-state latency sample, with producers running.
         #[arg(long, default_value_t = 10)]
         latency_s: u64,
         /// Backlog committed before the load phase [default: events / 4].
