@@ -173,34 +173,48 @@ pub struct DispatchCounts {
     pub submits_abandoned: u64,
 }
 
+/// What each send of a batch carries into its outcome report.
+type SendMeta = (ClaimToken, EventId, u16, u64);
+
+/// A claimed batch waiting for the wire (the previous batch is still on it).
 #[derive(Clone, Debug, PartialEq, Eq)]
-enum Phase {
-    /// Waiting until `wake_at_ms` to claim.
-    Idle { wake_at_ms: u64 },
-    /// A claim transaction is running.
-    Claiming,
-    /// A batch is on the wire.
-    Sending {
-        sends: Vec<(ClaimToken, EventId, u16, u64)>,
-    },
-    /// A submission waits for its transaction (`due_ms`: when to (re)issue it).
-    Submitting {
-        submission: Submission,
-        tries: u32,
-        due_ms: u64,
-        issued: bool,
-        /// Claim again this long after the submission commits: at once after a full batch,
-        /// the idle poll after late receipts alone, the error backoff when the broker could
-        /// not be reached (else the whole backlog would cycle through "never sent").
-        next_claim_in_ms: u64,
-    },
+struct Ready {
+    sends: Vec<SendMeta>,
+    batch: Vec<SendRequest>,
+    deadline_ms: u64,
 }
 
-/// The dispatcher state machine.
+/// A submission waiting for its transaction.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Submitting {
+    submission: Submission,
+    tries: u32,
+    /// When to (re)issue it.
+    due_ms: u64,
+    issued: bool,
+    /// Claim again this long after the submission commits: at once after a batch, the error
+    /// backoff when the broker could not be reached (else the whole backlog would cycle
+    /// through "never sent").
+    next_claim_in_ms: u64,
+}
+
+/// The dispatcher state machine: a two-stage pipeline. While one batch is on the wire the
+/// next one is claimed, so the database and the broker work at the same time; the database
+/// work (claim, submission) is one transaction at a time, on one connection, and no
+/// transaction is open across a send.
 #[derive(Clone, Debug)]
 pub struct DispatcherMachine {
     cfg: DispatcherConfig,
-    phase: Phase,
+    /// The next claim is not due before this.
+    wake_at_ms: u64,
+    /// A claim transaction is running.
+    claiming: bool,
+    /// Claimed, waiting for the wire.
+    ready: Option<Ready>,
+    /// On the wire.
+    wire: Option<Vec<SendMeta>>,
+    /// A submission running or waiting to be retried.
+    submitting: Option<Submitting>,
     /// Receipts that arrived after their batch was settled (late ACKs, R11).
     late: VecDeque<Receipt>,
     counts: DispatchCounts,
@@ -208,6 +222,8 @@ pub struct DispatcherMachine {
     scan_from: u64,
     /// When the next claim scans from the start.
     full_scan_at_ms: u64,
+    /// Told to stop: finishes what it holds, claims nothing more.
+    stopping: bool,
 }
 
 impl DispatcherMachine {
@@ -215,12 +231,23 @@ impl DispatcherMachine {
     pub fn new(cfg: DispatcherConfig, now_ms: u64) -> DispatcherMachine {
         DispatcherMachine {
             cfg,
-            phase: Phase::Idle { wake_at_ms: now_ms },
+            wake_at_ms: now_ms,
+            claiming: false,
+            ready: None,
+            wire: None,
+            submitting: None,
             late: VecDeque::new(),
             counts: DispatchCounts::default(),
             scan_from: 0,
             full_scan_at_ms: now_ms,
+            stopping: false,
         }
+    }
+
+    /// Stop: the batches in hand are sent and submitted, no new claim starts. The shell
+    /// stops once [`DispatcherMachine::is_idle`].
+    pub fn handle_stop(&mut self) {
+        self.stopping = true;
     }
 
     /// What the machine saw so far.
@@ -230,89 +257,107 @@ impl DispatcherMachine {
 
     /// True while no claim, send or submission is outstanding (safe to stop).
     pub fn is_idle(&self) -> bool {
-        matches!(self.phase, Phase::Idle { .. }) && self.late.is_empty()
+        !self.claiming
+            && self.ready.is_none()
+            && self.wire.is_none()
+            && self.submitting.is_none()
+            && self.late.is_empty()
+    }
+
+    /// True while a batch is on the wire (its answer comes through
+    /// [`DispatcherMachine::handle_sent`]).
+    pub fn is_sending(&self) -> bool {
+        self.wire.is_some()
     }
 
     /// The next action, if one is due at `now_ms`. Call until it returns `None`, then wait
-    /// for an answer or until [`DispatcherMachine::poll_timeout`].
+    /// for an answer or until [`DispatcherMachine::poll_timeout`]. A `Send` may be returned
+    /// while a claim or a submission runs (they use the database, it the broker); a claim or
+    /// a submission never while the other runs.
     pub fn poll_action(&mut self, now_ms: u64) -> Option<DispatchAction> {
-        match &mut self.phase {
-            Phase::Idle { wake_at_ms } => {
-                if !self.late.is_empty() {
-                    // Late receipts first: they may fill a slot (R11).
-                    let submission = Submission {
-                        receipts: self.late.drain(..).collect(),
-                        reports: Vec::new(),
-                    };
-                    let next_claim_in_ms = wake_at_ms.saturating_sub(now_ms);
-                    self.phase = Phase::Submitting {
-                        submission: submission.clone(),
-                        tries: 1,
-                        due_ms: now_ms,
-                        issued: true,
-                        next_claim_in_ms,
-                    };
-                    return Some(DispatchAction::Submit(submission));
-                }
-                if now_ms >= *wake_at_ms {
-                    self.phase = Phase::Claiming;
-                    if now_ms >= self.full_scan_at_ms {
-                        self.scan_from = 0;
-                        self.full_scan_at_ms = now_ms + self.cfg.rescan_every_ms;
-                    }
-                    return Some(DispatchAction::Claim {
-                        batch_size_max: self.cfg.batch_size_max,
-                        from_position: self.scan_from,
-                    });
-                }
-                None
+        if self.wire.is_none() {
+            if let Some(r) = self.ready.take() {
+                self.wire = Some(r.sends);
+                return Some(DispatchAction::Send {
+                    batch: r.batch,
+                    deadline_ms: r.deadline_ms,
+                });
             }
-            Phase::Submitting {
-                submission,
-                due_ms,
-                issued,
-                ..
-            } if !*issued && now_ms >= *due_ms => {
-                *issued = true;
-                Some(DispatchAction::Submit(submission.clone()))
-            }
-            _ => None,
         }
+        if self.claiming {
+            return None;
+        }
+        if let Some(sub) = &mut self.submitting {
+            if !sub.issued && now_ms >= sub.due_ms {
+                sub.issued = true;
+                return Some(DispatchAction::Submit(sub.submission.clone()));
+            }
+            return None;
+        }
+        if !self.late.is_empty() {
+            // Late receipts first: they may fill a slot (R11).
+            let submission = Submission {
+                receipts: self.late.drain(..).collect(),
+                reports: Vec::new(),
+            };
+            self.submitting = Some(Submitting {
+                submission: submission.clone(),
+                tries: 1,
+                due_ms: now_ms,
+                issued: true,
+                next_claim_in_ms: self.wake_at_ms.saturating_sub(now_ms),
+            });
+            return Some(DispatchAction::Submit(submission));
+        }
+        if self.ready.is_none() && !self.stopping && now_ms >= self.wake_at_ms {
+            self.claiming = true;
+            if now_ms >= self.full_scan_at_ms {
+                self.scan_from = 0;
+                self.full_scan_at_ms = now_ms + self.cfg.rescan_every_ms;
+            }
+            return Some(DispatchAction::Claim {
+                batch_size_max: self.cfg.batch_size_max,
+                from_position: self.scan_from,
+            });
+        }
+        None
     }
 
     /// When the machine wants to be polled again without any answer arriving.
     pub fn poll_timeout(&self) -> Option<u64> {
-        match &self.phase {
-            Phase::Idle { wake_at_ms } => Some(*wake_at_ms),
-            Phase::Submitting {
-                due_ms,
+        if self.claiming {
+            return None;
+        }
+        match &self.submitting {
+            Some(Submitting {
                 issued: false,
+                due_ms,
                 ..
-            } => Some(*due_ms),
-            _ => None,
+            }) => Some(*due_ms),
+            Some(_) => None,
+            None if self.ready.is_none() && !self.stopping => Some(self.wake_at_ms),
+            None => None,
         }
     }
 
-    /// New work was committed (LISTEN/NOTIFY): claim now if idle.
+    /// New work was committed (LISTEN/NOTIFY): claim now if waiting.
     pub fn handle_notify(&mut self, now_ms: u64) {
-        if let Phase::Idle { wake_at_ms } = &mut self.phase {
-            *wake_at_ms = (*wake_at_ms).min(now_ms);
-        }
+        self.wake_at_ms = self.wake_at_ms.min(now_ms);
     }
 
     /// The claim transaction committed. Returns the send action at once if the batch is not
-    /// empty (the same one [`DispatcherMachine::poll_action`] would return).
+    /// empty and the wire is free (the same one [`DispatcherMachine::poll_action`] would
+    /// return); otherwise the batch waits for the wire.
     pub fn handle_claimed(&mut self, now_ms: u64, claimed: Claimed) -> Option<DispatchAction> {
-        debug_assert_eq!(self.phase, Phase::Claiming);
+        debug_assert!(self.claiming);
+        self.claiming = false;
         if let Some(p) = claimed.last_position {
             // Everything before it was claimed, is in flight or waits: the next scan starts
             // after it until the next full scan.
             self.scan_from = self.scan_from.max(p + 1);
         }
         if claimed.sends.is_empty() {
-            self.phase = Phase::Idle {
-                wake_at_ms: now_ms + self.cfg.idle_poll_ms,
-            };
+            self.wake_at_ms = now_ms + self.cfg.idle_poll_ms;
             return None;
         }
         self.counts.batches += 1;
@@ -339,24 +384,31 @@ impl DispatcherMachine {
             ));
             batch.push(s.request);
         }
-        self.phase = Phase::Sending { sends };
-        Some(DispatchAction::Send { batch, deadline_ms })
+        self.ready = Some(Ready {
+            sends,
+            batch,
+            deadline_ms,
+        });
+        // The next claim waits until this batch is on the wire and the one before it settled.
+        self.wake_at_ms = now_ms;
+        if self.wire.is_none() {
+            return self.poll_action(now_ms);
+        }
+        None
     }
 
     /// The claim transaction failed (database down, serialization failure): try again later.
     pub fn handle_claim_failed(&mut self, now_ms: u64) {
-        self.phase = Phase::Idle {
-            wake_at_ms: now_ms + self.cfg.error_backoff_ms,
-        };
+        self.claiming = false;
+        self.wake_at_ms = now_ms + self.cfg.error_backoff_ms;
     }
 
-    /// Every message of the batch has an outcome (`results` in request order). Returns the
-    /// submission to commit.
+    /// Every message of the batch on the wire has an outcome (`results` in request order).
+    /// Returns the submission to commit, unless a claim is running (then
+    /// [`DispatcherMachine::poll_action`] returns it once the claim is answered).
     pub fn handle_sent(&mut self, now_ms: u64, results: Vec<SendResult>) -> Option<DispatchAction> {
-        let Phase::Sending { sends } =
-            std::mem::replace(&mut self.phase, Phase::Idle { wake_at_ms: now_ms })
-        else {
-            debug_assert!(false, "handle_sent outside a send");
+        let Some(sends) = self.wire.take() else {
+            debug_assert!(false, "handle_sent without a batch on the wire");
             return None;
         };
         debug_assert_eq!(sends.len(), results.len());
@@ -397,18 +449,31 @@ impl DispatcherMachine {
             }
         }
         submission.receipts.extend(self.late.drain(..));
-        self.phase = Phase::Submitting {
+        let next_claim_in_ms = if unreachable {
+            self.cfg.error_backoff_ms
+        } else {
+            0
+        };
+        if let Some(prev) = &mut self.submitting {
+            // The previous batch's submission is still waiting for a retry: this one joins
+            // it (one transaction for both; nothing is dropped).
+            prev.submission.receipts.extend(submission.receipts);
+            prev.submission.reports.extend(submission.reports);
+            prev.next_claim_in_ms = prev.next_claim_in_ms.max(next_claim_in_ms);
+            return None;
+        }
+        let issue = !self.claiming;
+        self.submitting = Some(Submitting {
             submission: submission.clone(),
             tries: 1,
             due_ms: now_ms,
-            issued: true,
-            next_claim_in_ms: if unreachable {
-                self.cfg.error_backoff_ms
-            } else {
-                0
-            },
-        };
-        Some(DispatchAction::Submit(submission))
+            issued: issue,
+            next_claim_in_ms,
+        });
+        if unreachable {
+            self.wake_at_ms = self.wake_at_ms.max(now_ms + self.cfg.error_backoff_ms);
+        }
+        issue.then_some(DispatchAction::Submit(submission))
     }
 
     /// A receipt arrived after its batch was settled (a late ACK): it goes to the acceptance
@@ -421,39 +486,26 @@ impl DispatcherMachine {
 
     /// The submission's transaction committed (`ok`) or failed.
     pub fn handle_submitted(&mut self, now_ms: u64, ok: bool) {
-        let Phase::Submitting {
-            submission,
-            tries,
-            next_claim_in_ms,
-            ..
-        } = &mut self.phase
-        else {
-            debug_assert!(false, "handle_submitted outside a submission");
+        let Some(sub) = &mut self.submitting else {
+            debug_assert!(false, "handle_submitted without a submission");
             return;
         };
-        let wake_at_ms = now_ms + *next_claim_in_ms;
         if ok {
-            self.phase = Phase::Idle { wake_at_ms };
+            self.wake_at_ms = self.wake_at_ms.max(now_ms + sub.next_claim_in_ms);
+            self.submitting = None;
             return;
         }
-        if *tries >= self.cfg.submit_tries_max {
+        if sub.tries >= self.cfg.submit_tries_max {
             // The rows stay SENDING; their leases run out, they become unknown and the
             // reconciler's lookup fills the slot (R13). Nothing is lost, only delayed.
             self.counts.submits_abandoned += 1;
-            self.phase = Phase::Idle { wake_at_ms };
+            self.wake_at_ms = self.wake_at_ms.max(now_ms + sub.next_claim_in_ms);
+            self.submitting = None;
             return;
         }
-        *tries += 1;
-        let submission = std::mem::take(submission);
-        let tries = *tries;
-        let next_claim_in_ms = *next_claim_in_ms;
-        self.phase = Phase::Submitting {
-            submission,
-            tries,
-            due_ms: now_ms + self.cfg.error_backoff_ms * u64::from(tries - 1),
-            issued: false,
-            next_claim_in_ms,
-        };
+        sub.tries += 1;
+        sub.due_ms = now_ms + self.cfg.error_backoff_ms * u64::from(sub.tries - 1);
+        sub.issued = false;
     }
 }
 
@@ -614,11 +666,21 @@ mod tests {
         };
         assert_eq!(batch.len(), 2);
         assert_eq!(deadline_ms, cfg.lease_ms - cfg.send_margin_ms);
-        assert_eq!(
+        // The pipeline: the next batch is claimed while this one is on the wire ...
+        assert!(matches!(
             m.poll_action(6),
+            Some(DispatchAction::Claim {
+                from_position: 103,
+                ..
+            })
+        ));
+        assert_eq!(m.poll_action(6), None, "one claim at a time");
+        assert_eq!(
+            m.handle_claimed(7, claimed(3, 6, 100, cfg.lease_ms)),
             None,
-            "nothing while the batch is on the wire"
+            "... and waits for the wire"
         );
+        assert_eq!(m.poll_action(8), None, "no third batch while one waits");
         let sub = m
             .handle_sent(
                 9,
@@ -631,6 +693,16 @@ mod tests {
         let DispatchAction::Submit(s) = sub else {
             panic!()
         };
+        // The waiting batch goes on the wire while the submission commits.
+        assert!(matches!(
+            m.poll_action(9),
+            Some(DispatchAction::Send { ref batch, .. }) if batch.len() == 3
+        ));
+        assert_eq!(
+            m.poll_action(9),
+            None,
+            "no claim while the submission runs: one transaction at a time"
+        );
         assert!(s.receipts.is_empty());
         assert_eq!(s.reports[0].outcome, SendOutcome::AckTimeout);
         assert_eq!(s.reports[1].outcome, SendOutcome::NeverSent);
@@ -643,6 +715,13 @@ mod tests {
         m.handle_claimed(11, Claimed::default());
         assert_eq!(m.poll_action(11), None, "an empty claim sleeps");
         assert_eq!(m.poll_timeout(), Some(11 + cfg.idle_poll_ms));
+        // The second batch's answer arrives: its submission goes at once.
+        assert!(matches!(
+            m.handle_sent(12, vec![SendResult::NoAnswer; 3]),
+            Some(DispatchAction::Submit(_))
+        ));
+        m.handle_submitted(13, true);
+        assert!(m.is_idle());
     }
 
     #[test]

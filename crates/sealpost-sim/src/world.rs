@@ -249,7 +249,8 @@ struct Dispatcher {
     batch: Option<Batch>,
     next_batch: u32,
     /// Row, stream and claim of each send of the last claim, in order.
-    claim_meta: Vec<(u32, u8, ClaimToken)>,
+    /// Per claimed row: row, stream, claim token and the lease end it was claimed under.
+    claim_meta: Vec<(u32, u8, ClaimToken, u64)>,
     /// The earliest wake-up already queued.
     wake_at: Option<u64>,
 }
@@ -339,6 +340,9 @@ pub struct World {
     epoch: u32,
     /// Ghost: broker lookups per row (the lookup budget).
     lookups: Vec<u32>,
+    /// Ghost: per row, "never sent" reports that sent it back to `PENDING`, and the earliest
+    /// time the backoff lets it be claimed again (R28: a retry limit, never a hot loop).
+    never_sent_ghost: Vec<(u32, u64)>,
     /// Ghost: broker refusals per row, and whether the row was ever quarantined.
     refusals: Vec<(u32, bool)>,
     /// Bumped by every step that may change the store; the checkers run when it moved.
@@ -502,6 +506,7 @@ impl World {
             steps: 0,
             epoch: 0,
             lookups: Vec::new(),
+            never_sent_ghost: Vec::new(),
             refusals: Vec::new(),
             db_version: 0,
             checked_version: u64::MAX,
@@ -773,6 +778,9 @@ impl World {
         for i in 0..self.db.rows.len() {
             if self.db.rows[i].state == State::Quarantined && !self.conflicts.contains(&(i as u32))
             {
+                if let Some(g) = self.never_sent_ghost.get_mut(i) {
+                    *g = (0, 0);
+                }
                 match apply_release_quarantine(&mut self.db.rows[i]) {
                     Ok(()) => self.stats.quarantine_released += 1,
                     Err(e) => self.violation(Violation::Liveness, || e.to_string()),
@@ -963,6 +971,16 @@ impl World {
                 continue;
             }
             claimed.last_position = Some(i as u64);
+            if self.db.rows[i].state == State::Pending {
+                if let Some(&(n, not_before)) = self.never_sent_ghost.get(i) {
+                    if self.now < not_before {
+                        let early = not_before - self.now;
+                        self.violation_of(Violation::Liveness, 5_000_000 + i as u32, || {
+                            format!("row {i} claimed again {early} ms before the backoff of its {n} never-sent outcome(s) ended")
+                        });
+                    }
+                }
+            }
             if let ClaimDecision::Grant {
                 superseding: true, ..
             } = decision
@@ -985,14 +1003,15 @@ impl World {
                 }
             };
             if let Some((req, stream)) = self.begin_send(d, i, token) {
-                meta.push((i as u32, stream, token));
+                let lease_until_ms = self.db.rows[i]
+                    .claim
+                    .as_ref()
+                    .map_or(now, |c| c.lease_until_ms);
+                meta.push((i as u32, stream, token, lease_until_ms));
                 claimed.sends.push(ClaimedSend {
                     request: req,
                     token,
-                    db_lease_until_ms: self.db.rows[i]
-                        .claim
-                        .as_ref()
-                        .map_or(now, |c| c.lease_until_ms),
+                    db_lease_until_ms: lease_until_ms,
                 });
             }
         }
@@ -1098,26 +1117,26 @@ impl World {
             .into_iter()
             .zip(meta)
             .enumerate()
-            .map(|(slot, (s, (row, stream, token)))| PubReq {
-                d,
-                inc,
-                batch: id,
-                slot: slot as u16,
-                row,
-                lease_until_ms: self.db.rows[row as usize]
-                    .claim
-                    .as_ref()
-                    .filter(|c| c.generation == token.generation)
-                    .map_or(self.now, |c| c.lease_until_ms),
-                event_id: s.event_id,
-                member: s.member,
-                envelope_generation: s.envelope_generation,
-                attempt_id: s.attempt_id,
-                payload_digest: s.payload_digest,
-                destination_digest: s.destination_digest,
-                stream,
-                create_if_absent,
-            })
+            .map(
+                |(slot, (s, (row, stream, _token, lease_until_ms)))| PubReq {
+                    d,
+                    inc,
+                    batch: id,
+                    slot: slot as u16,
+                    row,
+                    // The lease the claim was granted (a pipelined batch may wait for the wire
+                    // while a late ACK settles its row; its lease still bounds the send).
+                    lease_until_ms,
+                    event_id: s.event_id,
+                    member: s.member,
+                    envelope_generation: s.envelope_generation,
+                    attempt_id: s.attempt_id,
+                    payload_digest: s.payload_digest,
+                    destination_digest: s.destination_digest,
+                    stream,
+                    create_if_absent,
+                },
+            )
             .collect();
         let n = reqs.len();
         self.dispatchers[di].batch = Some(Batch {
@@ -1359,6 +1378,16 @@ impl World {
             now,
         ) {
             self.violation(Violation::Liveness, || format!("send outcome: {e}"));
+        }
+        if rep.outcome == SendOutcome::NeverSent
+            && decision == sealpost_core::SendOutcomeDecision::ToPending
+        {
+            if self.never_sent_ghost.len() <= r {
+                self.never_sent_ghost.resize(r + 1, (0, 0));
+            }
+            let g = &mut self.never_sent_ghost[r];
+            g.0 += 1;
+            g.1 = now + sealpost_core::claim::never_sent_backoff_ms(g.0);
         }
         let (outcome, attempt) = (rep.outcome, rep.attempt_id);
         self.note(|| {
@@ -1942,6 +1971,10 @@ impl World {
         let to = member_destination(self.db.policy + 1, fact, self.db.rows[r].member);
         match decide_migration(&self.db.rows[r], &to) {
             Ok(grant) => {
+                if let Some(g) = self.never_sent_ghost.get_mut(r) {
+                    // A new destination is tried at once, without the old one's backoff.
+                    *g = (0, 0);
+                }
                 if let Err(e) = apply_migration(&mut self.db.rows[r], &grant, to) {
                     self.violation(Violation::Liveness, || format!("migration: {e}"));
                     return;
@@ -2240,6 +2273,8 @@ impl World {
         let epoch = self.epoch;
         self.at(self.now, Ev::ReconcileWake { epoch });
         self.note(|| "database restored from backup".into());
+        // The rows' backoff went back with them; the ghost starts counting again.
+        self.never_sent_ghost.clear();
     }
 
     // ---------------------------------------------------------------- checkers

@@ -4,6 +4,8 @@
 //! configuration is a plain struct: the `sealpost` command loads it from a TOML file, and
 //! [`Config::apply_env`] applies `DATABASE_URL` / `NATS_URL`.
 
+use std::collections::VecDeque;
+use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -313,19 +315,46 @@ pub async fn dispatcher<B: Broker>(
     let epoch = Instant::now();
     let mut m = DispatcherMachine::new(cfg.dispatcher_config(), 0);
     tracing::info!(owner, %cluster, "dispatcher started");
-    let mut next: Option<DispatchAction> = None;
+    // Actions the machine returned from a `handle_*` call, performed before polling again.
+    let mut next: VecDeque<DispatchAction> = VecDeque::new();
+    // The batch on the wire: a task of its own, so the claim of the next batch (and the
+    // previous batch's submission) run on the database connection meanwhile.
+    let mut on_wire: Option<tokio::task::JoinHandle<Vec<SendResult>>> = None;
+    let mut on_wire_len = 0usize;
+    let mut stopping = false;
     loop {
-        // A stop lets the batch in hand finish (sent, submitted) and starts no new claim, so
-        // a stopped dispatcher leaves no row SENDING behind it.
-        if stop.load(Ordering::Relaxed) && next.is_none() && m.is_idle() {
+        if !stopping && stop.load(Ordering::Relaxed) {
+            // The batches in hand are sent and submitted; nothing new is claimed, so a
+            // stopped dispatcher leaves no row SENDING behind it.
+            m.handle_stop();
+            stopping = true;
+        }
+        if on_wire.as_ref().is_some_and(|h| h.is_finished()) {
+            let h = on_wire.take().expect("checked");
+            let results = sent_results(h.await, on_wire_len);
+            next.extend(m.handle_sent(ms_since(epoch), results));
+        }
+        if stopping && next.is_empty() && on_wire.is_none() && m.is_idle() {
             break;
         }
-        let Some(action) = next.take().or_else(|| m.poll_action(ms_since(epoch))) else {
+        let Some(action) = next.pop_front().or_else(|| m.poll_action(ms_since(epoch))) else {
             let wake = m
                 .poll_timeout()
                 .unwrap_or(ms_since(epoch) + cfg.idle_poll_ms);
             let wait = wake.saturating_sub(ms_since(epoch)).min(STOP_CHECK_MS);
-            tokio::time::sleep(Duration::from_millis(wait)).await;
+            match on_wire.as_mut() {
+                // Wake for the broker's answer or the machine's timeout, whichever is first.
+                Some(h) => {
+                    let _ = tokio::time::timeout(Duration::from_millis(wait), async {
+                        let _ = std::future::poll_fn(|cx| {
+                            std::pin::Pin::new(&mut *h).poll(cx).map(|_| ())
+                        })
+                        .await;
+                    })
+                    .await;
+                }
+                None => tokio::time::sleep(Duration::from_millis(wait)).await,
+            }
             continue;
         };
         match action {
@@ -351,7 +380,7 @@ pub async fn dispatcher<B: Broker>(
                             claim_ms = ms_since(epoch) - started,
                             "claimed"
                         );
-                        next = m.handle_claimed(ms_since(epoch), batch.claimed(started));
+                        next.extend(m.handle_claimed(ms_since(epoch), batch.claimed(started)));
                     }
                     Err(e) => {
                         tracing::warn!(error = %e, "claim failed; retrying after a pause");
@@ -363,28 +392,26 @@ pub async fn dispatcher<B: Broker>(
                 }
             }
             DispatchAction::Send { batch, deadline_ms } => {
-                let n = batch.len();
+                debug_assert!(on_wire.is_none(), "the machine keeps one batch on the wire");
+                on_wire_len = batch.len();
                 let deadline = epoch + Duration::from_millis(deadline_ms);
-                let t_send = ms_since(epoch);
-                let mut results = broker.send_batch(batch, deadline).await;
-                tracing::debug!(rows = n, send_ms = ms_since(epoch) - t_send, "sent");
-                if results.len() != n {
-                    tracing::error!(
-                        sent = n,
-                        results = results.len(),
-                        "broker adapter answered a different number of results; missing ones are unknown"
+                let broker = broker.clone();
+                let pause = cfg.drill_pause_after_publish_ms;
+                on_wire = Some(tokio::spawn(async move {
+                    let t_send = Instant::now();
+                    let n = batch.len();
+                    let results = broker.send_batch(batch, deadline).await;
+                    tracing::debug!(
+                        rows = n,
+                        send_ms = t_send.elapsed().as_millis() as u64,
+                        "sent"
                     );
-                    results.resize(n, SendResult::NoAnswer);
-                }
-                if cfg.drill_pause_after_publish_ms > 0 {
-                    tracing::warn!(
-                        ms = cfg.drill_pause_after_publish_ms,
-                        "drill: pausing between publish and receipt"
-                    );
-                    tokio::time::sleep(Duration::from_millis(cfg.drill_pause_after_publish_ms))
-                        .await;
-                }
-                next = m.handle_sent(ms_since(epoch), results);
+                    if pause > 0 {
+                        tracing::warn!(ms = pause, "drill: pausing between publish and receipt");
+                        tokio::time::sleep(Duration::from_millis(pause)).await;
+                    }
+                    results
+                }));
             }
             DispatchAction::Submit(sub) => {
                 let t_submit = ms_since(epoch);
@@ -423,6 +450,30 @@ pub async fn dispatcher<B: Broker>(
         "dispatcher stopped"
     );
     Ok(())
+}
+
+/// The send task's answers, one per request: a task that panicked or returned the wrong
+/// number leaves the missing ones unknown (`NoAnswer`), never dropped.
+fn sent_results(
+    joined: Result<Vec<SendResult>, tokio::task::JoinError>,
+    n: usize,
+) -> Vec<SendResult> {
+    let mut results = match joined {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::error!(error = %e, "send task failed; its messages are unknown");
+            Vec::new()
+        }
+    };
+    if results.len() != n {
+        tracing::error!(
+            sent = n,
+            results = results.len(),
+            "broker adapter answered a different number of results; missing ones are unknown"
+        );
+        results.resize(n, SendResult::NoAnswer);
+    }
+    results
 }
 
 /// How often a sleeping loop looks at its stop flag.
