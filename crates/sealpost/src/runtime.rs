@@ -5,7 +5,6 @@
 //! [`Config::apply_env`] applies `DATABASE_URL` / `NATS_URL`.
 
 use std::collections::VecDeque;
-use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -321,6 +320,8 @@ pub async fn dispatcher<B: Broker>(
     // previous batch's submission) run on the database connection meanwhile.
     let mut on_wire: Option<tokio::task::JoinHandle<Vec<SendResult>>> = None;
     let mut on_wire_len = 0usize;
+    // The answer of the batch that left the wire, not yet handed to the machine.
+    let mut done: Option<Result<Vec<SendResult>, tokio::task::JoinError>> = None;
     let mut stopping = false;
     loop {
         if !stopping && stop.load(Ordering::Relaxed) {
@@ -329,12 +330,15 @@ pub async fn dispatcher<B: Broker>(
             m.handle_stop();
             stopping = true;
         }
-        if on_wire.as_ref().is_some_and(|h| h.is_finished()) {
+        if done.is_none() && on_wire.as_ref().is_some_and(|h| h.is_finished()) {
             let h = on_wire.take().expect("checked");
-            let results = sent_results(h.await, on_wire_len);
+            done = Some(h.await);
+        }
+        if let Some(joined) = done.take() {
+            let results = sent_results(joined, on_wire_len);
             next.extend(m.handle_sent(ms_since(epoch), results));
         }
-        if stopping && next.is_empty() && on_wire.is_none() && m.is_idle() {
+        if stopping && next.is_empty() && on_wire.is_none() && done.is_none() && m.is_idle() {
             break;
         }
         let Some(action) = next.pop_front().or_else(|| m.poll_action(ms_since(epoch))) else {
@@ -345,13 +349,10 @@ pub async fn dispatcher<B: Broker>(
             match on_wire.as_mut() {
                 // Wake for the broker's answer or the machine's timeout, whichever is first.
                 Some(h) => {
-                    let _ = tokio::time::timeout(Duration::from_millis(wait), async {
-                        let _ = std::future::poll_fn(|cx| {
-                            std::pin::Pin::new(&mut *h).poll(cx).map(|_| ())
-                        })
-                        .await;
-                    })
-                    .await;
+                    if let Ok(joined) = tokio::time::timeout(Duration::from_millis(wait), h).await {
+                        on_wire = None;
+                        done = Some(joined);
+                    }
                 }
                 None => tokio::time::sleep(Duration::from_millis(wait)).await,
             }
