@@ -47,11 +47,15 @@ pub enum Mutant {
     /// The adapter reports a broker's permanent refusal as "no answer" (poison is never
     /// counted, never quarantined: retried forever).
     RefusalAsNoAnswer,
+    /// The claim scan is a high-water-mark cursor: it never goes back behind the highest
+    /// position it reached (no rescans), so a late commit, a released row or a row whose
+    /// backoff ended behind it is stranded.
+    HighWaterCursor,
 }
 
 impl Mutant {
     /// Every mutant, in `--list-mutants` order.
-    pub const ALL: [Mutant; 14] = [
+    pub const ALL: [Mutant; 15] = [
         Mutant::AcceptWithoutDigestCheck,
         Mutant::RetryToOtherDestination,
         Mutant::AcceptUnregisteredAttempt,
@@ -66,6 +70,7 @@ impl Mutant {
         Mutant::RetryOverFoundCopy,
         Mutant::ReconcileWithoutBackoff,
         Mutant::RefusalAsNoAnswer,
+        Mutant::HighWaterCursor,
     ];
 
     /// The CLI name.
@@ -85,6 +90,7 @@ impl Mutant {
             Mutant::RetryOverFoundCopy => "retry-over-found-copy",
             Mutant::ReconcileWithoutBackoff => "reconcile-without-backoff",
             Mutant::RefusalAsNoAnswer => "refusal-as-no-answer",
+            Mutant::HighWaterCursor => "high-water-cursor",
         }
     }
 
@@ -113,6 +119,17 @@ pub struct Verdict {
 impl Protocol {
     fn is(&self, m: Mutant) -> bool {
         self.mutant == Some(m)
+    }
+
+    /// Where the store's claim scan starts: where the dispatcher machine asks (`asked`), or,
+    /// with the `high-water-cursor` mutant, never behind the highest position this
+    /// dispatcher's scans reached.
+    pub fn scan_from(&self, asked: u64, high_water: u64) -> u64 {
+        if self.is(Mutant::HighWaterCursor) {
+            asked.max(high_water)
+        } else {
+            asked
+        }
     }
 
     /// `acceptDispatchReceipt`'s decision.

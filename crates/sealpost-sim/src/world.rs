@@ -251,6 +251,8 @@ struct Dispatcher {
     /// Row, stream and claim of each send of the last claim, in order.
     /// Per claimed row: row, stream, claim token and the lease end it was claimed under.
     claim_meta: Vec<(u32, u8, ClaimToken, u64)>,
+    /// The highest position this dispatcher's claim scans reached (the mutant's cursor).
+    scan_high_water: u64,
     /// The earliest wake-up already queued.
     wake_at: Option<u64>,
 }
@@ -465,6 +467,7 @@ impl World {
                     batch: None,
                     next_batch: 0,
                     claim_meta: Vec::new(),
+                    scan_high_water: 0,
                     wake_at: None,
                 }
             })
@@ -961,7 +964,10 @@ impl World {
             last_position: None,
         };
         let mut meta = Vec::new();
-        for i in (from_position as usize)..self.db.rows.len() {
+        let from = self
+            .proto
+            .scan_from(from_position, self.dispatchers[di].scan_high_water);
+        for i in (from as usize)..self.db.rows.len() {
             if claimed.sends.len() >= max {
                 break;
             }
@@ -1017,6 +1023,10 @@ impl World {
         }
         self.dispatchers[di].claim_meta = meta;
         self.dispatchers[di].clusters = clusters;
+        if let Some(p) = claimed.last_position {
+            let hw = &mut self.dispatchers[di].scan_high_water;
+            *hw = (*hw).max(p + 1);
+        }
         claimed
     }
 

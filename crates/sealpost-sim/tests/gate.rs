@@ -78,6 +78,7 @@ fn expected_class(m: Mutant) -> Option<Violation> {
         Mutant::RetryOverFoundCopy => Some(Violation::Liveness),
         Mutant::ReconcileWithoutBackoff => Some(Violation::Liveness),
         Mutant::RefusalAsNoAnswer => Some(Violation::Liveness),
+        Mutant::HighWaterCursor => Some(Violation::Liveness),
     }
 }
 
