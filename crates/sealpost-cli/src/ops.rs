@@ -556,14 +556,9 @@ pub async fn trace(pg: &tokio_postgres::Client, key: &str) -> Result<Value> {
             )
             .await?;
         let q = |sql: &'static str| async move { pg.query(sql, &[&id, &member]).await };
-        // Earlier attempts are kept in sealpost.attempt; the latest is inline in the work row.
+        // `sealpost.attempts`: the evidence rows and the latest attempt, inline in the work row.
         let attempts: Vec<Value> = q("SELECT attempt_id, attempt_generation, claim_generation, owner, status, started_at_ms
-                                      FROM sealpost.attempt WHERE event_id = $1 AND member = $2
-                                      UNION ALL
-                                      SELECT attempt_id, attempt_agen, attempt_claim_generation, attempt_owner,
-                                             attempt_status, attempt_started_ms
-                                      FROM sealpost.work WHERE event_id = $1 AND member = $2 AND attempt_id IS NOT NULL
-                                      ORDER BY 1")
+                                      FROM sealpost.attempts WHERE event_id = $1 AND member = $2 ORDER BY attempt_id")
         .await?
         .iter()
         .map(|a| {
@@ -572,20 +567,10 @@ pub async fn trace(pg: &tokio_postgres::Client, key: &str) -> Result<Value> {
                    "status": a.get::<_, String>(4), "started_at_ms": a.get::<_, i64>(5)})
         })
         .collect();
-        // The primary receipt of the happy path lives in the work row; receipt rows are the
-        // evidence kept beside it (lookups, duplicates, second copies).
+        // `sealpost.receipts`: the evidence rows, then the happy path's primary from the work row.
         let receipts: Vec<Value> = q("SELECT kind, source, attempt_id, cluster, stream, sequence, broker_duplicate
-                                      FROM (SELECT 0 AS o, receipt_id, kind, source, attempt_id, cluster, stream, sequence,
-                                                   broker_duplicate
-                                            FROM sealpost.receipt WHERE event_id = $1 AND member = $2
-                                            UNION ALL
-                                            SELECT 1, 0, 'primary', 'ack', primary_attempt_id, primary_cluster, primary_stream,
-                                                   primary_sequence, false
-                                            FROM sealpost.work w WHERE event_id = $1 AND member = $2
-                                              AND primary_sequence IS NOT NULL
-                                              AND NOT EXISTS (SELECT 1 FROM sealpost.receipt r WHERE r.event_id = $1
-                                                              AND r.member = $2 AND r.kind = 'primary')) t
-                                      ORDER BY o, receipt_id")
+                                      FROM sealpost.receipts WHERE event_id = $1 AND member = $2
+                                      ORDER BY receipt_id NULLS LAST")
         .await?
         .iter()
         .map(|a| {

@@ -48,6 +48,25 @@ struct V1Row<'a> {
     last_error: Option<String>,
 }
 
+impl<'a> V1Row<'a> {
+    /// A row of `env` in `state` that was claimed and attempted once (the other fields as a
+    /// fresh v1 row had them); the callers override what their state needs.
+    fn new(env: &'a SealedEnvelope, state: State) -> V1Row<'a> {
+        V1Row {
+            env,
+            state,
+            claim: None,
+            claim_generation: 1,
+            attempt_generation: 1,
+            rejections: 0,
+            unknown_since_ms: None,
+            published: None,
+            superseded: (Vec::new(), Vec::new()),
+            last_error: None,
+        }
+    }
+}
+
 async fn insert_v1(pg: &tokio_postgres::Client, r: V1Row<'_>, payload: &[u8]) {
     let e = r.env;
     let d = &e.destination;
@@ -206,7 +225,6 @@ async fn a_v1_database_with_rows_in_every_state_upgrades_in_place_and_the_protoc
     let now: i64 = store::db_now_ms(&pg).await.unwrap() as i64;
     let expired = Some((1i64, now - 60_000));
     let mut envs = Vec::new();
-    let none = || (Vec::<i32>::new(), Vec::<Vec<u8>>::new());
 
     // Five pending rows.
     for i in 0..5 {
@@ -214,16 +232,9 @@ async fn a_v1_database_with_rows_in_every_state_upgrades_in_place_and_the_protoc
         insert_v1(
             &pg,
             V1Row {
-                env: &env,
-                state: State::Pending,
-                claim: None,
                 claim_generation: 0,
                 attempt_generation: 0,
-                rejections: 0,
-                unknown_since_ms: None,
-                published: None,
-                superseded: none(),
-                last_error: None,
+                ..V1Row::new(&env, State::Pending)
             },
             &payload,
         )
@@ -235,16 +246,8 @@ async fn a_v1_database_with_rows_in_every_state_upgrades_in_place_and_the_protoc
     insert_v1(
         &pg,
         V1Row {
-            env: &env,
-            state: State::Sending,
             claim: expired,
-            claim_generation: 1,
-            attempt_generation: 1,
-            rejections: 0,
-            unknown_since_ms: None,
-            published: None,
-            superseded: none(),
-            last_error: None,
+            ..V1Row::new(&env, State::Sending)
         },
         &payload,
     )
@@ -263,16 +266,8 @@ async fn a_v1_database_with_rows_in_every_state_upgrades_in_place_and_the_protoc
     insert_v1(
         &pg,
         V1Row {
-            env: &env,
-            state: State::DispatchUnknown,
-            claim: None,
-            claim_generation: 1,
-            attempt_generation: 1,
-            rejections: 0,
             unknown_since_ms: Some(now - 30_000),
-            published: None,
-            superseded: none(),
-            last_error: None,
+            ..V1Row::new(&env, State::DispatchUnknown)
         },
         &payload,
     )
@@ -284,16 +279,8 @@ async fn a_v1_database_with_rows_in_every_state_upgrades_in_place_and_the_protoc
     insert_v1(
         &pg,
         V1Row {
-            env: &env,
-            state: State::DispatchUnknown,
-            claim: None,
-            claim_generation: 1,
-            attempt_generation: 1,
-            rejections: 0,
             unknown_since_ms: Some(now - 30_000),
-            published: None,
-            superseded: none(),
-            last_error: None,
+            ..V1Row::new(&env, State::DispatchUnknown)
         },
         &payload,
     )
@@ -315,16 +302,8 @@ async fn a_v1_database_with_rows_in_every_state_upgrades_in_place_and_the_protoc
     insert_v1(
         &pg,
         V1Row {
-            env: &env,
-            state: State::Published,
-            claim: None,
-            claim_generation: 1,
-            attempt_generation: 1,
-            rejections: 0,
-            unknown_since_ms: None,
             published: Some((now - 5_000, 104, receipt.stream.clone(), published_seq)),
-            superseded: none(),
-            last_error: None,
+            ..V1Row::new(&env, State::Published)
         },
         &payload,
     )
@@ -350,16 +329,10 @@ async fn a_v1_database_with_rows_in_every_state_upgrades_in_place_and_the_protoc
     insert_v1(
         &pg,
         V1Row {
-            env: &env,
-            state: State::Quarantined,
-            claim: None,
             claim_generation: 5,
-            attempt_generation: 1,
             rejections: 5,
-            unknown_since_ms: None,
-            published: None,
-            superseded: none(),
             last_error: Some("Rejected: refused by the broker".into()),
+            ..V1Row::new(&env, State::Quarantined)
         },
         &payload,
     )
@@ -390,16 +363,8 @@ async fn a_v1_database_with_rows_in_every_state_upgrades_in_place_and_the_protoc
     insert_v1(
         &pg,
         V1Row {
-            env: &env,
-            state: State::Pending,
-            claim: None,
-            claim_generation: 1,
-            attempt_generation: 1,
-            rejections: 0,
-            unknown_since_ms: None,
-            published: None,
             superseded: (vec![1], vec![gen1.destination_digest.0.to_vec()]),
-            last_error: None,
+            ..V1Row::new(&env, State::Pending)
         },
         &payload,
     )
