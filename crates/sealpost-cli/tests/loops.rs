@@ -517,6 +517,142 @@ async fn receipts_and_reports_commit_together_or_not_at_all() {
     assert_eq!(state_of(&pg, ids[1]).await, "DISPATCH_UNKNOWN");
 }
 
+/// The guarded acceptance (`claim_batch_held` + `submit_held`): an ordinary ACK for a row
+/// the dispatcher holds as its claim wrote it is accepted by one guarded write; a row someone
+/// wrote since takes the locked path and gets the verdict that path gives; and when the
+/// locked part fails, the retried submission reports the guarded verdicts again without
+/// accepting anything twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn guarded_acceptance_falls_back_when_the_row_changed_and_never_accepts_twice() {
+    let (cfg, mut pg, _) = fresh("guarded").await;
+    let n = nats(&cfg).await;
+    let t = topic("guarded");
+    n.ensure_stream(&t).await.unwrap();
+    store::set_route(&pg, "orders", &cfg.nats_cluster, &t)
+        .await
+        .unwrap();
+    let ids = enqueue(&mut pg, "orders", b"{}", 3).await;
+    let mut held = store::Held::default();
+    let b = store::claim_batch_held(
+        &mut pg,
+        1,
+        Some(&cfg.nats_cluster),
+        0,
+        10,
+        10_000,
+        &mut held,
+    )
+    .await
+    .unwrap();
+    assert_eq!(b.outgoing.len(), 3);
+    assert_eq!(held.len(), 3, "every sent row is held");
+    let reqs: Vec<_> = b
+        .outgoing
+        .iter()
+        .map(store::Outgoing::send_request)
+        .collect();
+    let receipts: Vec<_> = n
+        .send_batch(reqs, Instant::now() + Duration::from_secs(5))
+        .await
+        .into_iter()
+        .map(|r| match r {
+            SendResult::Receipt(r) => r,
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    let pos = |id: EventId| b.outgoing.iter().position(|o| o.event_id == id).unwrap();
+    let (i0, i1, i2) = (pos(ids[0]), pos(ids[1]), pos(ids[2]));
+    // Row 2: its receipt was accepted meanwhile by the locked path (as a lookup would).
+    store::accept_receipts(&mut pg, std::slice::from_ref(&receipts[i2]))
+        .await
+        .unwrap();
+    // Row 1: written by someone else (and now locked by them).
+    pg.execute(
+        "UPDATE sealpost.work SET last_error = 'touched' WHERE event_id = $1",
+        &[&uuid::Uuid::from_bytes(ids[1].0)],
+    )
+    .await
+    .unwrap();
+    let mut blocker = runtime::pg_connect(&cfg.database_url).await.unwrap();
+    let btx = blocker.transaction().await.unwrap();
+    btx.execute(
+        "SELECT 1 FROM sealpost.work WHERE event_id = $1 FOR UPDATE",
+        &[&uuid::Uuid::from_bytes(ids[1].0)],
+    )
+    .await
+    .unwrap();
+    pg.batch_execute("SET lock_timeout = '300ms'")
+        .await
+        .unwrap();
+    let sub = Submission {
+        receipts: receipts.clone(),
+        reports: vec![],
+    };
+    let err = store::submit_held(&mut pg, &sub, 5, &mut held)
+        .await
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("lock timeout") || err.to_string().contains("55P03"),
+        "the database's own words: {err}"
+    );
+    assert_eq!(
+        state_of(&pg, ids[0]).await,
+        "PUBLISHED",
+        "row 0 was accepted by the guarded write before the locked part failed"
+    );
+    assert_eq!(state_of(&pg, ids[1]).await, "SENDING");
+    btx.rollback().await.unwrap();
+    let evidence = async |pg: &tokio_postgres::Client| -> i64 {
+        // The receipt rows kept as evidence (the primary receipts live in the work rows).
+        pg.query_one("SELECT count(*) FROM sealpost.receipt", &[])
+            .await
+            .unwrap()
+            .get(0)
+    };
+    let evidence_before = evidence(&pg).await;
+    // The machine retries the same submission.
+    let done = store::submit_held(&mut pg, &sub, 5, &mut held)
+        .await
+        .unwrap();
+    use sealpost_core::{DuplicateKind, ReceiptVerdict};
+    let mut expect = vec![store::Accepted::UnknownEvent; 3];
+    expect[i0] = store::Accepted::Verdict(ReceiptVerdict::Primary);
+    expect[i1] = store::Accepted::Verdict(ReceiptVerdict::Primary);
+    expect[i2] = store::Accepted::Verdict(ReceiptVerdict::Duplicate(DuplicateKind::SamePosition));
+    assert_eq!(done.accepted, expect);
+    assert_eq!(done.guarded, 1, "only row 0 went the guarded way");
+    assert!(held.is_empty(), "answered rows are no longer held");
+    assert_eq!(
+        evidence(&pg).await,
+        evidence_before + 1,
+        "one piece of evidence, row 2's second receipt; row 0 is not accepted twice"
+    );
+    for (i, id) in ids.iter().enumerate() {
+        assert_eq!(state_of(&pg, *id).await, "PUBLISHED");
+        let seq = int(
+            &pg,
+            "SELECT primary_sequence FROM sealpost.work WHERE event_id = $1",
+            *id,
+        )
+        .await;
+        assert_eq!(
+            seq as u64,
+            receipts[pos(*id)].sequence,
+            "row {i}'s primary receipt"
+        );
+    }
+    let published_at = int(
+        &pg,
+        "SELECT published_at_ms - created_at_ms FROM sealpost.outbox WHERE event_id = $1",
+        ids[0],
+    )
+    .await;
+    assert!(
+        (0..60_000).contains(&published_at),
+        "the guarded write stamps the database clock as the claim read it: {published_at} ms after the commit"
+    );
+}
+
 /// Bug: the adapter never reported a permanent refusal, so the rejection limit did nothing
 /// and a quarantined row could never be released. Now a message over the stream's size limit
 /// is refused, counted, quarantined with its reason at the limit, shown by `status`, and

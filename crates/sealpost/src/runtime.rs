@@ -73,7 +73,7 @@ impl Default for Config {
             nats_url: "nats://127.0.0.1:4222".to_string(),
             nats_cluster: "nats-local".to_string(),
             lease_ms: 10_000,
-            batch_size_max: 500,
+            batch_size_max: 1000,
             ack_timeout_ms: 5_000,
             idle_poll_ms: 50,
             rejection_limit: 5,
@@ -316,6 +316,8 @@ pub async fn dispatcher<B: Broker>(
     tracing::info!(owner, %cluster, "dispatcher started");
     // Actions the machine returned from a `handle_*` call, performed before polling again.
     let mut next: VecDeque<DispatchAction> = VecDeque::new();
+    // The rows this dispatcher claimed, as its claims wrote them (guarded acceptance).
+    let mut held = store::Held::default();
     // The batch on the wire: a task of its own, so the claim of the next batch (and the
     // previous batch's submission) run on the database connection meanwhile.
     let mut on_wire: Option<tokio::task::JoinHandle<Vec<SendResult>>> = None;
@@ -364,13 +366,14 @@ pub async fn dispatcher<B: Broker>(
                 from_position,
             } => {
                 let started = ms_since(epoch);
-                match store::claim_batch_from(
+                match store::claim_batch_held(
                     &mut pg,
                     owner,
                     Some(&cluster),
                     from_position,
                     batch_size_max,
                     cfg.lease_ms,
+                    &mut held,
                 )
                 .await
                 {
@@ -416,7 +419,8 @@ pub async fn dispatcher<B: Broker>(
             }
             DispatchAction::Submit(sub) => {
                 let t_submit = ms_since(epoch);
-                let result = store::submit(&mut pg, &sub, cfg.rejection_limit).await;
+                let result =
+                    store::submit_held(&mut pg, &sub, cfg.rejection_limit, &mut held).await;
                 tracing::debug!(
                     receipts = sub.receipts.len(),
                     reports = sub.reports.len(),
