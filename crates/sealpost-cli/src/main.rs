@@ -429,6 +429,7 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
                 only,
                 dry_run,
             };
+            opts.check().map_err(|x| x.to_string())?;
             let mut pg = runtime::pg_connect(&cfg.database_url).await.map_err(e)?;
             let r = sealpost_cli::ops::purge(&mut pg, &opts)
                 .await
