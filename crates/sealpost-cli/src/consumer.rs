@@ -113,16 +113,21 @@ pub async fn run(
             deliveries.push(d);
             held.push(msg);
         }
-        if !unreadable.is_empty() {
-            let letters: Vec<(&Message, String)> = unreadable
-                .iter()
-                .map(|m| {
-                    debug_assert_eq!(decide_unreadable_delivery(), FailedDelivery::DeadLetter);
-                    (m, unreadable_reason(m))
-                })
-                .collect();
-            give_up(&pg, &consumer_id, DeadLetterKind::Unreadable, &letters, policy).await;
+        let mut letters: Vec<(&Message, String)> = Vec::new();
+        for m in &unreadable {
+            match decide_unreadable_delivery() {
+                FailedDelivery::DeadLetter => letters.push((m, unreadable_reason(m))),
+                FailedDelivery::Retry { delay_ms } => nak(m, delay_ms).await,
+            }
         }
+        give_up(
+            &pg,
+            &consumer_id,
+            DeadLetterKind::Unreadable,
+            &letters,
+            policy,
+        )
+        .await;
         if held.is_empty() {
             continue;
         }
@@ -163,7 +168,14 @@ pub async fn run(
                         tracing::warn!(error = %e, "ack lost; the broker will redeliver and the inbox absorbs it");
                     }
                 }
-                give_up(&pg, &consumer_id, DeadLetterKind::EffectFailed, &dead, policy).await;
+                give_up(
+                    &pg,
+                    &consumer_id,
+                    DeadLetterKind::EffectFailed,
+                    &dead,
+                    policy,
+                )
+                .await;
             }
             Err(e) => {
                 tracing::warn!(error = %e, messages = held.len(), "inbox transaction failed; the batch comes back after a delay");
@@ -211,7 +223,9 @@ async fn give_up(
             DeadLetter {
                 kind,
                 event: d.as_ref().map(|d| (d.event_id, d.member)),
-                stream: info.as_ref().map_or(String::new(), |i| i.stream.to_string()),
+                stream: info
+                    .as_ref()
+                    .map_or(String::new(), |i| i.stream.to_string()),
                 sequence: info.as_ref().map_or(0, |i| i.stream_sequence),
                 subject: m.subject.to_string(),
                 delivered: delivered(m),
@@ -334,17 +348,15 @@ impl Progress {
             }
         }
         let Some(outbox) = &self.outbox else { return };
-        if let Err(e) =
-            inbox::report_progress(outbox, &self.consumer_id, &self.stream, floor).await
+        if let Err(e) = inbox::report_progress(outbox, &self.consumer_id, &self.stream, floor).await
         {
             tracing::warn!(error = %e, "progress not reported to the outbox database (is it migrated, and may this consumer write sealpost.consumer_progress?)");
         }
     }
 }
 
-type PullConsumer = async_nats::jetstream::consumer::Consumer<
-    async_nats::jetstream::consumer::pull::Config,
->;
+type PullConsumer =
+    async_nats::jetstream::consumer::Consumer<async_nats::jetstream::consumer::pull::Config>;
 
 /// One `demo_fulfilment` row, the example effect of one message.
 struct FulfilmentRow {

@@ -18,7 +18,9 @@ struct Cli {
     /// TOML config file (keys: database_url, nats_url, nats_cluster, lease_ms, batch_size_max,
     /// ack_timeout_ms, idle_poll_ms, rejection_limit, reconcile_batch_max, reconcile_every_ms,
     /// lookups_in_flight_max, unknown_check_every_ms, verify_every_ms, verify_batch_max,
-    /// unknown_alert_s; see docs/operations.md).
+    /// unknown_alert_s, consumer_max_deliveries, consumer_effect_timeout_ms,
+    /// consumer_progress_every_ms, outbox_database_url, required_consumers; see
+    /// docs/operations.md).
     #[arg(long, global = true, env = "SEALPOST_CONFIG")]
     config: Option<String>,
     #[command(subcommand)]
@@ -349,7 +351,8 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
             let mut cfg = cfg;
             if let Some(n) = max_deliveries {
                 cfg.consumer_max_deliveries = n;
-                cfg.validate().map_err(|x| format!("--max-deliveries: {x}"))?;
+                cfg.validate()
+                    .map_err(|x| format!("--max-deliveries: {x}"))?;
             }
             let nats = connect_nats(&cfg).await?;
             let pg = runtime::pg_connect(&cfg.database_url).await.map_err(e)?;

@@ -673,7 +673,12 @@ async fn remove_tombstones(
 /// The tables of audit evidence: (table, id column, time column, rows that are evidence).
 const EVIDENCE: &[(&str, &str, &str, &str)] = &[
     ("attempt", "attempt_id", "started_at_ms", "true"),
-    ("receipt", "receipt_id", "accepted_at_ms", "t.kind <> 'primary'"),
+    (
+        "receipt",
+        "receipt_id",
+        "accepted_at_ms",
+        "t.kind <> 'primary'",
+    ),
     ("quarantine", "quarantine_id", "at_ms", "true"),
     ("audit", "audit_id", "at_ms", "true"),
     ("finding", "finding_id", "at_ms", "true"),

@@ -77,7 +77,12 @@ async fn publish(cfg: &Config, nats: &Nats, topic: &str, keys: &[String]) {
     let counters = Arc::new(Counters::default());
     let tasks = runtime::spawn_fleet(cfg, &Arc::new(nats.clone()), 2, true, &stop, &counters);
     wait_for("publication", Duration::from_secs(60), async || {
-        count(&pg, "SELECT count(*) FROM sealpost.outbox WHERE state <> 'PUBLISHED'").await == 0
+        count(
+            &pg,
+            "SELECT count(*) FROM sealpost.outbox WHERE state <> 'PUBLISHED'",
+        )
+        .await
+            == 0
     })
     .await;
     stop.store(true, Ordering::Relaxed);
@@ -130,7 +135,10 @@ async fn nothing_lost_nothing_twice(pg: &tokio_postgres::Client, consumer: &str)
         .iter()
         .map(|r| r.get(0))
         .collect();
-    assert!(lost.is_empty(), "events neither applied nor dead-lettered: {lost:?}");
+    assert!(
+        lost.is_empty(),
+        "events neither applied nor dead-lettered: {lost:?}"
+    );
     let r = pg
         .query_one(
             "SELECT (SELECT count(*) FROM demo_fulfilment WHERE consumer_id = $1),
@@ -201,12 +209,16 @@ async fn downstream_timeout_rolls_back_retries_later_and_applies_once() {
     let stop = Arc::new(AtomicBool::new(false));
     let task = spawn_consumer(&cfg, &nats, &consumer, &topic, &stop);
     // Everything else applies; o-7 times out, is rolled back and comes back, again and again.
-    wait_for("the others applied and o-7 retried", Duration::from_secs(60), async || {
-        let i = broker_view(&nats, &topic, &consumer).await;
-        count(&pg, "SELECT count(*) FROM demo_fulfilment").await == n as i64 - 1
-            && i.num_ack_pending == 1
-            && i.num_redelivered >= 1
-    })
+    wait_for(
+        "the others applied and o-7 retried",
+        Duration::from_secs(60),
+        async || {
+            let i = broker_view(&nats, &topic, &consumer).await;
+            count(&pg, "SELECT count(*) FROM demo_fulfilment").await == n as i64 - 1
+                && i.num_ack_pending == 1
+                && i.num_redelivered >= 1
+        },
+    )
     .await;
     assert_eq!(
         count(
@@ -294,7 +306,10 @@ async fn a_permanent_bad_message_is_dead_lettered_after_max_deliveries_and_the_r
         .unwrap();
     assert_eq!(r.get::<_, String>(0), "o-7");
     assert_eq!(r.get::<_, String>(1), topic);
-    assert!(r.get::<_, bool>(2), "the dead letter holds the broker position");
+    assert!(
+        r.get::<_, bool>(2),
+        "the dead letter holds the broker position"
+    );
     assert_eq!(r.get::<_, i32>(3), 3, "dead-lettered at the third delivery");
     let reason: String = r.get(4);
     assert!(
@@ -310,7 +325,11 @@ async fn a_permanent_bad_message_is_dead_lettered_after_max_deliveries_and_the_r
         )
         .await
         .unwrap();
-    assert!(junk.get::<_, String>(1).contains("no headers"), "{:?}", junk.get::<_, String>(1));
+    assert!(
+        junk.get::<_, String>(1).contains("no headers"),
+        "{:?}",
+        junk.get::<_, String>(1)
+    );
     assert!(junk.get::<_, bool>(2));
     assert_eq!(junk.get::<_, String>(3), format!("sp.{topic}.junk"));
     assert_eq!(junk.get::<_, Vec<u8>>(4), b"not a sealpost message");
@@ -333,7 +352,13 @@ async fn a_hot_key_with_most_of_the_traffic_is_applied_exactly_once() {
     let n = 1_000;
     // 80% of the events on one aggregate.
     let keys: Vec<String> = (0..n)
-        .map(|i| if i % 5 == 0 { format!("o-{i}") } else { "o-hot".into() })
+        .map(|i| {
+            if i % 5 == 0 {
+                format!("o-{i}")
+            } else {
+                "o-hot".into()
+            }
+        })
         .collect();
     let hot = keys.iter().filter(|k| *k == "o-hot").count() as i64;
     publish(&cfg, &nats, &topic, &keys).await;
@@ -359,10 +384,14 @@ async fn a_hot_key_with_most_of_the_traffic_is_applied_exactly_once() {
         spawn_consumer(&cfg, &nats, &consumer, &topic, &stop),
         spawn_consumer(&cfg, &nats, &consumer, &topic, &stop),
     ];
-    wait_for("the stream consumed", Duration::from_secs(120), async || {
-        let i = broker_view(&nats, &topic, &consumer).await;
-        i.num_ack_pending == 0 && i.num_pending == 0
-    })
+    wait_for(
+        "the stream consumed",
+        Duration::from_secs(120),
+        async || {
+            let i = broker_view(&nats, &topic, &consumer).await;
+            i.num_ack_pending == 0 && i.num_pending == 0
+        },
+    )
     .await;
     stop.store(true, Ordering::Relaxed);
     for t in tasks {
@@ -375,7 +404,10 @@ async fn a_hot_key_with_most_of_the_traffic_is_applied_exactly_once() {
         .await
         .unwrap()
         .get(0);
-    assert_eq!(hot_effects, hot, "the hot aggregate's events, each counted once");
+    assert_eq!(
+        hot_effects, hot,
+        "the hot aggregate's events, each counted once"
+    );
     assert_eq!(
         count(&pg, "SELECT sum(n)::bigint FROM per_order").await,
         n as i64

@@ -193,16 +193,17 @@ async fn purge_waits_for_reported_consumers_the_restore_point_and_the_audit_rete
         Some(&(n as u64))
     );
     assert!(
-        r.examples[0]
-            .1
-            .contains(&format!("required consumer `{b}` has not consumed position")),
+        r.examples[0].1.contains(&format!(
+            "required consumer `{b}` has not consumed position"
+        )),
         "{:?}",
         r.examples[0]
     );
     let mut one = o.clone();
     one.only = Some(ids[0]);
     assert_eq!(ops::purge(&mut pg, &one).await.unwrap().purged, 0);
-    let published = "SELECT count(*) FROM sealpost.outbox WHERE state = 'PUBLISHED' AND length(payload) > 0";
+    let published =
+        "SELECT count(*) FROM sealpost.outbox WHERE state = 'PUBLISHED' AND length(payload) > 0";
     assert_eq!(
         pg.query_one(published, &[]).await.unwrap().get::<_, i64>(0),
         n as i64,
@@ -246,9 +247,15 @@ async fn purge_waits_for_reported_consumers_the_restore_point_and_the_audit_rete
     o.stream = Some(topic.clone());
     o.restore_point_ms = Some(first_half_at as u64 + 1);
     o.audit_retention_days = 0;
-    let dry = ops::purge(&mut pg, &ops::PurgeOptions { dry_run: true, ..o.clone() })
-        .await
-        .unwrap();
+    let dry = ops::purge(
+        &mut pg,
+        &ops::PurgeOptions {
+            dry_run: true,
+            ..o.clone()
+        },
+    )
+    .await
+    .unwrap();
     let r = ops::purge(&mut pg, &o).await.unwrap();
     assert_eq!((dry.purged, dry.retained), (r.purged, r.retained));
     assert_eq!((r.purged, r.retained), (n as u64 / 2, n as u64 / 2));
@@ -256,10 +263,16 @@ async fn purge_waits_for_reported_consumers_the_restore_point_and_the_audit_rete
         r.kept.get("newer than the restore point"),
         Some(&(n as u64 / 2))
     );
-    assert_eq!(r.tombstones_removed, 0, "a fresh tombstone stays a replay window");
+    assert_eq!(
+        r.tombstones_removed, 0,
+        "a fresh tombstone stays a replay window"
+    );
     // Evidence of the live event and the young row stay; the rest is gone.
     let audit_left: Vec<(Option<uuid::Uuid>, i64)> = pg
-        .query("SELECT event_id, at_ms FROM sealpost.audit WHERE what = 'test' ORDER BY at_ms", &[])
+        .query(
+            "SELECT event_id, at_ms FROM sealpost.audit WHERE what = 'test' ORDER BY at_ms",
+            &[],
+        )
         .await
         .unwrap()
         .iter()
@@ -300,7 +313,11 @@ async fn purge_waits_for_reported_consumers_the_restore_point_and_the_audit_rete
         .await
         .unwrap()
         .get(0);
-    assert_eq!(left, n as i64 / 2 + 1, "the young tombstones and the pending row");
+    assert_eq!(
+        left,
+        n as i64 / 2 + 1,
+        "the young tombstones and the pending row"
+    );
     assert_eq!(
         store::accept_receipts(&mut pg, std::slice::from_ref(&purged_receipt))
             .await
@@ -325,7 +342,12 @@ fn the_binary_refuses_a_purge_that_names_no_consumer_and_says_what_to_set() {
         .expect("run sealpost");
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
-    for needle in ["refusing to purge", "--consumer", "required_consumers", "--no-consumers"] {
+    for needle in [
+        "refusing to purge",
+        "--consumer",
+        "required_consumers",
+        "--no-consumers",
+    ] {
         assert!(err.contains(needle), "{err}");
     }
 }

@@ -236,7 +236,10 @@ mod tests {
             decide_tombstone_removal(State::Purged, 9_500, 10_000, p),
             Err(TombstoneRefusal::ReplayWindow { age_ms: 500 })
         );
-        assert_eq!(decide_tombstone_removal(State::Purged, 9_000, 10_000, p), Ok(()));
+        assert_eq!(
+            decide_tombstone_removal(State::Purged, 9_000, 10_000, p),
+            Ok(())
+        );
     }
 
     #[test]
@@ -249,7 +252,10 @@ mod tests {
             decide_evidence_removal(Some(State::Purged), 100, 105, 10),
             Err(EvidenceRefusal::AuditRetention { remaining_ms: 5 })
         );
-        assert_eq!(decide_evidence_removal(Some(State::Purged), 100, 110, 10), Ok(()));
+        assert_eq!(
+            decide_evidence_removal(Some(State::Purged), 100, 110, 10),
+            Ok(())
+        );
         assert_eq!(decide_evidence_removal(None, 100, 110, 10), Ok(()));
         assert!(decide_evidence_removal(None, 100, 109, 10).is_err());
     }

@@ -200,7 +200,10 @@ mod tests {
             max_deliveries: 0,
             ..p
         };
-        assert_eq!(decide_failed_delivery(1, m, zero), FailedDelivery::DeadLetter);
+        assert_eq!(
+            decide_failed_delivery(1, m, zero),
+            FailedDelivery::DeadLetter
+        );
         assert_eq!(decide_unreadable_delivery(), FailedDelivery::DeadLetter);
     }
 

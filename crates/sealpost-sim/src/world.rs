@@ -2221,8 +2221,8 @@ impl World {
                         .iter()
                         .any(|c| !c.effects.iter().any(|(e, _)| *e == eid));
                     // Checker: nothing published after a backup that may still be restored.
-                    let after_backup = restore_point
-                        .is_some_and(|b| row.published_at_ms.is_none_or(|p| p >= b));
+                    let after_backup =
+                        restore_point.is_some_and(|b| row.published_at_ms.is_none_or(|p| p >= b));
                     if early_window || unconsumed || after_backup {
                         self.violation(Violation::EarlyPurges, || format!("row {i} purged early (window: {early_window}, unconsumed: {unconsumed}, published after the restorable backup: {after_backup})"));
                     }

@@ -35,7 +35,10 @@ pub const MIGRATIONS: &[(i32, &str)] = &[
     (1, include_str!("../migrations/0001_outbox.sql")),
     (2, include_str!("../migrations/0002_pacing.sql")),
     (3, include_str!("../migrations/0003_split.sql")),
-    (4, include_str!("../migrations/0004_consumers_retention.sql")),
+    (
+        4,
+        include_str!("../migrations/0004_consumers_retention.sql"),
+    ),
 ];
 
 /// Statements the store has sent to PostgreSQL in this process (each query, `BEGIN` and
