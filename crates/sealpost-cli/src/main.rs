@@ -18,7 +18,9 @@ struct Cli {
     /// TOML config file (keys: database_url, nats_url, nats_cluster, lease_ms, batch_size_max,
     /// ack_timeout_ms, idle_poll_ms, rejection_limit, reconcile_batch_max, reconcile_every_ms,
     /// lookups_in_flight_max, unknown_check_every_ms, verify_every_ms, verify_batch_max,
-    /// unknown_alert_s; see docs/operations.md).
+    /// unknown_alert_s, consumer_max_deliveries, consumer_effect_timeout_ms,
+    /// consumer_progress_every_ms, outbox_database_url, required_consumers; see
+    /// docs/operations.md).
     #[arg(long, global = true, env = "SEALPOST_CONFIG")]
     config: Option<String>,
     #[command(subcommand)]
@@ -52,6 +54,10 @@ enum Cmd {
         /// Stream to consume.
         #[arg(long, default_value = "ORDERS")]
         topic: String,
+        /// Deliveries of a message whose effect fails before it is dead-lettered
+        /// [default: config key `consumer_max_deliveries`, 10].
+        #[arg(long)]
+        max_deliveries: Option<u32>,
     },
     /// Write orders while dispatchers publish them; print the status at the end.
     Demo {
@@ -126,12 +132,24 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
-    /// Retention (R20): retain, then purge rows past the replay window and every required
-    /// consumer; `--dry-run` shows what would go and why the rest stays.
+    /// Retention (R20): retain, then purge rows past the replay window, every required
+    /// consumer and the restore point; delete tombstones and expired audit evidence;
+    /// `--dry-run` shows what would go and why the rest stays.
     Purge {
-        /// Required consumer (repeatable).
+        /// Required consumer (repeatable; added to the config key `required_consumers`).
         #[arg(long)]
         consumer: Vec<String>,
+        /// Purge without waiting for any consumer (only when none needs the outbox rows).
+        #[arg(long)]
+        no_consumers: bool,
+        /// Time of the oldest backup you may restore from (ms since the epoch): rows
+        /// published at or after it are kept.
+        #[arg(long)]
+        restore_point_ms: Option<u64>,
+        /// Days audit evidence (attempts, duplicate receipts, quarantine, audit, findings,
+        /// dead letters) outlives its purged event.
+        #[arg(long, default_value_t = 90)]
+        audit_retention_days: u64,
         /// Replay window after publication (s).
         #[arg(long, default_value_t = 86_400)]
         replay_window_s: u64,
@@ -325,7 +343,17 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
             }
             Ok(0)
         }
-        Cmd::Consume { consumer, topic } => {
+        Cmd::Consume {
+            consumer,
+            topic,
+            max_deliveries,
+        } => {
+            let mut cfg = cfg;
+            if let Some(n) = max_deliveries {
+                cfg.consumer_max_deliveries = n;
+                cfg.validate()
+                    .map_err(|x| format!("--max-deliveries: {x}"))?;
+            }
             let nats = connect_nats(&cfg).await?;
             let pg = runtime::pg_connect(&cfg.database_url).await.map_err(e)?;
             store::migrate(&pg).await.map_err(|x| x.to_string())?;
@@ -372,6 +400,9 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
         }
         Cmd::Purge {
             consumer,
+            no_consumers,
+            restore_point_ms,
+            audit_retention_days,
             stream,
             replay_window_s,
             batch,
@@ -386,23 +417,35 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
                 ),
                 None => None,
             };
-            let mut pg = runtime::pg_connect(&cfg.database_url).await.map_err(e)?;
-            let r = sealpost_cli::ops::purge(
-                &mut pg,
-                &consumer,
-                stream.as_deref(),
+            let mut required = cfg.required_consumers.clone();
+            required.extend(consumer);
+            required.sort();
+            required.dedup();
+            let opts = sealpost_cli::ops::PurgeOptions {
+                required,
+                no_consumers,
+                stream,
                 replay_window_s,
-                batch,
+                restore_point_ms,
+                audit_retention_days,
+                batch_size_max: batch,
                 only,
                 dry_run,
-            )
-            .await
-            .map_err(|x| x.to_string())?;
+            };
+            opts.check().map_err(|x| x.to_string())?;
+            let mut pg = runtime::pg_connect(&cfg.database_url).await.map_err(e)?;
+            let r = sealpost_cli::ops::purge(&mut pg, &opts)
+                .await
+                .map_err(|x| x.to_string())?;
             if json {
                 println!("{}", serde_json::to_string(&r).map_err(|x| x.to_string())?);
             } else {
                 let verb = if dry_run { "would purge" } else { "purged" };
                 println!("{verb} {}; retained {}", r.purged, r.retained);
+                println!("tombstones removed {}", r.tombstones_removed);
+                for (table, n) in &r.evidence_removed {
+                    println!("audit evidence removed {n:>8}: {table}");
+                }
                 for (why, n) in &r.kept {
                     println!("kept {n:>8}: {why}");
                 }

@@ -1,6 +1,9 @@
 //! Retention and restore against the real PostgreSQL and NATS JetStream: an early purge
-//! attempt is refused with its reason (F10), and a database restored from a `pg_dump` taken
-//! mid-run republishes under the same event ids with zero second effects (F11, R21).
+//! attempt is refused with its reason (F10) while purge waits for the watermarks consumers
+//! report from their own databases, the restore point and the audit retention, and removes
+//! tombstones a replay window after their purge; a purge naming no consumer is refused; and
+//! a database restored from a `pg_dump` taken mid-run republishes under the same event ids
+//! with zero second effects (F11, R21). Every test has its own databases and stream.
 
 use std::collections::BTreeSet;
 use std::process::Command;
@@ -75,14 +78,60 @@ async fn wait_for(what: &str, limit: Duration, mut f: impl AsyncFnMut() -> bool)
     }
 }
 
-#[tokio::test]
-async fn early_purge_is_refused_with_its_reason_and_nothing_needed_is_lost() {
-    let _g = LOCK.lock().await;
-    let cfg = Config::from_env().unwrap();
-    let mut pg = runtime::pg_connect(&cfg.database_url).await.unwrap();
-    store::migrate(&pg).await.unwrap();
+const ADMIN_URL: &str = "host=127.0.0.1 user=postgres dbname=postgres";
+
+/// A fresh database `sealpost_ret_<tag>` with the schema and the demo tables.
+async fn fresh_db(tag: &str) -> (String, tokio_postgres::Client) {
+    let db = format!("sealpost_ret_{tag}");
+    let admin = runtime::pg_connect(ADMIN_URL)
+        .await
+        .expect("PostgreSQL must be running");
+    admin
+        .batch_execute(&format!("CREATE DATABASE {db}"))
+        .await
+        .expect("create the test database");
+    let url = format!("host=127.0.0.1 user=postgres dbname={db}");
+    let pg = runtime::pg_connect(&url).await.unwrap();
+    store::migrate(&pg).await.expect("migrate");
     sealpost_cli::demo::prepare(&pg).await.unwrap();
-    let topic = format!("R{}", runtime::owner_id() % 1_000_000);
+    (url, pg)
+}
+
+async fn drop_db(url: &str) {
+    let db = url.rsplit('=').next().unwrap();
+    let admin = runtime::pg_connect(ADMIN_URL).await.unwrap();
+    admin
+        .batch_execute(&format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))
+        .await
+        .unwrap();
+}
+
+async fn watermark(outbox: &tokio_postgres::Client, consumer: &str, stream: &str) -> Option<i64> {
+    outbox
+        .query_opt(
+            "SELECT watermark FROM sealpost.consumer_progress WHERE consumer_id = $1 AND stream = $2",
+            &[&consumer, &stream],
+        )
+        .await
+        .unwrap()
+        .map(|r| r.get(0))
+}
+
+/// The normal layout: the outbox in one database, each consumer's inbox in its own; the
+/// consumers report their watermark to the outbox's `sealpost.consumer_progress`. An early
+/// purge is refused with its reason (F10), a purge naming no consumer is refused unless the
+/// operator says `--no-consumers`, rows newer than the restore point are only retained,
+/// tombstones go a replay window after their purge, and audit evidence of live events stays.
+#[tokio::test]
+async fn purge_waits_for_reported_consumers_the_restore_point_and_the_audit_retention() {
+    let tag = runtime::owner_id() % 1_000_000;
+    let (outbox_url, mut pg) = fresh_db(&format!("{tag}_outbox")).await;
+    let (consumer_url, cpg) = fresh_db(&format!("{tag}_consumer")).await;
+    let mut cfg = Config::from_env().unwrap();
+    cfg.database_url = consumer_url.clone();
+    cfg.outbox_database_url = outbox_url.clone();
+    cfg.consumer_progress_every_ms = 200;
+    let topic = format!("RET{tag}");
     let route = format!("r-{topic}");
     store::set_route(&pg, &route, &cfg.nats_cluster, &topic)
         .await
@@ -93,120 +142,214 @@ async fn early_purge_is_refused_with_its_reason_and_nothing_needed_is_lost() {
     nats.ensure_stream(&topic).await.unwrap();
     let n = 30;
     let ids = enqueue(&mut pg, &route, n).await;
-    let mut receipts = Vec::new();
-    while receipts.len() < n {
-        receipts.extend(
-            publish_all(&mut pg, &nats, 1000)
-                .await
-                .into_iter()
-                .filter(|r| ids.contains(&r.event_id)),
-        );
-    }
+    // Two publications 50 ms apart, so a restore point can fall between them.
+    let mut receipts = publish_all(&mut pg, &nats, n / 2).await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    receipts.extend(publish_all(&mut pg, &nats, n).await);
+    assert_eq!(receipts.len(), n);
+    let last_seq = receipts.iter().map(|r| r.sequence).max().unwrap() as i64;
     // Consumer A takes everything; consumer B nothing yet.
     let a = format!("a-{topic}");
     let b = format!("b-{topic}");
     let stop = Arc::new(AtomicBool::new(false));
-    let ca = tokio::spawn(sealpost_cli::consumer::run(
-        cfg.clone(),
-        nats.clone(),
-        a.clone(),
-        topic.clone(),
-        stop.clone(),
-        Arc::new(AtomicU64::new(0)),
-    ));
-    wait_for("consumer A", Duration::from_secs(30), async || {
-        effects(&pg, &a).await.0 == n as i64
+    let spawn = |c: &str| {
+        tokio::spawn(sealpost_cli::consumer::run(
+            cfg.clone(),
+            nats.clone(),
+            c.to_string(),
+            topic.clone(),
+            stop.clone(),
+            Arc::new(AtomicU64::new(0)),
+        ))
+    };
+    let ca = spawn(&a);
+    wait_for("consumer A's report", Duration::from_secs(30), async || {
+        watermark(&pg, &a, &topic).await == Some(last_seq)
     })
     .await;
-    let required = vec![a.clone(), b.clone()];
+    assert_eq!(effects(&cpg, &a).await, (n as i64, n as i64));
+    // No consumer named: refused, with what to set.
+    let mut o = ops::PurgeOptions::new(&[], 0);
+    o.stream = Some(topic.clone());
+    let e = ops::purge(&mut pg, &o).await.unwrap_err().to_string();
+    for needle in ["--consumer", "required_consumers", "--no-consumers"] {
+        assert!(e.contains(needle), "{e}");
+    }
+    let mut both = ops::PurgeOptions::new(std::slice::from_ref(&a), 0);
+    both.no_consumers = true;
+    assert!(matches!(
+        ops::purge(&mut pg, &both).await,
+        Err(ops::PurgeError::Contradiction(_))
+    ));
     // F10: an early purge (B has not consumed) is refused, with the reason, and writes nothing.
-    let r = ops::purge(&mut pg, &required, Some(&topic), 0, 100, None, false)
-        .await
-        .unwrap();
-    assert_eq!(r.purged, 0);
+    let required = vec![a.clone(), b.clone()];
+    let mut o = ops::PurgeOptions::new(&required, 0);
+    o.stream = Some(topic.clone());
+    o.batch_size_max = 7;
+    let r = ops::purge(&mut pg, &o).await.unwrap();
+    assert_eq!((r.purged, r.retained), (0, 0));
     assert_eq!(
         r.kept.get("a required consumer has not consumed it"),
         Some(&(n as u64))
     );
     assert!(
-        r.examples[0]
-            .1
-            .contains(&format!("required consumer `{b}` has not consumed")),
+        r.examples[0].1.contains(&format!(
+            "required consumer `{b}` has not consumed position"
+        )),
         "{:?}",
         r.examples[0]
     );
-    let one = ops::purge(
+    let mut one = o.clone();
+    one.only = Some(ids[0]);
+    assert_eq!(ops::purge(&mut pg, &one).await.unwrap().purged, 0);
+    let published =
+        "SELECT count(*) FROM sealpost.outbox WHERE state = 'PUBLISHED' AND length(payload) > 0";
+    assert_eq!(
+        pg.query_one(published, &[]).await.unwrap().get::<_, i64>(0),
+        n as i64,
+        "nothing needed by a consumer is gone"
+    );
+    // B catches up and reports.
+    let cb = spawn(&b);
+    wait_for("consumer B's report", Duration::from_secs(30), async || {
+        watermark(&pg, &b, &topic).await == Some(last_seq)
+    })
+    .await;
+    // Audit evidence: of a live event (a pending one), of no event, of a purged-to-be event.
+    let pending = enqueue(&mut pg, &route, 1).await[0];
+    for (event, at) in [
+        (Some(pending), 0i64),
+        (None, 0),
+        (Some(ids[0]), i64::MAX / 2),
+        (Some(ids[1]), 0),
+    ] {
+        pg.execute(
+            "INSERT INTO sealpost.audit (event_id, member, what, detail, at_ms) VALUES ($1, 0, 'test', 'evidence', $2)",
+            &[&event.map(|e| uuid::Uuid::from_bytes(e.0)), &at],
+        )
+        .await
+        .unwrap();
+    }
+    // The restore point falls between the two publications: the second half is only retained.
+    let first_half_at: i64 = pg
+        .query_one(
+            "SELECT max(published_at_ms) FROM sealpost.work WHERE event_id = ANY($1)",
+            &[&receipts[..n / 2]
+                .iter()
+                .map(|r| uuid::Uuid::from_bytes(r.event_id.0))
+                .collect::<Vec<_>>()],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    tokio::time::sleep(Duration::from_millis(1_100)).await;
+    let mut o = ops::PurgeOptions::new(&required, 1);
+    o.stream = Some(topic.clone());
+    o.restore_point_ms = Some(first_half_at as u64 + 1);
+    o.audit_retention_days = 0;
+    let dry = ops::purge(
         &mut pg,
-        &required,
-        Some(&topic),
-        0,
-        100,
-        Some(ids[0]),
-        false,
+        &ops::PurgeOptions {
+            dry_run: true,
+            ..o.clone()
+        },
     )
     .await
     .unwrap();
+    let r = ops::purge(&mut pg, &o).await.unwrap();
+    assert_eq!((dry.purged, dry.retained), (r.purged, r.retained));
+    assert_eq!((r.purged, r.retained), (n as u64 / 2, n as u64 / 2));
     assert_eq!(
-        one.purged, 0,
-        "an explicit purge of one event is refused too"
+        r.kept.get("newer than the restore point"),
+        Some(&(n as u64 / 2))
     );
-    let left: i64 = pg
-        .query_one(
-            "SELECT count(*) FROM sealpost.outbox WHERE dest_topic = $1 AND state = 'PUBLISHED'",
-            &[&topic],
-        )
-        .await
-        .unwrap()
-        .get(0);
-    assert_eq!(left, n as i64, "nothing needed by a consumer is gone");
-    // B catches up. Inside a one-hour replay window rows are only RETAINED.
-    let cb = tokio::spawn(sealpost_cli::consumer::run(
-        cfg.clone(),
-        nats.clone(),
-        b.clone(),
-        topic.clone(),
-        stop.clone(),
-        Arc::new(AtomicU64::new(0)),
-    ));
-    wait_for("consumer B", Duration::from_secs(30), async || {
-        effects(&pg, &b).await.0 == n as i64
-    })
-    .await;
-    let dry = ops::purge(&mut pg, &required, Some(&topic), 3_600, 100, None, true)
-        .await
-        .unwrap();
-    assert_eq!((dry.purged, dry.retained), (0, n as u64));
-    let ret = ops::purge(&mut pg, &required, Some(&topic), 3_600, 100, None, false)
-        .await
-        .unwrap();
-    assert_eq!((ret.purged, ret.retained), (0, n as u64));
-    // Past the window (0 s) and every consumer: purged in small batches.
-    let done = ops::purge(&mut pg, &required, Some(&topic), 0, 7, None, false)
-        .await
-        .unwrap();
-    assert_eq!(done.purged, n as u64);
-    let purged: i64 = pg
-        .query_one(
-            "SELECT count(*) FROM sealpost.outbox WHERE dest_topic = $1 AND state = 'PURGED' AND length(payload) = 0",
-            &[&topic],
-        )
-        .await
-        .unwrap()
-        .get(0);
-    assert_eq!(purged, n as i64);
-    // A late duplicate ACK for a purged event is rejected, not resurrected.
-    let v = store::accept_receipts(&mut pg, &receipts[..1])
-        .await
-        .unwrap();
     assert_eq!(
-        v,
+        r.tombstones_removed, 0,
+        "a fresh tombstone stays a replay window"
+    );
+    // Evidence of the live event and the young row stay; the rest is gone.
+    let audit_left: Vec<(Option<uuid::Uuid>, i64)> = pg
+        .query(
+            "SELECT event_id, at_ms FROM sealpost.audit WHERE what = 'test' ORDER BY at_ms",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    let expected_left = vec![
+        (Some(uuid::Uuid::from_bytes(pending.0)), 0),
+        (Some(uuid::Uuid::from_bytes(ids[0].0)), i64::MAX / 2),
+    ];
+    assert!(
+        receipts[..n / 2].iter().any(|r| r.event_id == ids[1]),
+        "claims go in commit order: the second event was in the first publication"
+    );
+    assert_eq!(audit_left, expected_left);
+    assert_eq!(r.evidence_removed.get("audit"), Some(&2));
+    // A late duplicate ACK for a purged event meets its tombstone and is rejected.
+    let purged_receipt = receipts[0].clone();
+    assert_eq!(
+        store::accept_receipts(&mut pg, std::slice::from_ref(&purged_receipt))
+            .await
+            .unwrap(),
         vec![Accepted::Verdict(ReceiptVerdict::Reject(
             RejectReason::NotInFlight(sealpost_core::State::Purged)
         ))]
     );
+    // A replay window later (no restore point any more): the rest goes, the first
+    // tombstones are deleted, and a late ACK finds no event at all.
+    tokio::time::sleep(Duration::from_millis(1_100)).await;
+    o.restore_point_ms = None;
+    let r = ops::purge(&mut pg, &o).await.unwrap();
+    assert_eq!(r.purged, n as u64 / 2);
+    assert_eq!(r.tombstones_removed, n as u64 / 2);
+    let left: i64 = pg
+        .query_one(
+            "SELECT count(*) FROM sealpost.outbox WHERE dest_topic = $1",
+            &[&topic],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        left,
+        n as i64 / 2 + 1,
+        "the young tombstones and the pending row"
+    );
+    assert_eq!(
+        store::accept_receipts(&mut pg, std::slice::from_ref(&purged_receipt))
+            .await
+            .unwrap(),
+        vec![Accepted::UnknownEvent],
+        "never resurrected"
+    );
     stop.store(true, Ordering::Relaxed);
     ca.await.unwrap().unwrap();
     cb.await.unwrap().unwrap();
+    let _ = nats.js.delete_stream(&topic).await;
+    drop((pg, cpg));
+    drop_db(&outbox_url).await;
+    drop_db(&consumer_url).await;
+}
+
+#[test]
+fn the_binary_refuses_a_purge_that_names_no_consumer_and_says_what_to_set() {
+    let out = Command::new(env!("CARGO_BIN_EXE_sealpost"))
+        .args(["purge", "--dry-run"])
+        .output()
+        .expect("run sealpost");
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    for needle in [
+        "refusing to purge",
+        "--consumer",
+        "required_consumers",
+        "--no-consumers",
+    ] {
+        assert!(err.contains(needle), "{err}");
+    }
 }
 
 fn psql(db: &str, sql: &str) {
@@ -231,23 +374,20 @@ fn psql(db: &str, sql: &str) {
 #[tokio::test]
 async fn restore_from_a_dump_taken_mid_run_keeps_event_ids_and_has_no_second_effects() {
     let _g = LOCK.lock().await;
-    // The outbox lives in its own database, the consumer's inbox in `test`: restoring the
+    // The outbox lives in its own database, the consumer's inbox in another: restoring the
     // outbox does not roll back what consumers already applied.
     let outbox_db = "sealpost_f11";
     psql("test", &format!("DROP DATABASE IF EXISTS {outbox_db}"));
     psql("test", &format!("CREATE DATABASE {outbox_db}"));
-    let consumer_cfg = Config::from_env().unwrap();
+    let (consumer_url, cpg) = fresh_db(&format!("{}_f11c", runtime::owner_id() % 1_000_000)).await;
+    let mut consumer_cfg = Config::from_env().unwrap();
+    consumer_cfg.database_url = consumer_url.clone();
     let mut cfg = consumer_cfg.clone();
     cfg.database_url = format!("host=127.0.0.1 user=postgres dbname={outbox_db}");
     cfg.lease_ms = 2_000;
     cfg.ack_timeout_ms = 1_000;
     let mut pg = runtime::pg_connect(&cfg.database_url).await.unwrap();
     store::migrate(&pg).await.unwrap();
-    let cpg = runtime::pg_connect(&consumer_cfg.database_url)
-        .await
-        .unwrap();
-    store::migrate(&cpg).await.unwrap();
-    sealpost_cli::demo::prepare(&cpg).await.unwrap();
     let topic = format!("F{}", runtime::owner_id() % 1_000_000);
     store::set_route(&pg, "orders", &cfg.nats_cluster, &topic)
         .await
@@ -408,15 +548,16 @@ async fn restore_from_a_dump_taken_mid_run_keeps_event_ids_and_has_no_second_eff
         ),
     );
     psql("test", &format!("DROP DATABASE IF EXISTS {outbox_db}"));
+    drop(cpg);
+    drop_db(&consumer_url).await;
 }
 
 #[tokio::test]
 async fn reconcile_reports_out_of_band_ids_and_unconsumed_events() {
     let _g = LOCK.lock().await;
-    let cfg = Config::from_env().unwrap();
-    let mut pg = runtime::pg_connect(&cfg.database_url).await.unwrap();
-    store::migrate(&pg).await.unwrap();
-    sealpost_cli::demo::prepare(&pg).await.unwrap();
+    let (url, mut pg) = fresh_db(&format!("{}_rec", runtime::owner_id() % 1_000_000)).await;
+    let mut cfg = Config::from_env().unwrap();
+    cfg.database_url = url.clone();
     let topic = format!("O{}", runtime::owner_id() % 1_000_000);
     let route = format!("r-{topic}");
     store::set_route(&pg, &route, &cfg.nats_cluster, &topic)
@@ -495,4 +636,7 @@ async fn reconcile_reports_out_of_band_ids_and_unconsumed_events() {
         .findings
         .iter()
         .any(|f| f.kind == "pending_over_age" || f.kind == "unknown_over_age"));
+    let _ = nats.js.delete_stream(&topic).await;
+    drop(pg);
+    drop_db(&url).await;
 }

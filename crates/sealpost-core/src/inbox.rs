@@ -60,6 +60,79 @@ pub fn decide_delivery(
     }
 }
 
+/// A consumer's limits for a message it cannot apply: how many deliveries it gets and how
+/// long the broker waits before each redelivery. Every failure window has a retry limit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RedeliveryPolicy {
+    /// Deliveries of one message before it is dead-lettered (at least 1).
+    pub max_deliveries: u32,
+    /// Delay before the second delivery; doubles with each further one.
+    pub backoff_first_ms: u64,
+    /// Upper bound of the delay.
+    pub backoff_max_ms: u64,
+}
+
+impl Default for RedeliveryPolicy {
+    fn default() -> Self {
+        RedeliveryPolicy {
+            max_deliveries: 10,
+            backoff_first_ms: 100,
+            backoff_max_ms: 30_000,
+        }
+    }
+}
+
+/// What failed while a delivered message was being processed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Failure {
+    /// The message's own effect (or inbox row) failed or timed out and was rolled back alone;
+    /// the consumer's database answered, so a dead letter can be recorded.
+    Message,
+    /// The whole inbox transaction failed (database unreachable, commit failed): nothing was
+    /// recorded and the message is not to blame.
+    Transaction,
+}
+
+/// What the consumer does with a message it could not apply.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FailedDelivery {
+    /// Send it back; the broker redelivers it after `delay_ms`.
+    Retry {
+        /// Delay before the redelivery.
+        delay_ms: u64,
+    },
+    /// Record it in the consumer's quarantine (the dead letter, with the reason and the
+    /// message's stream position), then tell the broker never to redeliver it.
+    DeadLetter,
+}
+
+/// Decides the fate of a message whose processing failed on its `delivered`-th delivery
+/// (1 = first). A message that failed on its own is dead-lettered at the policy's limit; a
+/// failed transaction never dead-letters (the dead letter could not be written, and the
+/// message is not the cause): it is retried with the same growing delay.
+pub fn decide_failed_delivery(
+    delivered: u64,
+    failure: Failure,
+    policy: RedeliveryPolicy,
+) -> FailedDelivery {
+    if failure == Failure::Message && delivered >= u64::from(policy.max_deliveries.max(1)) {
+        return FailedDelivery::DeadLetter;
+    }
+    let doublings = delivered.saturating_sub(1).min(32) as u32;
+    let delay_ms = policy
+        .backoff_first_ms
+        .saturating_mul(1u64 << doublings)
+        .min(policy.backoff_max_ms);
+    FailedDelivery::Retry { delay_ms }
+}
+
+/// Decides the fate of a message whose Sealpost headers are missing or do not parse: no
+/// redelivery can fix its headers, so it is dead-lettered at once (recorded with what is
+/// wrong, never dropped silently).
+pub fn decide_unreadable_delivery() -> FailedDelivery {
+    FailedDelivery::DeadLetter
+}
+
 /// A stable idempotency key for an external effect (mail, payment) derived from the event
 /// id, the consumer and the effect's name (R18). Every redelivery derives the same key.
 pub fn idempotency_key(event_id: EventId, consumer_id: &str, effect: &str) -> String {
@@ -89,6 +162,49 @@ mod tests {
             InboxDecision::Duplicate { receipt_id: 7 }
         );
         assert_eq!(decide_inbox(Some(rec), b), InboxDecision::Quarantine);
+    }
+
+    #[test]
+    fn failed_deliveries_back_off_then_dead_letter() {
+        let p = RedeliveryPolicy {
+            max_deliveries: 4,
+            backoff_first_ms: 100,
+            backoff_max_ms: 250,
+        };
+        let m = Failure::Message;
+        assert_eq!(
+            decide_failed_delivery(1, m, p),
+            FailedDelivery::Retry { delay_ms: 100 }
+        );
+        assert_eq!(
+            decide_failed_delivery(2, m, p),
+            FailedDelivery::Retry { delay_ms: 200 }
+        );
+        assert_eq!(
+            decide_failed_delivery(3, m, p),
+            FailedDelivery::Retry { delay_ms: 250 }
+        );
+        assert_eq!(decide_failed_delivery(4, m, p), FailedDelivery::DeadLetter);
+        assert_eq!(decide_failed_delivery(40, m, p), FailedDelivery::DeadLetter);
+        // A failed transaction is never the message's fault: retried, however often.
+        assert_eq!(
+            decide_failed_delivery(40, Failure::Transaction, p),
+            FailedDelivery::Retry { delay_ms: 250 }
+        );
+        assert_ne!(
+            decide_failed_delivery(u64::MAX, Failure::Transaction, p),
+            FailedDelivery::DeadLetter
+        );
+        // A limit of 0 means one delivery, never "retry forever".
+        let zero = RedeliveryPolicy {
+            max_deliveries: 0,
+            ..p
+        };
+        assert_eq!(
+            decide_failed_delivery(1, m, zero),
+            FailedDelivery::DeadLetter
+        );
+        assert_eq!(decide_unreadable_delivery(), FailedDelivery::DeadLetter);
     }
 
     #[test]

@@ -8,7 +8,9 @@ use sealpost_core::claim::{
     decide_dispatch_claim, decide_reconcile_claim, decide_release, decide_release_quarantine,
     decide_send_outcome, never_sent_backoff_ms, Fenced, NEVER_SENT_BACKOFF_MS_MAX,
 };
-use sealpost_core::cleanup::{decide_purge, PurgeRefusal, RetentionPolicy, Watermark};
+use sealpost_core::cleanup::{
+    decide_purge, decide_retention, PurgeRefusal, RetentionDecision, RetentionPolicy, Watermark,
+};
 use sealpost_core::envelope::{NewEvent, PartitionAlgorithm, PAYLOAD_DOMAIN};
 use sealpost_core::inbox::{decide_inbox, idempotency_key, InboxDecision, InboxRecord};
 use sealpost_core::migration::{apply_migration, decide_migration, MigrationRefusal};
@@ -916,6 +918,7 @@ fn purge_requested_for_event_a_required_consumer_has_not_passed_is_refused_with_
     let row = published(100);
     let window = RetentionPolicy {
         replay_window_ms: 7 * 24 * 3_600_000,
+        restore_point_ms: None,
     };
     let after_window = T0 + 2 + window.replay_window_ms;
 
@@ -958,6 +961,54 @@ fn purge_requested_for_event_a_required_consumer_has_not_passed_is_refused_with_
             watermark: None
         })
     );
+}
+
+#[test]
+fn an_event_published_after_the_oldest_restorable_backup_is_retained_not_purged() {
+    let row = published(100);
+    let published_at = row.published_at_ms.unwrap();
+    let consumed = [Watermark {
+        consumer: 0,
+        watermark: Some(100),
+    }];
+    let policy = |restore_point_ms| RetentionPolicy {
+        replay_window_ms: 1_000,
+        restore_point_ms,
+    };
+    let now = published_at + 10_000;
+    // The backup was taken at the publication instant: a consumer restored from it has not
+    // seen the event, so its payload must stay for the replay.
+    let kept = policy(Some(published_at));
+    assert_eq!(
+        decide_purge(&row, now, kept, &consumed),
+        Err(PurgeRefusal::RestorePoint {
+            published_at_ms: published_at,
+            restore_point_ms: published_at
+        })
+    );
+    assert_eq!(
+        decide_retention(&row, now, kept, &consumed),
+        RetentionDecision::Retain,
+        "every consumer passed it: RETAINED, not PURGED"
+    );
+    // A backup taken after the publication: the event may go.
+    assert_eq!(
+        decide_purge(&row, now, policy(Some(published_at + 1)), &consumed),
+        Ok(())
+    );
+    // The restore point never overrides a consumer that has not passed the event.
+    assert!(matches!(
+        decide_purge(
+            &row,
+            now,
+            policy(Some(published_at + 1)),
+            &[Watermark {
+                consumer: 0,
+                watermark: Some(99)
+            }]
+        ),
+        Err(PurgeRefusal::ConsumerBehind { .. })
+    ));
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1451,6 +1502,7 @@ fn migration_granted_for_pending_row_whose_attempts_all_failed() {
 
 const WINDOW: RetentionPolicy = RetentionPolicy {
     replay_window_ms: 3_600_000,
+    restore_point_ms: None,
 };
 
 #[test]

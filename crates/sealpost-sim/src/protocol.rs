@@ -51,11 +51,14 @@ pub enum Mutant {
     /// position it reached (no rescans), so a late commit, a released row or a row whose
     /// backoff ended behind it is stranded.
     HighWaterCursor,
+    /// Cleanup ignores the restore point: it purges rows published after the oldest backup
+    /// that may still be restored.
+    PurgeIgnoresRestorePoint,
 }
 
 impl Mutant {
     /// Every mutant, in `--list-mutants` order.
-    pub const ALL: [Mutant; 15] = [
+    pub const ALL: [Mutant; 16] = [
         Mutant::AcceptWithoutDigestCheck,
         Mutant::RetryToOtherDestination,
         Mutant::AcceptUnregisteredAttempt,
@@ -71,6 +74,7 @@ impl Mutant {
         Mutant::ReconcileWithoutBackoff,
         Mutant::RefusalAsNoAnswer,
         Mutant::HighWaterCursor,
+        Mutant::PurgeIgnoresRestorePoint,
     ];
 
     /// The CLI name.
@@ -91,6 +95,7 @@ impl Mutant {
             Mutant::ReconcileWithoutBackoff => "reconcile-without-backoff",
             Mutant::RefusalAsNoAnswer => "refusal-as-no-answer",
             Mutant::HighWaterCursor => "high-water-cursor",
+            Mutant::PurgeIgnoresRestorePoint => "purge-ignores-restore-point",
         }
     }
 
@@ -236,11 +241,14 @@ impl Protocol {
         &self,
         row: &EventRow,
         now_ms: u64,
-        policy: RetentionPolicy,
+        mut policy: RetentionPolicy,
         required: &[Watermark],
     ) -> Result<(), PurgeRefusal> {
         if self.is(Mutant::PurgeAtAck) && row.primary.is_some() && row.state != State::Purged {
             return Ok(());
+        }
+        if self.is(Mutant::PurgeIgnoresRestorePoint) {
+            policy.restore_point_ms = None;
         }
         cleanup::decide_purge(row, now_ms, policy, required)
     }

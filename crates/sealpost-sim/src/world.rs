@@ -323,6 +323,8 @@ pub struct World {
     facts: Vec<Fact>,
     db: Db,
     snapshot: Option<Db>,
+    /// When the backup in `snapshot` was taken: the restore point while it may be restored.
+    snapshot_at_ms: u64,
     streams: Vec<Stream>,
     broker_down_until: [u64; 2],
     stream_deleted_until: Vec<u64>,
@@ -495,6 +497,7 @@ impl World {
                 ..Db::default()
             },
             snapshot: None,
+            snapshot_at_ms: 0,
             stream_deleted_until: vec![0; streams.len()],
             streams,
             broker_down_until: [0; 2],
@@ -756,6 +759,7 @@ impl World {
             }
             Ev::Snapshot => {
                 self.snapshot = Some(self.db.clone());
+                self.snapshot_at_ms = self.now;
                 self.note(|| "database backup taken".into());
             }
             Ev::Restore => self.restore(),
@@ -2189,8 +2193,12 @@ impl World {
 
     fn cleanup(&mut self, only: Option<u32>) {
         self.db_version += 1;
+        // The oldest backup that may still be restored is the restore point: rows published
+        // at or after it are kept (a consumer restored with it may need them replayed).
+        let restore_point = self.snapshot.as_ref().map(|_| self.snapshot_at_ms);
         let policy = RetentionPolicy {
             replay_window_ms: REPLAY_WINDOW_MS,
+            restore_point_ms: restore_point,
         };
         for i in 0..self.db.rows.len() {
             if only.is_some_and(|o| o as usize != i) {
@@ -2212,8 +2220,11 @@ impl World {
                         .consumers
                         .iter()
                         .any(|c| !c.effects.iter().any(|(e, _)| *e == eid));
-                    if early_window || unconsumed {
-                        self.violation(Violation::EarlyPurges, || format!("row {i} purged early (window: {early_window}, unconsumed: {unconsumed})"));
+                    // Checker: nothing published after a backup that may still be restored.
+                    let after_backup =
+                        restore_point.is_some_and(|b| row.published_at_ms.is_none_or(|p| p >= b));
+                    if early_window || unconsumed || after_backup {
+                        self.violation(Violation::EarlyPurges, || format!("row {i} purged early (window: {early_window}, unconsumed: {unconsumed}, published after the restorable backup: {after_backup})"));
                     }
                     let st = self.db.rows[i].state;
                     match transition(st, State::Purged) {
@@ -2225,7 +2236,7 @@ impl World {
                     }
                     self.stats.purged += 1;
                 }
-                Err(PurgeRefusal::ReplayWindow { .. })
+                Err(PurgeRefusal::ReplayWindow { .. } | PurgeRefusal::RestorePoint { .. })
                     if self.db.rows[i].state == State::Published =>
                 {
                     let d = RetentionDecision::Retain;

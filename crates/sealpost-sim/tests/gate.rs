@@ -79,6 +79,7 @@ fn expected_class(m: Mutant) -> Option<Violation> {
         Mutant::ReconcileWithoutBackoff => Some(Violation::Liveness),
         Mutant::RefusalAsNoAnswer => Some(Violation::Liveness),
         Mutant::HighWaterCursor => Some(Violation::Liveness),
+        Mutant::PurgeIgnoresRestorePoint => Some(Violation::EarlyPurges),
     }
 }
 

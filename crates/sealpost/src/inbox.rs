@@ -5,7 +5,11 @@
 //! quarantined and never applied. The decision is `sealpost_core::inbox::decide_inbox`.
 //! [`process`] applies one delivery per transaction; [`process_batch`] applies a fetched
 //! batch in one transaction with the same decisions, isolating a failing message's effect
-//! under a savepoint so the rest of the batch commits.
+//! under a savepoint so the rest of the batch commits; [`process_batch_within`] bounds each
+//! try of the effect in time. A message that cannot be applied within the consumer's
+//! redelivery limit (`sealpost_core::inbox::decide_failed_delivery`) is recorded with
+//! [`dead_letter`] before the broker is told to stop redelivering it. A consumer whose inbox
+//! lives in its own database tells the outbox how far it got with [`report_progress`].
 
 use std::collections::hash_map::Entry;
 use std::collections::HashMap;
@@ -187,7 +191,23 @@ pub async fn process_batch(
     client: &mut tokio_postgres::Client,
     consumer_id: &str,
     deliveries: &[Delivery],
+    effect: BatchEffect<'_>,
+) -> Result<Vec<BatchOutcome>> {
+    process_batch_within(client, consumer_id, deliveries, effect, None).await
+}
+
+/// [`process_batch`], with every try of the effect bounded by `effect_timeout`: a try that
+/// runs longer is abandoned and rolled back to its savepoint like a failing one (the set is
+/// split and retried, down to the message that hangs alone, whose outcome is `Failed` with
+/// [`StoreError::EffectTimeout`]'s words). The transaction's `statement_timeout` is set to the
+/// same limit, so a statement hanging in the database (a lock wait on a busy downstream row)
+/// is cancelled by the server and the connection is free for the rollback.
+pub async fn process_batch_within(
+    client: &mut tokio_postgres::Client,
+    consumer_id: &str,
+    deliveries: &[Delivery],
     mut effect: BatchEffect<'_>,
+    effect_timeout: Option<std::time::Duration>,
 ) -> Result<Vec<BatchOutcome>> {
     let ds = deliveries;
     let mut outcomes: Vec<Option<BatchOutcome>> = vec![None; ds.len()];
@@ -211,6 +231,13 @@ pub async fn process_batch(
         }
     }
     let mut tx = client.transaction().await?;
+    if let Some(t) = effect_timeout {
+        tx.batch_execute(&format!(
+            "SET LOCAL statement_timeout = {}",
+            t.as_millis().max(1)
+        ))
+        .await?;
+    }
     let mut records: HashMap<usize, InboxRecord> = HashMap::new();
     let mut groups = Vec::new();
     if !candidates.is_empty() {
@@ -218,7 +245,7 @@ pub async fn process_batch(
     }
     while let Some(group) = groups.pop() {
         let sp = tx.savepoint("sealpost_inbox_batch").await?;
-        match attempt(&sp, consumer_id, ds, &group, &mut effect).await {
+        match attempt(&sp, consumer_id, ds, &group, &mut effect, effect_timeout).await {
             Ok(slots) => {
                 sp.commit().await?;
                 for slot in slots {
@@ -299,6 +326,7 @@ async fn attempt(
     ds: &[Delivery],
     group: &[usize],
     effect: &mut BatchEffect<'_>,
+    effect_timeout: Option<std::time::Duration>,
 ) -> Result<Vec<Slot>> {
     let slots = take_slots(tx, consumer_id, ds, group).await?;
     let apply: Vec<usize> = slots
@@ -307,7 +335,12 @@ async fn attempt(
         .map(|s| s.index)
         .collect();
     if !apply.is_empty() {
-        effect(tx, &apply).await?;
+        match effect_timeout {
+            None => effect(tx, &apply).await?,
+            Some(t) => tokio::time::timeout(t, effect(tx, &apply))
+                .await
+                .map_err(|_| StoreError::EffectTimeout(t.as_millis() as u64))??,
+        }
     }
     Ok(slots)
 }
@@ -457,5 +490,129 @@ async fn quarantine(
         &[&consumer_id, &ids, &members, &streams, &seqs, &reasons],
     )
     .await?;
+    Ok(())
+}
+
+/// A message the consumer gives up on, as recorded in `sealpost.inbox_quarantine`.
+#[derive(Clone, Debug)]
+pub struct DeadLetter {
+    /// `dead_letter` (the effect failed `delivered` times) or `unreadable` (headers).
+    pub kind: DeadLetterKind,
+    /// Event id and member, when the headers carried them.
+    pub event: Option<(EventId, u16)>,
+    /// Stream and stream sequence of the message (its position at the broker).
+    pub stream: String,
+    /// Stream sequence.
+    pub sequence: u64,
+    /// The broker subject.
+    pub subject: String,
+    /// Deliveries so far, this one included.
+    pub delivered: u64,
+    /// Why: the last failure in the database's (or the check's) own words.
+    pub reason: String,
+    /// The payload as received (expires with the audit retention).
+    pub payload: Vec<u8>,
+}
+
+/// Why a message is dead-lettered.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeadLetterKind {
+    /// Its effect failed on every delivery up to the consumer's limit.
+    EffectFailed,
+    /// Its Sealpost headers are missing or malformed.
+    Unreadable,
+}
+
+impl DeadLetterKind {
+    fn as_str(self) -> &'static str {
+        match self {
+            DeadLetterKind::EffectFailed => "dead_letter",
+            DeadLetterKind::Unreadable => "unreadable",
+        }
+    }
+}
+
+/// Records dead letters in `sealpost.inbox_quarantine`, one statement, and commits. Tell the
+/// broker to stop redelivering a message (JetStream: `AckKind::Term`) only after this
+/// returns `Ok`; on `Err` nothing is recorded and the message must be sent back instead.
+/// A second record of the same position (a redelivery after a lost "terminate") is ignored.
+///
+/// # Transactions and locks
+/// One statement (its own transaction); the unique index on (consumer, stream, sequence) of
+/// dead letters is the only lock taken.
+pub async fn dead_letter(
+    client: &tokio_postgres::Client,
+    consumer_id: &str,
+    letters: &[DeadLetter],
+) -> Result<()> {
+    if letters.is_empty() {
+        return Ok(());
+    }
+    let kinds: Vec<&str> = letters.iter().map(|l| l.kind.as_str()).collect();
+    let ids: Vec<Option<Uuid>> = letters
+        .iter()
+        .map(|l| l.event.map(|(e, _)| Uuid::from_bytes(e.0)))
+        .collect();
+    let members: Vec<Option<i16>> = letters
+        .iter()
+        .map(|l| l.event.map(|(_, m)| m as i16))
+        .collect();
+    let streams: Vec<&str> = letters.iter().map(|l| l.stream.as_str()).collect();
+    let seqs: Vec<i64> = letters.iter().map(|l| l.sequence as i64).collect();
+    let subjects: Vec<&str> = letters.iter().map(|l| l.subject.as_str()).collect();
+    let delivered: Vec<i32> = letters
+        .iter()
+        .map(|l| l.delivered.min(i32::MAX as u64) as i32)
+        .collect();
+    let reasons: Vec<&str> = letters.iter().map(|l| l.reason.as_str()).collect();
+    let payloads: Vec<&[u8]> = letters.iter().map(|l| l.payload.as_slice()).collect();
+    client
+        .execute(
+            "INSERT INTO sealpost.inbox_quarantine
+                 (consumer_id, kind, event_id, member, stream, sequence, subject, delivered, reason, payload, at_ms)
+             SELECT $1, k, e, m, s, q, j, d, r, p, (extract(epoch from clock_timestamp()) * 1000)::bigint
+             FROM unnest($2::text[], $3::uuid[], $4::int2[], $5::text[], $6::int8[], $7::text[],
+                         $8::int4[], $9::text[], $10::bytea[]) AS t(k, e, m, s, q, j, d, r, p)
+             ON CONFLICT (consumer_id, stream, sequence) WHERE kind <> 'refused' DO NOTHING",
+            &[
+                &consumer_id,
+                &kinds,
+                &ids,
+                &members,
+                &streams,
+                &seqs,
+                &subjects,
+                &delivered,
+                &reasons,
+                &payloads,
+            ],
+        )
+        .await?;
+    Ok(())
+}
+
+/// Reports a consumer's contiguous watermark on `stream` to the **outbox** database (every
+/// position up to `watermark` applied, duplicate, refused or dead-lettered), where `sealpost
+/// purge` reads it. The consumer's role needs only `INSERT, UPDATE, SELECT` on
+/// `sealpost.consumer_progress`. A report never moves a watermark back.
+///
+/// # Transactions and locks
+/// One upsert (its own transaction) on the consumer's one row per stream.
+pub async fn report_progress(
+    outbox: &tokio_postgres::Client,
+    consumer_id: &str,
+    stream: &str,
+    watermark: u64,
+) -> Result<()> {
+    outbox
+        .execute(
+            "INSERT INTO sealpost.consumer_progress (consumer_id, stream, watermark, reported_at_ms)
+             VALUES ($1, $2, $3, (extract(epoch from clock_timestamp()) * 1000)::bigint)
+             ON CONFLICT (consumer_id, stream) DO UPDATE
+             SET watermark = greatest(sealpost.consumer_progress.watermark, EXCLUDED.watermark),
+                 reported_at_ms = EXCLUDED.reported_at_ms",
+            &[&consumer_id, &stream, &(watermark as i64)],
+        )
+        .await?;
     Ok(())
 }

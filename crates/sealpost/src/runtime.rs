@@ -64,6 +64,20 @@ pub struct Config {
     pub consumer_ack_wait_ms: u64,
     /// Failure drills only: the consumer commits but never acks (F9).
     pub drill_skip_consumer_ack: bool,
+    /// Deliveries of one message whose effect fails before the consumer dead-letters it
+    /// (records it in `sealpost.inbox_quarantine` and tells the broker to stop).
+    pub consumer_max_deliveries: u32,
+    /// Time limit of one try of the consumer's effect (and its statements); past it the try
+    /// is rolled back and the message retried.
+    pub consumer_effect_timeout_ms: u64,
+    /// How often a consumer reports its contiguous watermark to the outbox database.
+    pub consumer_progress_every_ms: u64,
+    /// The outbox database a consumer reports its watermark to (empty: `database_url`, the
+    /// demo layout where inbox and outbox share one database).
+    pub outbox_database_url: String,
+    /// Consumers that must have passed an event before `sealpost purge` removes it (the
+    /// `--consumer` flags add to these).
+    pub required_consumers: Vec<String>,
 }
 
 impl Default for Config {
@@ -87,6 +101,11 @@ impl Default for Config {
             drill_pause_after_publish_ms: 0,
             consumer_ack_wait_ms: 10_000,
             drill_skip_consumer_ack: false,
+            consumer_max_deliveries: 10,
+            consumer_effect_timeout_ms: 5_000,
+            consumer_progress_every_ms: 1_000,
+            outbox_database_url: String::new(),
+            required_consumers: Vec::new(),
         }
     }
 }
@@ -113,6 +132,16 @@ impl Config {
         }
         if let Ok(v) = std::env::var("NATS_URL") {
             self.nats_url = v;
+        }
+    }
+
+    /// The outbox database a consumer reports its progress to: `outbox_database_url`, or
+    /// `database_url` when that is empty.
+    pub fn outbox_url(&self) -> &str {
+        if self.outbox_database_url.is_empty() {
+            &self.database_url
+        } else {
+            &self.outbox_database_url
         }
     }
 
@@ -156,6 +185,18 @@ impl Config {
         if self.rejection_limit == 0 {
             return Err(ConfigError::Invalid {
                 key: "rejection_limit",
+                message: "must be at least 1".into(),
+            });
+        }
+        if self.consumer_max_deliveries == 0 {
+            return Err(ConfigError::Invalid {
+                key: "consumer_max_deliveries",
+                message: "must be at least 1 (one delivery, then the dead letter)".into(),
+            });
+        }
+        if self.consumer_effect_timeout_ms == 0 {
+            return Err(ConfigError::Invalid {
+                key: "consumer_effect_timeout_ms",
                 message: "must be at least 1".into(),
             });
         }

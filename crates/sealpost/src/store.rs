@@ -35,6 +35,10 @@ pub const MIGRATIONS: &[(i32, &str)] = &[
     (1, include_str!("../migrations/0001_outbox.sql")),
     (2, include_str!("../migrations/0002_pacing.sql")),
     (3, include_str!("../migrations/0003_split.sql")),
+    (
+        4,
+        include_str!("../migrations/0004_consumers_retention.sql"),
+    ),
 ];
 
 /// Statements the store has sent to PostgreSQL in this process (each query, `BEGIN` and
@@ -92,6 +96,9 @@ pub enum StoreError {
     /// The schema has not been applied.
     #[error("the sealpost schema is missing; run `sealpost migrate` first")]
     NotMigrated,
+    /// A consumer's effect ran past its time limit; it was rolled back.
+    #[error("the effect did not finish within {0} ms and was rolled back (a hanging downstream?); the message is retried later, or raise consumer_effect_timeout_ms")]
+    EffectTimeout(u64),
 }
 
 /// The database's own words: message, SQLSTATE, detail and hint when the server sent them,
