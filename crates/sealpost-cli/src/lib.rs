@@ -8,6 +8,7 @@ pub mod config;
 pub mod consume_bench;
 pub mod consumer;
 pub mod demo;
+pub mod metrics;
 pub mod ops;
 
 use sealpost::store;

@@ -43,6 +43,8 @@ enum Cmd {
         /// Do not run a reconciler in this process.
         #[arg(long)]
         no_reconciler: bool,
+        #[command(flatten)]
+        metrics: sealpost_cli::metrics::MetricsArgs,
     },
     /// Run the example fulfilment consumer (inbox + effect in one transaction) until Ctrl-C.
     Consume {
@@ -52,6 +54,8 @@ enum Cmd {
         /// Stream to consume.
         #[arg(long, default_value = "ORDERS")]
         topic: String,
+        #[command(flatten)]
+        metrics: sealpost_cli::metrics::MetricsArgs,
     },
     /// Write orders while dispatchers publish them; print the status at the end.
     Demo {
@@ -70,6 +74,8 @@ enum Cmd {
         /// Print the final status as JSON.
         #[arg(long)]
         json: bool,
+        #[command(flatten)]
+        metrics: sealpost_cli::metrics::MetricsArgs,
     },
     /// Drain a prefilled backlog, then a second backlog while producers commit at a fixed
     /// rate (net drain, latency under load), then the same backlog through a careful naive
@@ -248,7 +254,9 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
         Cmd::Dispatch {
             dispatchers,
             no_reconciler,
+            metrics,
         } => {
+            sealpost_cli::metrics::start(&cfg, &metrics, true)?;
             let nats = connect_nats(&cfg).await?;
             let stop = Arc::new(AtomicBool::new(false));
             let counters = Arc::new(Counters::default());
@@ -277,7 +285,9 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
             consumers,
             topic,
             json,
+            metrics,
         } => {
+            sealpost_cli::metrics::start(&cfg, &metrics, true)?;
             let ok = sealpost_cli::demo::run(cfg, orders, dispatchers, consumers, &topic, json)
                 .await
                 .map_err(e)?;
@@ -325,7 +335,12 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
             }
             Ok(0)
         }
-        Cmd::Consume { consumer, topic } => {
+        Cmd::Consume {
+            consumer,
+            topic,
+            metrics,
+        } => {
+            sealpost_cli::metrics::start(&cfg, &metrics, false)?;
             let nats = connect_nats(&cfg).await?;
             let pg = runtime::pg_connect(&cfg.database_url).await.map_err(e)?;
             store::migrate(&pg).await.map_err(|x| x.to_string())?;

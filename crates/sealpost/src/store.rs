@@ -680,6 +680,15 @@ async fn finish_load(
 
 /// Locks and loads the rows for `keys` (in key order, so concurrent batches cannot deadlock).
 async fn lock_rows(tx: &impl GenericClient, keys: &[(EventId, u16)]) -> Result<Vec<EventRow>> {
+    Ok(lock_rows_created(tx, keys).await?.0)
+}
+
+/// [`lock_rows`], with each row's commit time (`created_at_ms`, database clock) beside it:
+/// the acceptance point measures commit -> `PUBLISHED` with it.
+async fn lock_rows_created(
+    tx: &impl GenericClient,
+    keys: &[(EventId, u16)],
+) -> Result<(Vec<EventRow>, Vec<u64>)> {
     let mut sorted: Vec<(EventId, u16)> = keys.to_vec();
     sorted.sort_unstable();
     sorted.dedup();
@@ -689,12 +698,16 @@ async fn lock_rows(tx: &impl GenericClient, keys: &[(EventId, u16)]) -> Result<V
         "FROM sealpost.work w
          JOIN unnest($1::uuid[], $2::int2[]) AS k(id, m) ON w.event_id = k.id AND w.member = k.m
          ORDER BY w.event_id, w.member FOR UPDATE OF w",
-        "",
+        ", w.created_at_ms",
         "w.event_id, w.member",
     );
     counted(1);
     let found = tx.query(q.as_str(), &[&ids, &members]).await?;
-    finish_load(tx, &found).await
+    let created = found
+        .iter()
+        .map(|r| r.get::<_, i64>(ROW_COLS_LEN).max(0) as u64)
+        .collect();
+    Ok((finish_load(tx, &found).await?, created))
 }
 
 /// Writes every difference between `before` and `after` (same order, same keys): the work
@@ -1153,18 +1166,29 @@ pub async fn accept_receipts(
 ) -> Result<Vec<Accepted>> {
     let tx = client.transaction().await?;
     let now_ms = db_now_ms(&tx).await?;
-    let out = accept_in(&tx, receipts, now_ms).await?;
+    let (out, _) = accept_in(&tx, receipts, now_ms).await?;
     tx.commit().await?;
     Ok(out)
+}
+
+/// A receipt the acceptance point made primary: the row is now `PUBLISHED`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Published {
+    /// The frozen destination's topic (stream).
+    pub topic: String,
+    /// Commit -> `PUBLISHED`, milliseconds of the database clock (the envelope's
+    /// `created_at_ms` to the acceptance transaction's clock).
+    pub latency_ms: u64,
 }
 
 async fn accept_in(
     tx: &Transaction<'_>,
     receipts: &[Receipt],
     now_ms: u64,
-) -> Result<Vec<Accepted>> {
+) -> Result<(Vec<Accepted>, Vec<Published>)> {
     let keys: Vec<(EventId, u16)> = receipts.iter().map(|r| (r.event_id, r.member)).collect();
-    let before = lock_rows(tx, &keys).await?;
+    let (before, created) = lock_rows_created(tx, &keys).await?;
+    let mut published = Vec::new();
     let mut after = before.clone();
     let index: HashMap<(EventId, u16), usize> = after
         .iter()
@@ -1184,6 +1208,12 @@ async fn accept_in(
         let v = decide_receipt(&after[i], r);
         apply_receipt(&mut after[i], r, v, now_ms)
             .map_err(|e| StoreError::Corrupt(e.to_string()))?;
+        if v == ReceiptVerdict::Primary {
+            published.push(Published {
+                topic: after[i].destination.topic.clone(),
+                latency_ms: now_ms.saturating_sub(created[i]),
+            });
+        }
         match v {
             // The happy path's primary receipt lives in the work row (R10); a receipt row is
             // evidence kept only where there is something to show: a primary found by a
@@ -1279,7 +1309,7 @@ async fn accept_in(
         )
         .await?;
     }
-    Ok(out)
+    Ok((out, published))
 }
 
 pub use sealpost_core::dispatcher::OutcomeReport;
@@ -1295,6 +1325,10 @@ pub struct Submitted {
     /// count and the last reason: an operator alert (a deleted stream, a cluster nobody
     /// serves), never a hot loop.
     pub stuck: Vec<(EventId, u32, String)>,
+    /// The receipts that made their row `PUBLISHED`, with the commit -> `PUBLISHED` latency.
+    pub published: Vec<Published>,
+    /// The destination topic of each outcome report, in order (empty for a row that is gone).
+    pub report_topics: Vec<String>,
 }
 
 /// Commits a dispatcher's receipts and outcome reports in **one** transaction: either all of
@@ -1313,13 +1347,13 @@ pub async fn submit(
     let tx = client.transaction().await?;
     // One read of the database clock for the whole transaction.
     let now_ms = db_now_ms(&tx).await?;
-    let accepted = if submission.receipts.is_empty() {
-        Vec::new()
+    let (accepted, published) = if submission.receipts.is_empty() {
+        (Vec::new(), Vec::new())
     } else {
         accept_in(&tx, &submission.receipts, now_ms).await?
     };
-    let (reported, stuck) = if submission.reports.is_empty() {
-        (Vec::new(), Vec::new())
+    let (reported, stuck, report_topics) = if submission.reports.is_empty() {
+        (Vec::new(), Vec::new(), Vec::new())
     } else {
         report_in(&tx, &submission.reports, rejection_limit, now_ms).await?
     };
@@ -1328,6 +1362,8 @@ pub async fn submit(
         accepted,
         reported,
         stuck,
+        published,
+        report_topics,
     })
 }
 
@@ -1344,7 +1380,7 @@ pub async fn report_outcomes(
 ) -> Result<Vec<SendOutcomeDecision>> {
     let tx = client.transaction().await?;
     let now_ms = db_now_ms(&tx).await?;
-    let (out, _) = report_in(&tx, reports, rejection_limit, now_ms).await?;
+    let (out, _, _) = report_in(&tx, reports, rejection_limit, now_ms).await?;
     tx.commit().await?;
     Ok(out)
 }
@@ -1356,8 +1392,9 @@ async fn report_in(
     reports: &[OutcomeReport],
     rejection_limit: u32,
     now_ms: u64,
-) -> Result<(Vec<SendOutcomeDecision>, Stuck)> {
+) -> Result<(Vec<SendOutcomeDecision>, Stuck, Vec<String>)> {
     let keys: Vec<(EventId, u16)> = reports.iter().map(|r| (r.event_id, r.member)).collect();
+    let mut topics = Vec::with_capacity(reports.len());
     let before = lock_rows(tx, &keys).await?;
     let mut after = before.clone();
     let index: HashMap<(EventId, u16), usize> = after
@@ -1376,8 +1413,10 @@ async fn report_in(
             out.push(SendOutcomeDecision::Audit(
                 sealpost_core::claim::Fenced::NotCurrentAttempt,
             ));
+            topics.push(String::new());
             continue;
         };
+        topics.push(after[i].destination.topic.clone());
         let d = decide_send_outcome(
             &after[i],
             rep.token,
@@ -1446,7 +1485,7 @@ async fn report_in(
         )
         .await?;
     }
-    Ok((out, stuck))
+    Ok((out, stuck, topics))
 }
 
 /// A row the reconciler now holds in `RECONCILING` (the reconciler machine's item).
@@ -1556,17 +1595,37 @@ pub async fn finish_reconcile_with(
     lookup: &Lookup,
     policy: ReconcilePolicy,
 ) -> Result<ReconcileDecision> {
+    Ok(finish_reconcile_published(client, item, lookup, policy)
+        .await?
+        .0)
+}
+
+/// [`finish_reconcile_with`], also saying whether the lookup's receipt made the row
+/// `PUBLISHED` (and the commit -> `PUBLISHED` latency).
+///
+/// # Transactions and locks
+/// As [`finish_reconcile`].
+pub async fn finish_reconcile_published(
+    client: &mut tokio_postgres::Client,
+    item: &Reconciling,
+    lookup: &Lookup,
+    policy: ReconcilePolicy,
+) -> Result<(ReconcileDecision, Option<Published>)> {
+    let mut published = None;
     let tx = client.transaction().await?;
     let now_ms = db_now_ms(&tx).await?;
     let before = lock_rows(&tx, &[(item.event_id, item.member)]).await?;
     let Some(row) = before.first() else {
         tx.commit().await?;
-        return Ok(decide_reconcile_missing());
+        return Ok((decide_reconcile_missing(), None));
     };
     let d = decide_reconcile(row, item.token, lookup, policy, now_ms);
     match &d {
         ReconcileDecision::Accept(r) => {
-            accept_in(&tx, std::slice::from_ref(r), now_ms).await?;
+            published = accept_in(&tx, std::slice::from_ref(r), now_ms)
+                .await?
+                .1
+                .pop();
         }
         ReconcileDecision::Conflict(q) => {
             let mut after = before.clone();
@@ -1601,7 +1660,7 @@ pub async fn finish_reconcile_with(
         ReconcileDecision::Fenced(_) => {}
     }
     tx.commit().await?;
-    Ok(d)
+    Ok((d, published))
 }
 
 /// `sealpost status` figures.
