@@ -4,6 +4,7 @@
 //! modules as `sealpost_cli::...`.
 
 pub mod bench;
+pub mod capacity;
 pub mod config;
 pub mod consume_bench;
 pub mod consumer;

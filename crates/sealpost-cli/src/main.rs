@@ -107,6 +107,44 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Capacity model (R27): database growth, WAL volume, index size and the time to drain
+    /// a backlog with production running, from measured per-event costs.
+    Capacity {
+        /// Workload as TOML (keys as the flags, with `_`: avg_events_per_s, ...); flags
+        /// given override it.
+        #[arg(long)]
+        file: Option<String>,
+        /// Average events per second.
+        #[arg(long)]
+        avg_events_per_s: Option<f64>,
+        /// Peak events per second.
+        #[arg(long)]
+        peak_events_per_s: Option<f64>,
+        /// 99th percentile payload bytes.
+        #[arg(long)]
+        payload_bytes_p99: Option<f64>,
+        /// Average payload bytes [default: the p99].
+        #[arg(long)]
+        payload_bytes_avg: Option<f64>,
+        /// Retention of published rows before purge, days.
+        #[arg(long)]
+        retention_days: Option<f64>,
+        /// Copies of every byte (primary + standbys; stream replicas) [default: 1].
+        #[arg(long)]
+        replicas: Option<f64>,
+        /// Sends per event on average [default: 1.0].
+        #[arg(long)]
+        retry_amplification: Option<f64>,
+        /// Backlog to drain, events.
+        #[arg(long)]
+        backlog: Option<u64>,
+        /// Per-event costs from a saved `sealpost bench --json` [default: docs/schema.md].
+        #[arg(long)]
+        from_bench: Option<String>,
+        /// One JSON object.
+        #[arg(long)]
+        json: bool,
+    },
     /// Compare committed envelopes, accepted receipts, consumers' receipts and the stream
     /// (R19); exit 1 when a finding is over its threshold.
     Reconcile {
@@ -204,6 +242,33 @@ fn main() {
     let cli = Cli::parse();
     let code = match cli.cmd {
         Cmd::Simulate(a) => simulate::run(a).map_err(|e| e.to_string()),
+        Cmd::Capacity {
+            file,
+            avg_events_per_s,
+            peak_events_per_s,
+            payload_bytes_p99,
+            payload_bytes_avg,
+            retention_days,
+            replicas,
+            retry_amplification,
+            backlog,
+            from_bench,
+            json,
+        } => {
+            let flags = sealpost_cli::capacity::Flags {
+                avg_events_per_s,
+                peak_events_per_s,
+                payload_bytes_p99,
+                payload_bytes_avg,
+                retention_days,
+                replicas,
+                retry_amplification,
+                backlog,
+            };
+            sealpost_cli::capacity::run(file.as_deref(), flags, from_bench.as_deref(), json)
+                .map(|()| 0)
+                .map_err(|e| e.to_string())
+        }
         cmd => {
             tracing_subscriber::fmt()
                 .with_env_filter(
@@ -232,7 +297,7 @@ fn main() {
 async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
     let e = |x: runtime::RunError| x.to_string();
     match cmd {
-        Cmd::Simulate(_) => unreachable!("handled without a runtime"),
+        Cmd::Simulate(_) | Cmd::Capacity { .. } => unreachable!("handled without a runtime"),
         Cmd::Migrate { route } => {
             let pg = runtime::pg_connect(&cfg.database_url).await.map_err(e)?;
             store::migrate(&pg).await.map_err(|x| x.to_string())?;
