@@ -260,7 +260,7 @@ pub fn plan(w: &Workload, c: &Costs, costs_source: String, costs_defaulted: Vec<
         "heap_bytes",
         Some(rows * heap),
         "bytes",
-        "outbox rows x measured heap per event, the avg payload in place of the bench's; after VACUUM has reclaimed the work rows' dead versions; one copy".to_string(),
+        "outbox rows x heap per event as measured right after enqueue (the work rows' HOT updates fit in their fillfactor room; dead versions awaiting VACUUM not counted), the avg payload in place of the bench's; one copy".to_string(),
     );
     put(
         "index_bytes",
