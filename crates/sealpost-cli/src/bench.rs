@@ -60,6 +60,8 @@ pub struct BenchReport {
     pub events: u64,
     /// `PUBLISHED` rows already in the outbox during both Sealpost phases (`--retained`).
     pub retained: u64,
+    /// Payload size of every event, bytes (`--payload-bytes`).
+    pub payload_bytes: usize,
     /// Sealpost dispatchers, and naive relays.
     pub dispatchers: usize,
     /// Sealpost drain rate of the prefilled backlog, no producers running: events divided
@@ -81,6 +83,15 @@ pub struct BenchReport {
     pub wal_bytes_per_event: f64,
     /// The same for the naive relay's drain.
     pub naive_wal_bytes_per_event: f64,
+    /// WAL the server wrote while the drain's backlog was enqueued (`enqueue_many` in
+    /// batches of 2,000, envelope and work row and their index entries), per event.
+    /// Server-wide, like `wal_bytes_per_event`.
+    pub enqueue_wal_bytes_per_event: f64,
+    /// Growth of the outbox tables' heap (`sealpost.envelope` and `sealpost.work`,
+    /// `pg_relation_size` plus TOAST) while the backlog was enqueued, per event.
+    pub heap_bytes_per_event: f64,
+    /// Growth of their indexes (`pg_indexes_size`) over the same enqueue, per event.
+    pub index_bytes_per_event: f64,
     /// Statements the store issued during Sealpost's drain per event
     /// ([`store::statements_issued`], dispatchers and reconciler). `null` while the store
     /// does not count its statements (the counter did not move).
@@ -182,6 +193,20 @@ async fn wal_bytes_since(pg: &tokio_postgres::Client, lsn: &str) -> Result<f64, 
 // SCHEMA-DEPENDENT: the only SQL in this file that names Sealpost's tables. Port these when
 // the schema changes (v2 layout); everything else goes through `sealpost::store`.
 // ---------------------------------------------------------------------------------------
+
+/// Heap (with TOAST) and index bytes of the outbox tables (`sealpost.envelope`,
+/// `sealpost.work`).
+async fn outbox_sizes(pg: &tokio_postgres::Client) -> Result<(i64, i64), RunError> {
+    let r = pg
+        .query_one(
+            "SELECT sum(pg_table_size(t))::int8, sum(pg_indexes_size(t))::int8
+             FROM unnest(ARRAY['sealpost.envelope'::regclass, 'sealpost.work'::regclass]) AS t",
+            &[],
+        )
+        .await
+        .map_err(db)?;
+    Ok((r.get(0), r.get(1)))
+}
 
 /// Marks the rows [`fill_retained`] writes (their `aggregate_type`), so [`drop_retained`]
 /// finds them.
@@ -700,7 +725,11 @@ async fn phases(
     }
     say(format!("prefilling {} events ...", args.events));
     let a_from_ms = store::db_now_ms(&*pg).await? as i64;
+    let fill_lsn = wal_lsn(pg).await?;
+    let sizes0 = outbox_sizes(pg).await?;
     prefill(pg, &names.route, "o", args.events, &payload).await?;
+    let enqueue_wal = wal_bytes_since(pg, &fill_lsn).await?;
+    let sizes1 = outbox_sizes(pg).await?;
     // The relay's table is created fresh for its drain; the outbox tables may carry the dead
     // rows of earlier runs (this machine's PostgreSQL runs with autovacuum off), so they
     // start from the same clean state: vacuumed and analyzed, as autovacuum leaves them.
@@ -848,6 +877,7 @@ async fn phases(
     Ok(BenchReport {
         events: args.events,
         retained: args.retained,
+        payload_bytes: args.payload_bytes,
         dispatchers: args.dispatchers,
         sealpost_events_per_s: round(sealpost_rate, 1),
         naive_events_per_s: round(naive.events_per_s, 1),
@@ -856,6 +886,9 @@ async fn phases(
         naive_publish_failures: naive.failures,
         wal_bytes_per_event: round(per_event(wal), 1),
         naive_wal_bytes_per_event: round(naive.wal_bytes_per_event, 1),
+        enqueue_wal_bytes_per_event: round(per_event(enqueue_wal), 1),
+        heap_bytes_per_event: round(per_event((sizes1.0 - sizes0.0) as f64), 1),
+        index_bytes_per_event: round(per_event((sizes1.1 - sizes0.1) as f64), 1),
         statements_per_event: round(statements_per_event, 3),
         naive_statements_per_event: round(naive.statements_per_event, 3),
         load_backlog: args.load_backlog,

@@ -71,8 +71,14 @@ pub async fn run(
     };
     let effect_timeout = Duration::from_millis(cfg.consumer_effect_timeout_ms);
     let mut progress = Progress::new(&cfg, &consumer_id, &topic);
+    let consumer_label = sealpost::observe::consumers().label(&consumer_id);
+    let mut lag_read_at: Option<std::time::Instant> = None;
     while !stop.load(Ordering::Relaxed) {
         progress.maybe_report(&jc).await;
+        if lag_read_at.is_none_or(|t| t.elapsed() >= LAG_EVERY) {
+            lag_read_at = Some(std::time::Instant::now());
+            record_lag(&jc, &consumer_label).await;
+        }
         let batch = jc
             .fetch()
             .max_messages(500)
@@ -149,6 +155,15 @@ pub async fn run(
                     if matches!(outcome, BatchOutcome::Applied { .. }) {
                         consumed.fetch_add(1, Ordering::Relaxed);
                     }
+                    let label = match &outcome {
+                        BatchOutcome::Applied { .. } => "applied",
+                        BatchOutcome::Duplicate { .. } => "duplicate",
+                        BatchOutcome::Quarantined => "quarantined",
+                        BatchOutcome::Failed { .. } => "failed",
+                    };
+                    metrics::counter!(sealpost::observe::CONSUMER_MESSAGES,
+                        "consumer" => consumer_label.clone(), "outcome" => label)
+                    .increment(1);
                     if let BatchOutcome::Failed { error } = outcome {
                         let delivered = delivered(msg);
                         match decide_failed_delivery(delivered, Failure::Message, policy) {
@@ -357,6 +372,22 @@ impl Progress {
 
 type PullConsumer =
     async_nats::jetstream::consumer::Consumer<async_nats::jetstream::consumer::pull::Config>;
+
+/// How often the consumer reads its lag from the broker.
+const LAG_EVERY: Duration = Duration::from_secs(5);
+
+/// Sets the consumer's lag gauge: the messages JetStream holds for it that it has not acked
+/// (not yet delivered, plus delivered and unacknowledged). A failed read leaves the gauge.
+async fn record_lag(
+    jc: &async_nats::jetstream::consumer::Consumer<async_nats::jetstream::consumer::pull::Config>,
+    label: &str,
+) {
+    match jc.get_info().await {
+        Ok(i) => metrics::gauge!(sealpost::observe::CONSUMER_LAG, "consumer" => label.to_string())
+            .set((i.num_pending + i.num_ack_pending as u64) as f64),
+        Err(e) => tracing::warn!(error = %e, "metrics: cannot read the consumer's lag"),
+    }
+}
 
 /// One `demo_fulfilment` row, the example effect of one message.
 struct FulfilmentRow {

@@ -4,10 +4,12 @@
 //! modules as `sealpost_cli::...`.
 
 pub mod bench;
+pub mod capacity;
 pub mod config;
 pub mod consume_bench;
 pub mod consumer;
 pub mod demo;
+pub mod metrics;
 pub mod ops;
 
 use sealpost::store;

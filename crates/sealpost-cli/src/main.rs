@@ -45,6 +45,8 @@ enum Cmd {
         /// Do not run a reconciler in this process.
         #[arg(long)]
         no_reconciler: bool,
+        #[command(flatten)]
+        metrics: sealpost_cli::metrics::MetricsArgs,
     },
     /// Run the example fulfilment consumer (inbox + effect in one transaction) until Ctrl-C.
     Consume {
@@ -58,6 +60,8 @@ enum Cmd {
         /// [default: config key `consumer_max_deliveries`, 10].
         #[arg(long)]
         max_deliveries: Option<u32>,
+        #[command(flatten)]
+        metrics: sealpost_cli::metrics::MetricsArgs,
     },
     /// Write orders while dispatchers publish them; print the status at the end.
     Demo {
@@ -76,6 +80,8 @@ enum Cmd {
         /// Print the final status as JSON.
         #[arg(long)]
         json: bool,
+        #[command(flatten)]
+        metrics: sealpost_cli::metrics::MetricsArgs,
     },
     /// Drain a prefilled backlog, then a second backlog while producers commit at a fixed
     /// rate (net drain, latency under load), then the same backlog through a careful naive
@@ -103,6 +109,44 @@ enum Cmd {
         /// Rows already PUBLISHED put in the outbox before the drain (removed at the end).
         #[arg(long, default_value_t = 0)]
         retained: u64,
+        /// One JSON object.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Capacity model (R27): database growth, WAL volume, index size and the time to drain
+    /// a backlog with production running, from measured per-event costs.
+    Capacity {
+        /// Workload as TOML (keys as the flags, with `_`: avg_events_per_s, ...); flags
+        /// given override it.
+        #[arg(long)]
+        file: Option<String>,
+        /// Average events per second.
+        #[arg(long)]
+        avg_events_per_s: Option<f64>,
+        /// Peak events per second.
+        #[arg(long)]
+        peak_events_per_s: Option<f64>,
+        /// 99th percentile payload bytes.
+        #[arg(long)]
+        payload_bytes_p99: Option<f64>,
+        /// Average payload bytes [default: the p99].
+        #[arg(long)]
+        payload_bytes_avg: Option<f64>,
+        /// Retention of published rows before purge, days.
+        #[arg(long)]
+        retention_days: Option<f64>,
+        /// Copies of every byte (primary + standbys; stream replicas) [default: 1].
+        #[arg(long)]
+        replicas: Option<f64>,
+        /// Sends per event on average [default: 1.0].
+        #[arg(long)]
+        retry_amplification: Option<f64>,
+        /// Backlog to drain, events.
+        #[arg(long)]
+        backlog: Option<u64>,
+        /// Per-event costs from a saved `sealpost bench --json` [default: docs/schema.md].
+        #[arg(long)]
+        from_bench: Option<String>,
         /// One JSON object.
         #[arg(long)]
         json: bool,
@@ -216,6 +260,33 @@ fn main() {
     let cli = Cli::parse();
     let code = match cli.cmd {
         Cmd::Simulate(a) => simulate::run(a).map_err(|e| e.to_string()),
+        Cmd::Capacity {
+            file,
+            avg_events_per_s,
+            peak_events_per_s,
+            payload_bytes_p99,
+            payload_bytes_avg,
+            retention_days,
+            replicas,
+            retry_amplification,
+            backlog,
+            from_bench,
+            json,
+        } => {
+            let flags = sealpost_cli::capacity::Flags {
+                avg_events_per_s,
+                peak_events_per_s,
+                payload_bytes_p99,
+                payload_bytes_avg,
+                retention_days,
+                replicas,
+                retry_amplification,
+                backlog,
+            };
+            sealpost_cli::capacity::run(file.as_deref(), flags, from_bench.as_deref(), json)
+                .map(|()| 0)
+                .map_err(|e| e.to_string())
+        }
         cmd => {
             tracing_subscriber::fmt()
                 .with_env_filter(
@@ -244,7 +315,7 @@ fn main() {
 async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
     let e = |x: runtime::RunError| x.to_string();
     match cmd {
-        Cmd::Simulate(_) => unreachable!("handled without a runtime"),
+        Cmd::Simulate(_) | Cmd::Capacity { .. } => unreachable!("handled without a runtime"),
         Cmd::Migrate { route } => {
             let pg = runtime::pg_connect(&cfg.database_url).await.map_err(e)?;
             store::migrate(&pg).await.map_err(|x| x.to_string())?;
@@ -266,7 +337,9 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
         Cmd::Dispatch {
             dispatchers,
             no_reconciler,
+            metrics,
         } => {
+            sealpost_cli::metrics::start(&cfg, &metrics, true)?;
             let nats = connect_nats(&cfg).await?;
             let stop = Arc::new(AtomicBool::new(false));
             let counters = Arc::new(Counters::default());
@@ -295,7 +368,9 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
             consumers,
             topic,
             json,
+            metrics,
         } => {
+            sealpost_cli::metrics::start(&cfg, &metrics, true)?;
             let ok = sealpost_cli::demo::run(cfg, orders, dispatchers, consumers, &topic, json)
                 .await
                 .map_err(e)?;
@@ -347,6 +422,7 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
             consumer,
             topic,
             max_deliveries,
+            metrics,
         } => {
             let mut cfg = cfg;
             if let Some(n) = max_deliveries {
@@ -354,6 +430,7 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
                 cfg.validate()
                     .map_err(|x| format!("--max-deliveries: {x}"))?;
             }
+            sealpost_cli::metrics::start(&cfg, &metrics, false)?;
             let nats = connect_nats(&cfg).await?;
             let pg = runtime::pg_connect(&cfg.database_url).await.map_err(e)?;
             store::migrate(&pg).await.map_err(|x| x.to_string())?;

@@ -388,7 +388,8 @@ pub struct PurgeReport {
     pub evidence_removed: std::collections::BTreeMap<String, u64>,
 }
 
-fn reason_key(r: &PurgeRefusal) -> String {
+/// The `kept` key of a purge refusal (the reasons a row stays).
+pub(crate) fn reason_key(r: &PurgeRefusal) -> String {
     match r {
         PurgeRefusal::NotPublished(_) => "not published".into(),
         PurgeRefusal::ReplayWindow { .. } => "inside the replay window".into(),
@@ -445,8 +446,14 @@ async fn retire_rows(
     loop {
         let tx = pg.transaction().await?;
         let now_ms = store::db_now_ms(&tx).await?;
-        let rows = tx
-            .query(
+        // A dry run (also the metrics' purge backlog) decides without writing, so it locks
+        // nothing: a late ACK or a real purge never waits on it.
+        let lock = if o.dry_run {
+            ""
+        } else {
+            "FOR UPDATE OF w SKIP LOCKED"
+        };
+        let q = format!(
                 "SELECT w.event_id, w.member, w.state, w.primary_sequence, w.published_at_ms, w.committed_seq,
                         w.primary_stream
                  FROM sealpost.work w JOIN sealpost.envelope e
@@ -455,7 +462,11 @@ async fn retire_rows(
                  WHERE w.committed_seq > $1 AND ($3::uuid IS NULL OR w.event_id = $3)
                    AND ($4::text IS NULL OR e.dest_topic = $4)
                    AND ($3::uuid IS NOT NULL OR w.state IN ('PUBLISHED', 'RETAINED'))
-                 ORDER BY w.committed_seq LIMIT $2 FOR UPDATE OF w SKIP LOCKED",
+                 ORDER BY w.committed_seq LIMIT $2 {lock}"
+        );
+        let rows = tx
+            .query(
+                q.as_str(),
                 &[
                     &after_seq,
                     &o.batch_size_max,

@@ -5,6 +5,7 @@
 //! client and no command line: the `sealpost` binary is the `sealpost-cli` crate.
 
 pub mod inbox;
+pub mod observe;
 pub mod runtime;
 #[cfg(feature = "sqlx")]
 pub mod sqlx_store;

@@ -19,6 +19,7 @@ use sealpost_core::reconciler::{
 use sealpost_core::ReceiptVerdict;
 use tokio_postgres::NoTls;
 
+use crate::observe;
 use crate::store::{self, Accepted, StoreError, Submitted};
 
 /// Runtime configuration. Every field has a default; `DATABASE_URL` and `NATS_URL` override
@@ -420,6 +421,11 @@ pub async fn dispatcher<B: Broker>(
                 {
                     Ok(batch) => {
                         // No transaction is open from here on: the claim committed.
+                        observe::record_claim(
+                            batch.outgoing.len(),
+                            batch.expired_to_unknown,
+                            Duration::from_millis(ms_since(epoch) - started),
+                        );
                         tracing::debug!(
                             rows = batch.outgoing.len(),
                             claim_ms = ms_since(epoch) - started,
@@ -460,8 +466,11 @@ pub async fn dispatcher<B: Broker>(
             }
             DispatchAction::Submit(sub) => {
                 let t_submit = ms_since(epoch);
-                let result =
-                    store::submit_held(&mut pg, &sub, cfg.rejection_limit, &mut held).await;
+                let result = store::submit_held(&mut pg, &sub, cfg.rejection_limit, &mut held).await;
+                observe::record_accept_duration(
+                    Duration::from_millis(ms_since(epoch) - t_submit),
+                    result.is_ok(),
+                );
                 tracing::debug!(
                     receipts = sub.receipts.len(),
                     reports = sub.reports.len(),
@@ -471,6 +480,7 @@ pub async fn dispatcher<B: Broker>(
                 let ok = match result {
                     Ok(done) => {
                         counters.count(&done, &sub);
+                        observe::record_submitted(&done, &sub);
                         for (event_id, n, why) in &done.stuck {
                             tracing::error!(%event_id, never_sent = n, why, "ALERT: event cannot leave (retrying with backoff); check the destination");
                         }
@@ -580,10 +590,14 @@ pub async fn reconciler<B: Broker>(
                     }));
                 }
                 ReconcileAction::Finish(item, lookup) => {
-                    match store::finish_reconcile_with(&mut pg, &item, &lookup, policy).await {
-                        Ok(d) => {
+                    match store::finish_reconcile_published(&mut pg, &item, &lookup, policy).await {
+                        Ok((d, published)) => {
                             tracing::debug!(event_id = %item.event_id, decision = ?d, "reconciled");
                             counters.reconciled.fetch_add(1, Ordering::Relaxed);
+                            if published.is_some() {
+                                counters.published.fetch_add(1, Ordering::Relaxed);
+                            }
+                            observe::record_reconciled(&d, published.as_ref());
                         }
                         Err(e) => {
                             // The row's reconciler lease runs out and a later scan takes it.
@@ -610,6 +624,7 @@ pub async fn reconciler<B: Broker>(
                     oldest_unknown_ms,
                 } => {
                     counters.alerts.fetch_add(1, Ordering::Relaxed);
+                    observe::record_unknown_alert();
                     tracing::error!(
                         unknown,
                         oldest_unknown_s = oldest_unknown_ms / 1000,
@@ -638,6 +653,7 @@ pub async fn reconciler<B: Broker>(
                 }
                 ReconcileAction::ReportMissing(item) => {
                     counters.missing.fetch_add(1, Ordering::Relaxed);
+                    observe::record_missing_found();
                     tracing::error!(event_id = %item.event_id, stream = %item.destination.topic, sequence = item.sequence,
                         "FINDING: published but missing at the broker");
                     if let Err(e) = store::record_missing(&pg, &item).await {
@@ -652,8 +668,14 @@ pub async fn reconciler<B: Broker>(
         let wait = wake.saturating_sub(ms_since(epoch)).min(STOP_CHECK_MS);
         tokio::select! {
             Some(answer) = lookups.next(), if !lookups.is_empty() => match answer {
-                Answer::Unknown(item, l) => m.handle_lookup(item, l),
-                Answer::Verify(item, l) => m.handle_verify_lookup(ms_since(epoch), item, &l),
+                Answer::Unknown(item, l) => {
+                    observe::record_lookup("unknown", &l);
+                    m.handle_lookup(item, l)
+                }
+                Answer::Verify(item, l) => {
+                    observe::record_lookup("verify", &l);
+                    m.handle_verify_lookup(ms_since(epoch), item, &l)
+                }
             },
             _ = tokio::time::sleep(Duration::from_millis(wait)) => {}
         }

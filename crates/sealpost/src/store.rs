@@ -687,6 +687,15 @@ async fn finish_load(
 
 /// Locks and loads the rows for `keys` (in key order, so concurrent batches cannot deadlock).
 async fn lock_rows(tx: &impl GenericClient, keys: &[(EventId, u16)]) -> Result<Vec<EventRow>> {
+    Ok(lock_rows_created(tx, keys).await?.0)
+}
+
+/// [`lock_rows`], with each row's commit time (`created_at_ms`, database clock) beside it:
+/// the acceptance point measures commit -> `PUBLISHED` with it.
+async fn lock_rows_created(
+    tx: &impl GenericClient,
+    keys: &[(EventId, u16)],
+) -> Result<(Vec<EventRow>, Vec<u64>)> {
     let mut sorted: Vec<(EventId, u16)> = keys.to_vec();
     sorted.sort_unstable();
     sorted.dedup();
@@ -696,12 +705,16 @@ async fn lock_rows(tx: &impl GenericClient, keys: &[(EventId, u16)]) -> Result<V
         "FROM sealpost.work w
          JOIN unnest($1::uuid[], $2::int2[]) AS k(id, m) ON w.event_id = k.id AND w.member = k.m
          ORDER BY w.event_id, w.member FOR UPDATE OF w",
-        "",
+        ", w.created_at_ms",
         "w.event_id, w.member",
     );
     counted(1);
     let found = tx.query(q.as_str(), &[&ids, &members]).await?;
-    finish_load(tx, &found).await
+    let created = found
+        .iter()
+        .map(|r| r.get::<_, i64>(ROW_COLS_LEN).max(0) as u64)
+        .collect();
+    Ok((finish_load(tx, &found).await?, created))
 }
 
 /// Writes every difference between `before` and `after` (same order, same keys): the work
@@ -1134,9 +1147,11 @@ pub struct Held {
 struct HeldRow {
     row: EventRow,
     xmin: i64,
+    /// The commit time of the row (database clock), for the commit -> `PUBLISHED` latency.
+    created_at_ms: u64,
     /// Set once a guarded write accepted this receipt, so a submission retried after a later
     /// failure returns the same verdict instead of accepting twice.
-    accepted: Option<Accepted>,
+    accepted: Option<(Accepted, Published)>,
 }
 
 impl Held {
@@ -1217,7 +1232,7 @@ async fn claim_in(
         ),
         &format!(
             ", e.payload, nextval('sealpost.attempt_id_seq'), {NOW_MS_SQL}, w.committed_seq,
-               pg_current_xact_id()::xid::text::bigint"
+               pg_current_xact_id()::xid::text::bigint, w.created_at_ms"
         ),
         "w.dest_cluster, w.committed_seq",
     );
@@ -1301,13 +1316,14 @@ async fn claim_in(
             .iter()
             .map(|o| (o.event_id, o.member))
             .collect();
-        for row in after {
+        for (row, r) in after.into_iter().zip(&found) {
             if sent.contains(&(row.event_id, row.member)) {
                 held.rows.insert(
                     (row.event_id, row.member),
                     HeldRow {
                         row,
                         xmin: xid,
+                        created_at_ms: r.get::<_, i64>(ROW_COLS_LEN + 5).max(0) as u64,
                         accepted: None,
                     },
                 );
@@ -1340,18 +1356,29 @@ pub async fn accept_receipts(
 ) -> Result<Vec<Accepted>> {
     let tx = client.transaction().await?;
     let now_ms = db_now_ms(&tx).await?;
-    let out = accept_in(&tx, receipts, now_ms).await?;
+    let (out, _) = accept_in(&tx, receipts, now_ms).await?;
     tx.commit().await?;
     Ok(out)
+}
+
+/// A receipt the acceptance point made primary: the row is now `PUBLISHED`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Published {
+    /// The frozen destination's topic (stream).
+    pub topic: String,
+    /// Commit -> `PUBLISHED`, milliseconds of the database clock (the envelope's
+    /// `created_at_ms` to the acceptance transaction's clock).
+    pub latency_ms: u64,
 }
 
 async fn accept_in(
     tx: &Transaction<'_>,
     receipts: &[Receipt],
     now_ms: u64,
-) -> Result<Vec<Accepted>> {
+) -> Result<(Vec<Accepted>, Vec<Published>)> {
     let keys: Vec<(EventId, u16)> = receipts.iter().map(|r| (r.event_id, r.member)).collect();
-    let before = lock_rows(tx, &keys).await?;
+    let (before, created) = lock_rows_created(tx, &keys).await?;
+    let mut published = Vec::new();
     let mut after = before.clone();
     let index: HashMap<(EventId, u16), usize> = after
         .iter()
@@ -1371,6 +1398,12 @@ async fn accept_in(
         let v = decide_receipt(&after[i], r);
         apply_receipt(&mut after[i], r, v, now_ms)
             .map_err(|e| StoreError::Corrupt(e.to_string()))?;
+        if v == ReceiptVerdict::Primary {
+            published.push(Published {
+                topic: after[i].destination.topic.clone(),
+                latency_ms: now_ms.saturating_sub(created[i]),
+            });
+        }
         match v {
             // The happy path's primary receipt lives in the work row (R10); a receipt row is
             // evidence kept only where there is something to show: a primary found by a
@@ -1466,7 +1499,7 @@ async fn accept_in(
         )
         .await?;
     }
-    Ok(out)
+    Ok((out, published))
 }
 
 pub use sealpost_core::dispatcher::OutcomeReport;
@@ -1485,6 +1518,10 @@ pub struct Submitted {
     /// Receipts accepted by [`submit_held`]'s guarded write (this call, or an earlier try of
     /// the same submission) rather than the locked transaction.
     pub guarded: usize,
+    /// The receipts that made their row `PUBLISHED`, with the commit -> `PUBLISHED` latency.
+    pub published: Vec<Published>,
+    /// The destination topic of each outcome report, in order (empty for a row that is gone).
+    pub report_topics: Vec<String>,
 }
 
 /// Commits a dispatcher's receipts and outcome reports in **one** transaction: either all of
@@ -1503,13 +1540,13 @@ pub async fn submit(
     let tx = client.transaction().await?;
     // One read of the database clock for the whole transaction.
     let now_ms = db_now_ms(&tx).await?;
-    let accepted = if submission.receipts.is_empty() {
-        Vec::new()
+    let (accepted, published) = if submission.receipts.is_empty() {
+        (Vec::new(), Vec::new())
     } else {
         accept_in(&tx, &submission.receipts, now_ms).await?
     };
-    let (reported, stuck) = if submission.reports.is_empty() {
-        (Vec::new(), Vec::new())
+    let (reported, stuck, report_topics) = if submission.reports.is_empty() {
+        (Vec::new(), Vec::new(), Vec::new())
     } else {
         report_in(&tx, &submission.reports, rejection_limit, now_ms).await?
     };
@@ -1519,6 +1556,8 @@ pub async fn submit(
         reported,
         stuck,
         guarded: 0,
+        published,
+        report_topics,
     })
 }
 
@@ -1547,18 +1586,21 @@ pub async fn submit_held(
         *seen.entry((r.event_id, r.member)).or_default() += 1;
     }
     let mut guarded = 0;
+    let mut published = Vec::new();
     let mut fast = Vec::new();
     let mut before = Vec::new();
     let mut after = Vec::new();
     let mut xmins = Vec::new();
+    let guarded_now_ms = held.db_now_ms().unwrap_or(0);
     if let Some(now_ms) = held.db_now_ms() {
         for (k, r) in receipts.iter().enumerate() {
             let key = (r.event_id, r.member);
             let Some(h) = held.rows.get(&key) else {
                 continue;
             };
-            if let Some(a) = h.accepted {
-                accepted[k] = Some(a);
+            if let Some((a, p)) = &h.accepted {
+                accepted[k] = Some(*a);
+                published.push(p.clone());
                 guarded += 1;
                 continue;
             }
@@ -1593,7 +1635,12 @@ pub async fn submit_held(
                 let a = Accepted::Verdict(ReceiptVerdict::Primary);
                 accepted[k] = Some(a);
                 if let Some(h) = held.rows.get_mut(&key) {
-                    h.accepted = Some(a);
+                    let p = Published {
+                        topic: h.row.destination.topic.clone(),
+                        latency_ms: guarded_now_ms.saturating_sub(h.created_at_ms),
+                    };
+                    published.push(p.clone());
+                    h.accepted = Some((a, p));
                 }
             }
         }
@@ -1603,21 +1650,21 @@ pub async fn submit_held(
         .collect();
     let mut reported = Vec::new();
     let mut stuck = Vec::new();
+    let mut report_topics = Vec::new();
     if !rest.is_empty() || !submission.reports.is_empty() {
         counted(2);
         let tx = client.transaction().await?;
         let now_ms = db_now_ms(&tx).await?;
         if !rest.is_empty() {
             let rest_receipts: Vec<Receipt> = rest.iter().map(|&k| receipts[k].clone()).collect();
-            for (&k, a) in rest
-                .iter()
-                .zip(accept_in(&tx, &rest_receipts, now_ms).await?)
-            {
+            let (out, p) = accept_in(&tx, &rest_receipts, now_ms).await?;
+            published.extend(p);
+            for (&k, a) in rest.iter().zip(out) {
                 accepted[k] = Some(a);
             }
         }
         if !submission.reports.is_empty() {
-            (reported, stuck) =
+            (reported, stuck, report_topics) =
                 report_in(&tx, &submission.reports, rejection_limit, now_ms).await?;
         }
         tx.commit().await?;
@@ -1638,6 +1685,8 @@ pub async fn submit_held(
         reported,
         stuck,
         guarded,
+        published,
+        report_topics,
     })
 }
 
@@ -1654,7 +1703,7 @@ pub async fn report_outcomes(
 ) -> Result<Vec<SendOutcomeDecision>> {
     let tx = client.transaction().await?;
     let now_ms = db_now_ms(&tx).await?;
-    let (out, _) = report_in(&tx, reports, rejection_limit, now_ms).await?;
+    let (out, _, _) = report_in(&tx, reports, rejection_limit, now_ms).await?;
     tx.commit().await?;
     Ok(out)
 }
@@ -1666,8 +1715,9 @@ async fn report_in(
     reports: &[OutcomeReport],
     rejection_limit: u32,
     now_ms: u64,
-) -> Result<(Vec<SendOutcomeDecision>, Stuck)> {
+) -> Result<(Vec<SendOutcomeDecision>, Stuck, Vec<String>)> {
     let keys: Vec<(EventId, u16)> = reports.iter().map(|r| (r.event_id, r.member)).collect();
+    let mut topics = Vec::with_capacity(reports.len());
     let before = lock_rows(tx, &keys).await?;
     let mut after = before.clone();
     let index: HashMap<(EventId, u16), usize> = after
@@ -1686,8 +1736,10 @@ async fn report_in(
             out.push(SendOutcomeDecision::Audit(
                 sealpost_core::claim::Fenced::NotCurrentAttempt,
             ));
+            topics.push(String::new());
             continue;
         };
+        topics.push(after[i].destination.topic.clone());
         let d = decide_send_outcome(
             &after[i],
             rep.token,
@@ -1756,7 +1808,7 @@ async fn report_in(
         )
         .await?;
     }
-    Ok((out, stuck))
+    Ok((out, stuck, topics))
 }
 
 /// A row the reconciler now holds in `RECONCILING` (the reconciler machine's item).
@@ -1866,17 +1918,37 @@ pub async fn finish_reconcile_with(
     lookup: &Lookup,
     policy: ReconcilePolicy,
 ) -> Result<ReconcileDecision> {
+    Ok(finish_reconcile_published(client, item, lookup, policy)
+        .await?
+        .0)
+}
+
+/// [`finish_reconcile_with`], also saying whether the lookup's receipt made the row
+/// `PUBLISHED` (and the commit -> `PUBLISHED` latency).
+///
+/// # Transactions and locks
+/// As [`finish_reconcile`].
+pub async fn finish_reconcile_published(
+    client: &mut tokio_postgres::Client,
+    item: &Reconciling,
+    lookup: &Lookup,
+    policy: ReconcilePolicy,
+) -> Result<(ReconcileDecision, Option<Published>)> {
+    let mut published = None;
     let tx = client.transaction().await?;
     let now_ms = db_now_ms(&tx).await?;
     let before = lock_rows(&tx, &[(item.event_id, item.member)]).await?;
     let Some(row) = before.first() else {
         tx.commit().await?;
-        return Ok(decide_reconcile_missing());
+        return Ok((decide_reconcile_missing(), None));
     };
     let d = decide_reconcile(row, item.token, lookup, policy, now_ms);
     match &d {
         ReconcileDecision::Accept(r) => {
-            accept_in(&tx, std::slice::from_ref(r), now_ms).await?;
+            published = accept_in(&tx, std::slice::from_ref(r), now_ms)
+                .await?
+                .1
+                .pop();
         }
         ReconcileDecision::Conflict(q) => {
             let mut after = before.clone();
@@ -1911,7 +1983,7 @@ pub async fn finish_reconcile_with(
         ReconcileDecision::Fenced(_) => {}
     }
     tx.commit().await?;
-    Ok(d)
+    Ok((d, published))
 }
 
 /// `sealpost status` figures.
