@@ -1,7 +1,7 @@
 //! The `sealpost` command's library half: the TOML configuration, the demo, the bench, the
-//! example NATS consumer and the operator tools (reconciliation report, purge, trace), and
-//! the text printers. The binary (`src/main.rs`) parses the command line; tests reach these
-//! modules as `sealpost_cli::...`.
+//! example NATS consumer and the operator tools (reconciliation report, purge, trace, the
+//! status web page), and the text printers. The binary (`src/main.rs`) parses the command
+//! line; tests reach these modules as `sealpost_cli::...`.
 
 pub mod bench;
 pub mod config;
@@ -9,6 +9,7 @@ pub mod consume_bench;
 pub mod consumer;
 pub mod demo;
 pub mod ops;
+pub mod web;
 
 use sealpost::store;
 
