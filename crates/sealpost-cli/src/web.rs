@@ -39,6 +39,10 @@ pub const LATENCY_ROWS_MAX: i64 = 5_000;
 /// A sample covers acceptances up to this long before its read, so that a transaction that
 /// took its clock reading before the sample but committed after it is not missed.
 pub const SETTLE_MS: i64 = 1_000;
+/// The sampler starts its next read no sooner than this many times the last read's duration
+/// after it began (on a large table `store::status` scans; this keeps the sampler under a
+/// fifth of one database backend). The page's script backs off the same way.
+pub const SAMPLE_DUTY_FACTOR: u32 = 5;
 /// Findings returned by `/api/findings` at most (newest first).
 pub const FINDINGS_MAX: i64 = 100;
 /// Longest operator name and reason accepted by `POST /api/release` (kept in the audit row).
@@ -110,6 +114,8 @@ struct History {
     samples: VecDeque<Sample>,
     /// The sampler's last failure, shown on the page until a sample succeeds.
     last_error: Option<String>,
+    /// How long the last sample took (ms).
+    last_took_ms: u64,
 }
 
 /// An error answered as `{"error": "..."}` with its status code.
@@ -238,6 +244,7 @@ async fn api_history(Shared(app): Shared<Arc<App>>) -> Json<Value> {
         "samples_max": app.history_max,
         "samples": h.samples,
         "last_error": h.last_error,
+        "last_took_ms": h.last_took_ms,
     }))
 }
 
@@ -385,36 +392,38 @@ async fn api_release(
     })))
 }
 
-/// Samples the status every `sample_ms` into the ring buffer, on a connection of its own.
+/// Samples the status every `sample_ms` (or [`SAMPLE_DUTY_FACTOR`] times the last read's
+/// duration, if longer) into the ring buffer, on a connection of its own.
 async fn sample_loop(app: Arc<App>) {
     let mut pg: Option<tokio_postgres::Client> = None;
     let mut window_end_ms: Option<i64> = None;
-    let mut tick = tokio::time::interval(Duration::from_millis(app.sample_ms));
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    let period = Duration::from_millis(app.sample_ms);
     loop {
-        tick.tick().await;
+        let began = std::time::Instant::now();
         if pg.as_ref().is_none_or(|c| c.is_closed()) {
             match runtime::pg_connect(&app.database_url).await {
                 Ok(c) => pg = Some(c),
-                Err(e) => {
-                    app.history.lock().await.last_error = Some(e.to_string());
-                    continue;
-                }
+                Err(e) => app.history.lock().await.last_error = Some(e.to_string()),
             }
         }
-        let client = pg.as_ref().expect("connected above");
-        match take_sample(client, window_end_ms, app.sample_ms as i64).await {
-            Ok((s, end)) => {
-                window_end_ms = Some(end);
-                let mut h = app.history.lock().await;
-                h.last_error = None;
-                h.samples.push_back(s);
-                while h.samples.len() > app.history_max {
-                    h.samples.pop_front();
+        if let Some(client) = pg.as_ref() {
+            let sample = take_sample(client, window_end_ms, app.sample_ms as i64).await;
+            let mut h = app.history.lock().await;
+            h.last_took_ms = began.elapsed().as_millis() as u64;
+            match sample {
+                Ok((s, end)) => {
+                    window_end_ms = Some(end);
+                    h.last_error = None;
+                    h.samples.push_back(s);
+                    while h.samples.len() > app.history_max {
+                        h.samples.pop_front();
+                    }
                 }
+                Err(e) => h.last_error = Some(e.to_string()),
             }
-            Err(e) => app.history.lock().await.last_error = Some(e.to_string()),
         }
+        let took = began.elapsed();
+        tokio::time::sleep(period.max(took * SAMPLE_DUTY_FACTOR).saturating_sub(took)).await;
     }
 }
 
