@@ -4,10 +4,10 @@
 //! the causal chain of a known event, and a release is refused without the operator token
 //! (and with a wrong one, and on a server that has none), and succeeds with it, audited.
 //!
-//! The test has its own database (`sealpost_web_<tag>`, dropped at the end) and its own
-//! NATS stream; it starts `sealpost serve` and chromedriver on free ports. It needs
-//! `chromedriver` and `chromium` (`apt-get install -y chromium chromium-driver`; or set
-//! `CHROMEDRIVER`). With `SEALPOST_WEB_SCREENSHOT=PATH` it saves a screenshot of the page.
+//! The test has its own database (`sealpost_web_<tag>`) and NATS stream (`WEB<tag>`), both
+//! removed at the end, pass or fail; it starts `sealpost serve` and chromedriver on free
+//! ports. It needs `chromedriver` and `chromium` (`apt-get install -y chromium
+//! chromium-driver`; or set `CHROMEDRIVER`). With `SEALPOST_WEB_SCREENSHOT=PATH` it saves a screenshot of the page.
 
 use std::net::TcpListener;
 use std::path::PathBuf;
@@ -37,12 +37,16 @@ impl Drop for Killed {
     }
 }
 
-/// Drops the test's database when the test ends, pass or fail.
-struct DropDb(String);
+/// Drops the test's database and deletes its stream when the test ends, pass or fail.
+struct Cleanup {
+    db: String,
+    nats_url: String,
+    stream: String,
+}
 
-impl Drop for DropDb {
+impl Drop for Cleanup {
     fn drop(&mut self) {
-        let db = self.0.clone();
+        let (db, url, stream) = (self.db.clone(), self.nats_url.clone(), self.stream.clone());
         // A runtime of its own: the test's runtime may be shutting down.
         let _ = std::thread::spawn(move || {
             let rt = tokio::runtime::Builder::new_current_thread()
@@ -50,6 +54,9 @@ impl Drop for DropDb {
                 .build()
                 .expect("runtime");
             rt.block_on(async {
+                if let Ok(c) = sealpost_nats::async_nats::connect(&url).await {
+                    let _ = jetstream::new(c).delete_stream(&stream).await;
+                }
                 if let Ok(admin) = runtime::pg_connect(ADMIN_URL).await {
                     let _ = admin
                         .batch_execute(&format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))
@@ -300,8 +307,13 @@ async fn the_status_page_shows_the_status_traces_and_releases_only_with_the_toke
         .batch_execute(&format!("CREATE DATABASE {db}"))
         .await
         .unwrap();
-    let _drop_db = DropDb(db.clone());
     let mut cfg = Config::from_env().expect("default config");
+    let stream = format!("WEB{tag}");
+    let _cleanup = Cleanup {
+        db: db.clone(),
+        nats_url: cfg.nats_url.clone(),
+        stream: stream.clone(),
+    };
     cfg.database_url = format!("host=127.0.0.1 user=postgres dbname={db}");
     cfg.rejection_limit = 2;
     let mut pg = runtime::pg_connect(&cfg.database_url).await.unwrap();
@@ -315,7 +327,6 @@ async fn the_status_page_shows_the_status_traces_and_releases_only_with_the_toke
     )
     .await
     .expect("NATS must be running");
-    let stream = format!("WEB{tag}");
     nats.js
         .create_stream(jetstream::stream::Config {
             name: stream.clone(),
@@ -581,5 +592,4 @@ async fn the_status_page_shows_the_status_traces_and_releases_only_with_the_toke
     assert!(release_audits(&pg, other).await.is_empty());
 
     c.close().await.unwrap();
-    let _ = nats.js.delete_stream(&stream).await;
 }
