@@ -1,7 +1,7 @@
 //! The `sealpost` command's library half: the TOML configuration, the demo, the bench, the
-//! example NATS consumer and the operator tools (reconciliation report, purge, trace), and
-//! the text printers. The binary (`src/main.rs`) parses the command line; tests reach these
-//! modules as `sealpost_cli::...`.
+//! example NATS consumer and the operator tools (reconciliation report, purge, trace, the
+//! status web page), and the text printers. The binary (`src/main.rs`) parses the command
+//! line; tests reach these modules as `sealpost_cli::...`.
 
 pub mod bench;
 pub mod capacity;
@@ -11,6 +11,7 @@ pub mod consumer;
 pub mod demo;
 pub mod metrics;
 pub mod ops;
+pub mod web;
 
 use sealpost::store;
 

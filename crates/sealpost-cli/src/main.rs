@@ -243,6 +243,9 @@ enum Cmd {
         #[arg(long)]
         check: bool,
     },
+    /// The status web page: states and ages, latency and backlog chart, quarantined rows
+    /// with an audited release (behind the operator token), findings, trace search.
+    Serve(sealpost_cli::web::ServeArgs),
 }
 
 /// The NATS adapter for the configured cluster (the error says what to check).
@@ -557,6 +560,10 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
                 .await
                 .map_err(|x| x.to_string())?;
             println!("released {n} row(s) of {id} to PENDING (audited: by {operator}: {reason})");
+            Ok(0)
+        }
+        Cmd::Serve(args) => {
+            sealpost_cli::web::serve(&cfg, args).await?;
             Ok(0)
         }
         Cmd::Status { json, check } => {

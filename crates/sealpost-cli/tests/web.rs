@@ -1,0 +1,595 @@
+//! The status page (`sealpost serve`, issue 10) driven in a real headless Chromium through
+//! chromedriver: the figures it shows equal `sealpost status --json` for the same database,
+//! the chart has its latency and backlog lines, findings are listed, a trace search shows
+//! the causal chain of a known event, and a release is refused without the operator token
+//! (and with a wrong one, and on a server that has none), and succeeds with it, audited.
+//!
+//! The test has its own database (`sealpost_web_<tag>`) and NATS stream (`WEB<tag>`), both
+//! removed at the end, pass or fail; it starts `sealpost serve` and chromedriver on free
+//! ports. It needs `chromedriver` and `chromium` (`apt-get install -y chromium
+//! chromium-driver`; or set `CHROMEDRIVER`). With `SEALPOST_WEB_SCREENSHOT=PATH` it saves a screenshot of the page.
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use fantoccini::{Client, ClientBuilder, Locator};
+use sealpost::runtime::{self, Config, Counters};
+use sealpost::store;
+use sealpost_core::envelope::{EventId, NewEvent};
+use sealpost_nats::async_nats::jetstream;
+use sealpost_nats::Nats;
+use serde_json::Value;
+
+const ADMIN_URL: &str = "host=127.0.0.1 user=postgres dbname=postgres";
+const TOKEN: &str = "web-test-operator-token";
+
+/// A child process (chromedriver, `sealpost serve`) killed when the test ends, pass or fail.
+struct Killed(Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Drops the test's database and deletes its stream when the test ends, pass or fail.
+struct Cleanup {
+    db: String,
+    nats_url: String,
+    stream: String,
+}
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        let (db, url, stream) = (self.db.clone(), self.nats_url.clone(), self.stream.clone());
+        // A runtime of its own: the test's runtime may be shutting down.
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            rt.block_on(async {
+                if let Ok(c) = sealpost_nats::async_nats::connect(&url).await {
+                    let _ = jetstream::new(c).delete_stream(&stream).await;
+                }
+                if let Ok(admin) = runtime::pg_connect(ADMIN_URL).await {
+                    let _ = admin
+                        .batch_execute(&format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))
+                        .await;
+                }
+            });
+        })
+        .join();
+    }
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .expect("bind a free port")
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+async fn wait_listening(what: &str, port: u16, child: &mut Child) {
+    let start = Instant::now();
+    while tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .is_err()
+    {
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("{what} exited before listening on port {port}: {status}");
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "{what} is not listening on port {port} after 30 s"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// chromedriver from `CHROMEDRIVER` or the `PATH`; fails with how to install it.
+fn chromedriver() -> PathBuf {
+    let found = match std::env::var_os("CHROMEDRIVER") {
+        Some(p) => Some(PathBuf::from(p)).filter(|p| p.is_file()),
+        None => std::env::var_os("PATH")
+            .into_iter()
+            .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
+            .map(|d| d.join("chromedriver"))
+            .find(|p| p.is_file()),
+    };
+    found.unwrap_or_else(|| {
+        panic!(
+            "chromedriver is not installed (or CHROMEDRIVER names no file), so the status page \
+             cannot be tested in a browser: install it with `apt-get update && apt-get install -y \
+             chromium chromium-driver` (Debian; .ci/run does this), or set \
+             CHROMEDRIVER=/path/to/chromedriver"
+        )
+    })
+}
+
+/// Starts chromedriver on a free port and opens a headless Chromium session.
+async fn browser() -> (Client, Killed) {
+    let port = free_port();
+    let mut child = Command::new(chromedriver())
+        .arg(format!("--port={port}"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start chromedriver");
+    wait_listening("chromedriver", port, &mut child).await;
+    let driver = Killed(child);
+    let mut caps = serde_json::Map::new();
+    let mut chrome = serde_json::json!({
+        "args": ["--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1280,1500"]
+    });
+    if let Some(bin) = std::env::var_os("CHROME_BIN") {
+        chrome["binary"] = Value::String(bin.to_string_lossy().into_owned());
+    }
+    caps.insert("goog:chromeOptions".into(), chrome);
+    let client = ClientBuilder::new(hyper_util::client::legacy::connect::HttpConnector::new())
+        .capabilities(caps)
+        .connect(&format!("http://127.0.0.1:{port}"))
+        .await
+        .expect("open a Chromium session through chromedriver (is `chromium` installed?)");
+    (client, driver)
+}
+
+/// Starts `sealpost serve` against `cfg`'s database on a free port.
+async fn serve(cfg: &Config, token: Option<&str>) -> (String, Killed) {
+    let port = free_port();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_sealpost"));
+    cmd.args([
+        "serve",
+        "--http",
+        &format!("127.0.0.1:{port}"),
+        "--sample-ms",
+        "250",
+    ])
+    .env("DATABASE_URL", &cfg.database_url)
+    .env_remove("SEALPOST_OPERATOR_TOKEN")
+    .stdout(Stdio::null());
+    if let Some(t) = token {
+        cmd.env("SEALPOST_OPERATOR_TOKEN", t);
+    }
+    let mut child = cmd.spawn().expect("start sealpost serve");
+    wait_listening("sealpost serve", port, &mut child).await;
+    (format!("http://127.0.0.1:{port}/"), Killed(child))
+}
+
+async fn enqueue(
+    pg: &mut tokio_postgres::Client,
+    batch: &str,
+    payload: &[u8],
+    n: usize,
+) -> Vec<EventId> {
+    let tx = pg.transaction().await.unwrap();
+    let mut ids = Vec::new();
+    for i in 0..n {
+        let id = EventId(*uuid::Uuid::now_v7().as_bytes());
+        let agg = format!("o-{batch}-{i}");
+        let ev = NewEvent {
+            aggregate_type: "order",
+            aggregate_id: &agg,
+            aggregate_version: 1,
+            event_type: "order.created.v1",
+            payload_schema: "order.created.v1",
+            payload,
+            tenant: "t",
+            occurred_at_ms: 1,
+            creating_txid: 0,
+        };
+        store::enqueue(&tx, "orders", id, &ev, &agg).await.unwrap();
+        ids.push(id);
+    }
+    tx.commit().await.unwrap();
+    ids
+}
+
+async fn state_of(pg: &tokio_postgres::Client, id: EventId) -> String {
+    pg.query_one(
+        "SELECT state FROM sealpost.work WHERE event_id = $1",
+        &[&uuid::Uuid::from_bytes(id.0)],
+    )
+    .await
+    .unwrap()
+    .get(0)
+}
+
+async fn release_audits(pg: &tokio_postgres::Client, id: EventId) -> Vec<String> {
+    pg.query(
+        "SELECT detail FROM sealpost.audit WHERE event_id = $1 AND what = 'quarantine released'",
+        &[&uuid::Uuid::from_bytes(id.0)],
+    )
+    .await
+    .unwrap()
+    .iter()
+    .map(|r| r.get(0))
+    .collect()
+}
+
+fn cli_status(cfg: &Config) -> Value {
+    let out = Command::new(env!("CARGO_BIN_EXE_sealpost"))
+        .args(["status", "--json"])
+        .env("DATABASE_URL", &cfg.database_url)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("status --json prints JSON")
+}
+
+async fn text(c: &Client, css: &str) -> String {
+    c.find(Locator::Css(css))
+        .await
+        .unwrap_or_else(|e| panic!("the page has no `{css}`: {e}"))
+        .text()
+        .await
+        .unwrap()
+}
+
+/// Polls `css`'s text until `ok` holds (the page updates itself every 2 s).
+async fn wait_text(c: &Client, css: &str, ok: impl Fn(&str) -> bool) -> String {
+    let start = Instant::now();
+    loop {
+        if let Ok(e) = c.find(Locator::Css(css)).await {
+            if let Ok(t) = e.text().await {
+                if ok(&t) {
+                    return t;
+                }
+                assert!(
+                    start.elapsed() < Duration::from_secs(20),
+                    "`{css}` still shows {t:?} after 20 s"
+                );
+            }
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "`{css}` is not on the page after 20 s"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn set_input(c: &Client, css: &str, value: &str) {
+    let e = c.find(Locator::Css(css)).await.unwrap();
+    e.clear().await.unwrap();
+    if !value.is_empty() {
+        e.send_keys(value).await.unwrap();
+    }
+}
+
+/// Clicks the release button of `id`'s row and returns the page's answer.
+async fn click_release(c: &Client, id: EventId) -> String {
+    let button = format!("#quarantined-rows tr[data-event-id='{id}'] button.release");
+    c.find(Locator::Css(&button))
+        .await
+        .unwrap_or_else(|e| panic!("no release button for {id}: {e}"))
+        .click()
+        .await
+        .unwrap();
+    wait_text(c, "#release-result", |t| {
+        t.starts_with("release refused") || t.starts_with("released")
+    })
+    .await
+}
+
+fn f64_of(s: &str) -> f64 {
+    s.trim()
+        .parse()
+        .unwrap_or_else(|_| panic!("{s:?} is not a number"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_status_page_shows_the_status_traces_and_releases_only_with_the_token() {
+    // Fail first, with how to install it, when there is no browser to drive.
+    let driver_path = chromedriver();
+    assert!(driver_path.is_file());
+
+    let tag = format!("{}", runtime::owner_id() % 1_000_000_000);
+    let db = format!("sealpost_web_{tag}");
+    let admin = runtime::pg_connect(ADMIN_URL)
+        .await
+        .expect("PostgreSQL must be running");
+    admin
+        .batch_execute(&format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))
+        .await
+        .unwrap();
+    admin
+        .batch_execute(&format!("CREATE DATABASE {db}"))
+        .await
+        .unwrap();
+    let mut cfg = Config::from_env().expect("default config");
+    let stream = format!("WEB{tag}");
+    let _cleanup = Cleanup {
+        db: db.clone(),
+        nats_url: cfg.nats_url.clone(),
+        stream: stream.clone(),
+    };
+    cfg.database_url = format!("host=127.0.0.1 user=postgres dbname={db}");
+    cfg.rejection_limit = 2;
+    let mut pg = runtime::pg_connect(&cfg.database_url).await.unwrap();
+    store::migrate(&pg).await.unwrap();
+
+    // A stream refusing payloads over 1 KiB: the big event becomes poison.
+    let nats = Nats::connect(
+        &cfg.nats_url,
+        &cfg.nats_cluster,
+        Duration::from_millis(cfg.ack_timeout_ms),
+    )
+    .await
+    .expect("NATS must be running");
+    nats.js
+        .create_stream(jetstream::stream::Config {
+            name: stream.clone(),
+            subjects: vec![format!("sp.{stream}.>")],
+            max_message_size: 1_024,
+            ..Default::default()
+        })
+        .await
+        .expect("create the test stream");
+    store::set_route(&pg, "orders", &cfg.nats_cluster, &stream)
+        .await
+        .unwrap();
+
+    // The page is up while events are published, so the chart has latency samples.
+    let (url, _server) = serve(&cfg, Some(TOKEN)).await;
+    let poison = enqueue(&mut pg, "poison", &[b'x'; 4_096], 1).await[0];
+    let stop = Arc::new(AtomicBool::new(false));
+    let counters = Arc::new(Counters::default());
+    let tasks = runtime::spawn_fleet(&cfg, &Arc::new(nats.clone()), 1, false, &stop, &counters);
+    let mut published = Vec::new();
+    for b in 0..6 {
+        published.extend(enqueue(&mut pg, &format!("b{b}"), b"{\"total\":1}", 20).await);
+        tokio::time::sleep(Duration::from_millis(400)).await;
+    }
+    let start = Instant::now();
+    loop {
+        let mut done = state_of(&pg, poison).await == "QUARANTINED";
+        for id in &published {
+            done &= state_of(&pg, *id).await == "PUBLISHED";
+        }
+        if done {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "the fleet did not settle"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    stop.store(true, Ordering::Relaxed);
+    for t in tasks {
+        t.await.unwrap().unwrap();
+    }
+    // Rows nobody dispatches stay PENDING; a published row is reported missing (R31).
+    let pending = enqueue(&mut pg, "late", b"{}", 3).await;
+    let item = store::published_after_cursor(&mut pg, 1).await.unwrap();
+    assert_eq!(item.len(), 1);
+    assert!(store::record_missing(&pg, &item[0]).await.unwrap());
+
+    let (c, _driver) = browser().await;
+    c.goto(&url).await.unwrap();
+    assert_eq!(c.title().await.unwrap(), "Sealpost status");
+
+    // The figures equal `sealpost status --json`: read between two CLI readings, so each age
+    // on the page lies between them (the page shows tenths of a second).
+    let before = cli_status(&cfg);
+    c.refresh().await.unwrap();
+    wait_text(&c, "#updated", |t| t != "never").await;
+    let mut shown_states = serde_json::Map::new();
+    for (name, _) in before["states"].as_object().unwrap() {
+        let n: i64 = text(&c, &format!("#state-{name}")).await.parse().unwrap();
+        shown_states.insert(name.clone(), n.into());
+    }
+    let shown_pending_age = f64_of(&text(&c, "#oldest-pending-s").await);
+    let shown_unknown_age = f64_of(&text(&c, "#oldest-unknown-s").await);
+    let shown_unknown: i64 = text(&c, "#unknown").await.parse().unwrap();
+    let shown_quarantined: i64 = text(&c, "#quarantined").await.parse().unwrap();
+    let shown_missing: i64 = text(&c, "#missing-at-broker").await.parse().unwrap();
+    let mut shown_rows = Vec::new();
+    for tr in c
+        .find_all(Locator::Css("#quarantined-rows tr[data-event-id]"))
+        .await
+        .unwrap()
+    {
+        let id = tr.attr("data-event-id").await.unwrap().unwrap();
+        let why = tr
+            .find(Locator::Css("td.reason"))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        shown_rows.push(serde_json::json!([id, why]));
+    }
+    let after = cli_status(&cfg);
+    assert_eq!(
+        before["states"], after["states"],
+        "nothing runs: the counts hold still"
+    );
+    assert_eq!(Value::Object(shown_states), after["states"]);
+    assert_eq!(shown_unknown, after["unknown"].as_i64().unwrap());
+    assert_eq!(shown_quarantined, after["quarantined"].as_i64().unwrap());
+    assert_eq!(shown_missing, after["missing_at_broker"].as_i64().unwrap());
+    assert_eq!(Value::Array(shown_rows), after["quarantined_rows"]);
+    for (shown, key) in [
+        (shown_pending_age, "oldest_pending_s"),
+        (shown_unknown_age, "oldest_unknown_s"),
+    ] {
+        let (lo, hi) = (before[key].as_f64().unwrap(), after[key].as_f64().unwrap());
+        assert!(
+            lo - 0.05 <= shown && shown <= hi + 0.05,
+            "{key}: the page shows {shown}, status --json said {lo} then {hi}"
+        );
+    }
+    // And they are the figures of this database, not an empty one.
+    assert_eq!(after["states"]["PUBLISHED"], published.len() as i64);
+    assert_eq!(after["states"]["PENDING"], pending.len() as i64);
+    assert_eq!(after["states"]["QUARANTINED"], 1);
+    assert_eq!(after["missing_at_broker"], 1);
+    assert_eq!(after["quarantined_rows"][0][0], poison.to_string());
+    assert!(after["quarantined_rows"][0][1]
+        .as_str()
+        .unwrap()
+        .contains("PayloadTooLarge"));
+    assert!(shown_pending_age > 0.0);
+
+    // The chart: the sampler saw the events published, and the backlog.
+    let start = Instant::now();
+    while c.find(Locator::Css("#line-p99")).await.is_err() {
+        assert!(
+            start.elapsed() < Duration::from_secs(15),
+            "the chart has no latency line"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let points = c
+        .find(Locator::Css("#line-p50"))
+        .await
+        .unwrap()
+        .attr("points")
+        .await
+        .unwrap()
+        .unwrap_or_default();
+    assert!(!points.trim().is_empty(), "latency points: {points:?}");
+    c.find(Locator::Css("#line-backlog"))
+        .await
+        .expect("a backlog line");
+
+    // Findings: the recorded one, with its event id.
+    let findings = text(&c, "#findings").await;
+    assert!(
+        findings.contains("published_missing_at_broker"),
+        "{findings}"
+    );
+    assert!(
+        findings.contains(&item[0].event_id.to_string()),
+        "{findings}"
+    );
+
+    // Trace by event id: the chain of a published event, down to its broker position.
+    let known = published[0];
+    let (seq, txid): (i64, i64) = {
+        let r = pg
+            .query_one(
+                "SELECT primary_sequence, creating_txid FROM sealpost.outbox WHERE event_id = $1",
+                &[&uuid::Uuid::from_bytes(known.0)],
+            )
+            .await
+            .unwrap();
+        (r.get(0), r.get(1))
+    };
+    set_input(&c, "#trace-key", &known.to_string()).await;
+    c.find(Locator::Css("#trace-go"))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    let chain = wait_text(&c, &format!(".trace-event[data-event-id='{known}']"), |t| {
+        !t.is_empty()
+    })
+    .await;
+    assert!(
+        chain.contains(&format!("{known} member 0: PUBLISHED")),
+        "{chain}"
+    );
+    assert!(
+        chain.contains(&format!("committed: txid {txid}")),
+        "{chain}"
+    );
+    assert!(
+        chain.contains(&format!("broker: {stream}#{seq}")),
+        "{chain}"
+    );
+    assert!(chain.contains("attempt: #"), "{chain}");
+    // Trace by aggregate: the poison's chain shows its quarantine.
+    set_input(&c, "#trace-key", "order/o-poison-0").await;
+    c.find(Locator::Css("#trace-go"))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    let chain = wait_text(
+        &c,
+        &format!(".trace-event[data-event-id='{poison}']"),
+        |t| !t.is_empty(),
+    )
+    .await;
+    assert!(chain.contains("QUARANTINED"), "{chain}");
+    assert!(chain.contains("quarantine: Poison"), "{chain}");
+
+    if let Some(path) = std::env::var_os("SEALPOST_WEB_SCREENSHOT") {
+        std::fs::write(&path, c.screenshot().await.unwrap()).expect("write the screenshot");
+    }
+
+    // Release without the token: refused, nothing changes.
+    set_input(&c, "#operator", "browser-test").await;
+    set_input(&c, "#reason", "limit raised").await;
+    let answer = click_release(&c, poison).await;
+    assert!(answer.contains("operator token is required"), "{answer}");
+    assert_eq!(state_of(&pg, poison).await, "QUARANTINED");
+    assert!(release_audits(&pg, poison).await.is_empty());
+    // With a wrong token: refused too.
+    set_input(&c, "#token", "not-the-token").await;
+    let answer = click_release(&c, poison).await;
+    assert!(answer.contains("operator token is wrong"), "{answer}");
+    assert_eq!(state_of(&pg, poison).await, "QUARANTINED");
+    assert!(release_audits(&pg, poison).await.is_empty());
+    // With the token: released through `store::release_quarantine`, audited.
+    set_input(&c, "#token", TOKEN).await;
+    let answer = click_release(&c, poison).await;
+    assert!(
+        answer.starts_with(&format!("released 1 row(s) of {poison} to PENDING")),
+        "{answer}"
+    );
+    assert_eq!(state_of(&pg, poison).await, "PENDING");
+    assert_eq!(
+        release_audits(&pg, poison).await,
+        vec!["by browser-test: limit raised".to_string()]
+    );
+    wait_text(&c, "#quarantined-rows", |t| {
+        !t.contains(&poison.to_string())
+    })
+    .await;
+    wait_text(&c, "#state-QUARANTINED", |t| t == "0").await;
+
+    // A server started without a token releases nothing, whatever the page sends.
+    let other = enqueue(&mut pg, "poison2", &[b'y'; 4_096], 1).await[0];
+    let tasks = {
+        stop.store(false, Ordering::Relaxed);
+        runtime::spawn_fleet(&cfg, &Arc::new(nats.clone()), 1, false, &stop, &counters)
+    };
+    let start = Instant::now();
+    while state_of(&pg, other).await != "QUARANTINED" {
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "the second poison was not quarantined"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    stop.store(true, Ordering::Relaxed);
+    for t in tasks {
+        t.await.unwrap().unwrap();
+    }
+    let (url2, _server2) = serve(&cfg, None).await;
+    c.goto(&url2).await.unwrap();
+    wait_text(&c, "#quarantined-rows", |t| t.contains(&other.to_string())).await;
+    set_input(&c, "#token", TOKEN).await;
+    let answer = click_release(&c, other).await;
+    assert!(answer.contains("releases are disabled"), "{answer}");
+    assert_eq!(state_of(&pg, other).await, "QUARANTINED");
+    assert!(release_audits(&pg, other).await.is_empty());
+
+    c.close().await.unwrap();
+}
