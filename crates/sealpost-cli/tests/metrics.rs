@@ -326,7 +326,14 @@ async fn dispatch_metrics_match_status_and_the_published_events() {
     let purge = run_json(
         &db_url,
         &config,
-        &["purge", "--dry-run", "--json", "--replay-window-s", "0", "--no-consumers"],
+        &[
+            "purge",
+            "--dry-run",
+            "--json",
+            "--replay-window-s",
+            "0",
+            "--no-consumers",
+        ],
     );
     assert_eq!(purge["purged"], published_n as i64);
     assert_eq!(

@@ -466,7 +466,8 @@ pub async fn dispatcher<B: Broker>(
             }
             DispatchAction::Submit(sub) => {
                 let t_submit = ms_since(epoch);
-                let result = store::submit_held(&mut pg, &sub, cfg.rejection_limit, &mut held).await;
+                let result =
+                    store::submit_held(&mut pg, &sub, cfg.rejection_limit, &mut held).await;
                 observe::record_accept_duration(
                     Duration::from_millis(ms_since(epoch) - t_submit),
                     result.is_ok(),
