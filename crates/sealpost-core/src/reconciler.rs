@@ -164,6 +164,8 @@ pub struct ReconcilerMachine {
     counts: ReconcileCounts,
     /// The clusters this process's adapter can ask (`None`: every cluster).
     clusters: Option<Vec<String>>,
+    /// Told to stop: finish the rows it holds, claim and verify nothing more.
+    stopping: bool,
 }
 
 impl ReconcilerMachine {
@@ -193,6 +195,7 @@ impl ReconcilerMachine {
             alert: None,
             counts: ReconcileCounts::default(),
             clusters: None,
+            stopping: false,
         }
     }
 
@@ -211,6 +214,24 @@ impl ReconcilerMachine {
             .is_none_or(|c| c.contains(&destination.cluster))
     }
 
+    /// Stops the machine: the rows it holds in `RECONCILING` are still looked up and finished
+    /// (so a stopped reconciler leaves none of them waiting for its lease to run out), but it
+    /// claims, verifies and checks nothing more.
+    pub fn handle_stop(&mut self) {
+        self.stopping = true;
+        self.verify_queue.clear();
+    }
+
+    /// Whether the machine holds no row and waits for no answer about one (after
+    /// [`ReconcilerMachine::handle_stop`]: it may be dropped).
+    pub fn is_idle(&self) -> bool {
+        self.queue.is_empty()
+            && self.finishing.is_empty()
+            && self.in_flight == 0
+            && self.finish_outstanding == 0
+            && self.scan != Scan::Claiming
+    }
+
     /// What the machine saw so far.
     pub fn counts(&self) -> ReconcileCounts {
         self.counts
@@ -224,7 +245,7 @@ impl ReconcilerMachine {
                 oldest_unknown_ms,
             });
         }
-        if !self.age_outstanding && now_ms >= self.next_age_check_ms {
+        if !self.stopping && !self.age_outstanding && now_ms >= self.next_age_check_ms {
             self.age_outstanding = true;
             return Some(ReconcileAction::CheckUnknownAge);
         }
@@ -262,6 +283,9 @@ impl ReconcilerMachine {
                     wake_at_ms: now_ms + self.cfg.verify_every_ms,
                 };
             }
+        }
+        if self.stopping {
+            return None;
         }
         if let Scan::Idle { wake_at_ms } = self.scan {
             if now_ms >= wake_at_ms {
@@ -496,6 +520,39 @@ mod tests {
         ));
         m.handle_claimed(7, vec![]);
         assert_eq!(m.poll_timeout(), Some(7 + cfg().idle_poll_ms));
+    }
+
+    #[test]
+    fn a_stopped_machine_finishes_the_rows_it_holds_and_claims_nothing_more() {
+        let mut m = ReconcilerMachine::new(cfg(), caps(true), 0);
+        m.poll_action(0);
+        m.handle_claimed(1, vec![item(1), item(2), item(3)]);
+        assert_eq!(m.poll_action(1), Some(ReconcileAction::Lookup(item(1))));
+        m.handle_stop();
+        assert!(!m.is_idle(), "three rows are held");
+        assert_eq!(m.poll_action(1), Some(ReconcileAction::Lookup(item(2))));
+        m.handle_lookup(item(1), Lookup::Absent);
+        m.handle_lookup(item(2), Lookup::Absent);
+        let mut finished = 0;
+        let mut now = 2;
+        while !m.is_idle() {
+            match m.poll_action(now) {
+                Some(ReconcileAction::Finish(..)) => {
+                    finished += 1;
+                    m.handle_finished(now);
+                }
+                Some(ReconcileAction::Lookup(i)) => m.handle_lookup(i, Lookup::Absent),
+                Some(other) => panic!("a stopped machine asked for {other:?}"),
+                None => panic!("held rows but nothing to do"),
+            }
+            now += 1_000_000;
+        }
+        assert_eq!(finished, 3, "every held row gets its verdict");
+        assert_eq!(
+            m.poll_action(now + 1_000_000),
+            None,
+            "no new claim or check"
+        );
     }
 
     #[test]

@@ -566,7 +566,19 @@ pub async fn reconciler<B: Broker>(
     let policy = ReconcilePolicy::for_capabilities(broker.capabilities());
     let mut lookups: FuturesUnordered<futures::future::BoxFuture<'static, Answer>> =
         FuturesUnordered::new();
-    while !stop.load(Ordering::Relaxed) {
+    // On stop the machine still looks up and finishes the rows it holds in `RECONCILING`
+    // (bounded by the lease: past it they are another reconciler's anyway).
+    let mut stop_deadline: Option<Instant> = None;
+    loop {
+        if stop_deadline.is_none() && stop.load(Ordering::Relaxed) {
+            m.handle_stop();
+            stop_deadline = Some(Instant::now() + Duration::from_millis(cfg.lease_ms));
+        }
+        if let Some(d) = stop_deadline {
+            if (m.is_idle() && lookups.is_empty()) || Instant::now() >= d {
+                break;
+            }
+        }
         while let Some(action) = m.poll_action(ms_since(epoch)) {
             match action {
                 ReconcileAction::ClaimUnknown { max } => {
