@@ -81,10 +81,8 @@ impl NatsCluster {
             std::path::Path::new(NATS_SERVER).exists(),
             "{NATS_SERVER} is missing: install nats-server (apt-get install nats-server)"
         );
-        let dir = std::env::temp_dir().join(format!(
-            "sealpost-failover-{tag}-{}",
-            std::process::id()
-        ));
+        let dir =
+            std::env::temp_dir().join(format!("sealpost-failover-{tag}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         let ports = free_ports(2 * NODES);
@@ -155,7 +153,9 @@ cluster {{
                 "{} never listened on {}; see {}",
                 self.nodes[i].name,
                 self.nodes[i].port,
-                self.dir.join(format!("{}.log", self.nodes[i].name)).display()
+                self.dir
+                    .join(format!("{}.log", self.nodes[i].name))
+                    .display()
             );
             std::thread::sleep(Duration::from_millis(50));
         }
@@ -223,7 +223,10 @@ impl Drop for Database {
 }
 
 async fn fresh_database(tag: &str) -> (Database, Config, tokio_postgres::Client) {
-    let name = format!("sealpost_failover_{tag}_{}", runtime::owner_id() % 1_000_000);
+    let name = format!(
+        "sealpost_failover_{tag}_{}",
+        runtime::owner_id() % 1_000_000
+    );
     let admin = runtime::pg_connect(ADMIN_URL)
         .await
         .expect("PostgreSQL must be running on 127.0.0.1:5432");
@@ -284,7 +287,8 @@ impl Watch {
             self.last_unknown_at = Some(Instant::now());
         }
         self.unknown_max = self.unknown_max.max(rows.len());
-        self.unknown_rows.extend(rows.iter().map(|r| r.get::<_, uuid::Uuid>(0)));
+        self.unknown_rows
+            .extend(rows.iter().map(|r| r.get::<_, uuid::Uuid>(0)));
     }
 }
 
@@ -317,10 +321,7 @@ async fn stream_leader_killed_mid_run() {
         match nats.ensure_stream_for(&topic, "file/r3").await {
             Ok(()) => break,
             Err(e) => {
-                assert!(
-                    Instant::now() < deadline,
-                    "no R3 stream within 60 s: {e}"
-                );
+                assert!(Instant::now() < deadline, "no R3 stream within 60 s: {e}");
                 tokio::time::sleep(Duration::from_millis(500)).await;
             }
         }
@@ -432,7 +433,9 @@ async fn stream_leader_killed_mid_run() {
     let published_at_kill = count(&pg, published).await;
     cluster.signal(victim, "STOP");
     let killed_at = Instant::now();
-    println!("froze the stream leader {leader} (kill -STOP) with {published_at_kill} of {n} published");
+    println!(
+        "froze the stream leader {leader} (kill -STOP) with {published_at_kill} of {n} published"
+    );
     assert!(
         published_at_kill < n,
         "the failure must land mid-run ({published_at_kill} of {n} already published)"
@@ -443,7 +446,10 @@ async fn stream_leader_killed_mid_run() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     cluster.kill(victim);
-    println!("killed {leader} (kill -9) {:.1} s later", FROZEN.as_secs_f64());
+    println!(
+        "killed {leader} (kill -9) {:.1} s later",
+        FROZEN.as_secs_f64()
+    );
 
     // A new leader, as the cluster reports it (polled with a short request timeout, so a
     // request to the dead node or the leaderless stream costs at most that).
@@ -515,17 +521,29 @@ async fn stream_leader_killed_mid_run() {
 
     // Exactly once at the outbox.
     assert_eq!(
-        count(&pg, "SELECT count(*) FROM sealpost.work WHERE state <> 'PUBLISHED'").await,
+        count(
+            &pg,
+            "SELECT count(*) FROM sealpost.work WHERE state <> 'PUBLISHED'"
+        )
+        .await,
         0,
         "every event PUBLISHED"
     );
     assert_eq!(
-        count(&pg, "SELECT count(*) FROM sealpost.work WHERE state = 'DISPATCH_UNKNOWN'").await,
+        count(
+            &pg,
+            "SELECT count(*) FROM sealpost.work WHERE state = 'DISPATCH_UNKNOWN'"
+        )
+        .await,
         0,
         "no unknown left"
     );
     assert_eq!(
-        count(&pg, "SELECT count(*) FROM sealpost.receipts WHERE kind = 'primary'").await,
+        count(
+            &pg,
+            "SELECT count(*) FROM sealpost.receipts WHERE kind = 'primary'"
+        )
+        .await,
         n,
         "one primary receipt per event"
     );
@@ -548,7 +566,10 @@ async fn stream_leader_killed_mid_run() {
     );
 
     // Exactly once in the stream: one message per event subject, on the new leader.
-    let info = stream.get_info().await.expect("stream info after the failover");
+    let info = stream
+        .get_info()
+        .await
+        .expect("stream info after the failover");
     assert_eq!(
         info.state.messages, n as u64,
         "the stream holds one message per event"
@@ -650,6 +671,32 @@ async fn stream_leader_killed_mid_run() {
         "SELECT count(*) FROM (SELECT event_id FROM sealpost.attempts GROUP BY event_id, member HAVING count(*) > 1) x",
     )
     .await;
+    // Every unknown ended one of two ways: found by a lookup, or looked up absent and sent
+    // again (to the same destination, with the same event id).
+    let unknown_ids: Vec<uuid::Uuid> = watch.unknown_rows.iter().copied().collect();
+    let unknown_found: i64 = pg
+        .query_one(
+            "SELECT count(*) FROM sealpost.receipts
+              WHERE kind = 'primary' AND source = 'lookup' AND event_id = ANY($1)",
+            &[&unknown_ids],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let unknown_sent_again: i64 = pg
+        .query_one(
+            "SELECT count(*) FROM (SELECT event_id FROM sealpost.attempts WHERE event_id = ANY($1)
+                GROUP BY event_id, member HAVING count(*) > 1) x",
+            &[&unknown_ids],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        unknown_found + unknown_sent_again,
+        unknown_ids.len() as i64,
+        "each unknown was found by a lookup or sent again after an absent lookup"
+    );
     let broker_duplicates = count(
         &pg,
         "SELECT count(*) FROM sealpost.receipts WHERE broker_duplicate",
@@ -666,7 +713,8 @@ async fn stream_leader_killed_mid_run() {
         all_published_after.as_secs_f64(),
     );
     println!(
-        "unknowns: {} rows seen unknown (at most {} at once), the last resolved {} after the freeze; \
+        "unknowns: {} rows seen unknown (at most {} at once), the last resolved {} after the freeze \
+         ({unknown_found} found by lookup, {unknown_sent_again} absent and sent again); \
          {found_by_lookup} primaries found by lookup, {sent_again} rows sent more than once, \
          {broker_duplicates} answered as duplicates by the broker; \
          stream {} messages over {} subjects; consumer applied {applied}",

@@ -598,7 +598,15 @@ mod tests {
                 replicas: 2
             })
         );
-        for bad in ["", "disk", "file/3", "file/r0", "file/r6", "file/r", "file/r3/x"] {
+        for bad in [
+            "",
+            "disk",
+            "file/3",
+            "file/r0",
+            "file/r6",
+            "file/r",
+            "file/r3/x",
+        ] {
             let e = d(bad).expect_err(bad);
             assert!(e.contains("file/r3"), "{bad}: {e}");
         }
@@ -606,7 +614,10 @@ mod tests {
 
     #[test]
     fn several_servers_comma_separated() {
-        assert_eq!(server_urls("nats://127.0.0.1:4222"), ["nats://127.0.0.1:4222"]);
+        assert_eq!(
+            server_urls("nats://127.0.0.1:4222"),
+            ["nats://127.0.0.1:4222"]
+        );
         assert_eq!(
             server_urls("nats://a:1, nats://b:2,,nats://c:3 "),
             ["nats://a:1", "nats://b:2", "nats://c:3"]
