@@ -345,8 +345,9 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
                 if let Some(d) = &durability {
                     let g = store::set_route_durability(&pg, name, d)
                         .await
-                        .map_err(|x| x.to_string())?;
-                    println!("route {name} durability {d} (generation {g:?})");
+                        .map_err(|x| x.to_string())?
+                        .ok_or_else(|| format!("route `{name}` vanished while setting its durability; run the command again"))?;
+                    println!("route {name} durability {d} (generation {g})");
                 }
             }
             println!("schema applied");
