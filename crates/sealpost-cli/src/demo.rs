@@ -128,6 +128,15 @@ async fn applied_this_run(
     Ok((r.get(0), r.get(1)))
 }
 
+/// Points the demo's route at `topic` with `durability` (before [`run`]).
+pub async fn set_durability(cfg: &Config, topic: &str, durability: &str) -> Result<(), RunError> {
+    let admin = runtime::pg_connect(&cfg.database_url).await?;
+    store::migrate(&admin).await?;
+    store::set_route(&admin, ROUTE, &cfg.nats_cluster, topic).await?;
+    store::set_route_durability(&admin, ROUTE, durability).await?;
+    Ok(())
+}
+
 /// Runs the demo; returns true when every event ended `PUBLISHED` and every consumer
 /// applied each of this run's events exactly once.
 pub async fn run(
@@ -143,12 +152,15 @@ pub async fn run(
     prepare(&admin).await?;
     let current = admin
         .query_opt(
-            "SELECT cluster, topic FROM sealpost.route_policy WHERE name = $1",
+            "SELECT cluster, topic, durability FROM sealpost.route_policy WHERE name = $1",
             &[&ROUTE],
         )
         .await
         .map_err(store::StoreError::from)?;
     let wanted = (cfg.nats_cluster.clone(), topic.to_string());
+    let durability: String = current
+        .as_ref()
+        .map_or_else(|| "file".to_string(), |r| r.get(2));
     if current.map(|r| (r.get::<_, String>(0), r.get::<_, String>(1))) != Some(wanted) {
         store::set_route(&admin, ROUTE, &cfg.nats_cluster, topic).await?;
     }
@@ -159,7 +171,9 @@ pub async fn run(
     )
     .await
     .map_err(RunError::broker)?;
-    nats.ensure_stream(topic).await.map_err(RunError::broker)?;
+    nats.ensure_stream_for(topic, &durability)
+        .await
+        .map_err(RunError::broker)?;
     let stop = Arc::new(AtomicBool::new(false));
     let counters = Arc::new(Counters::default());
     let broker = Arc::new(nats.clone());

@@ -36,6 +36,10 @@ enum Cmd {
         /// Route policy `NAME=CLUSTER/TOPIC`; revising one bumps its generation.
         #[arg(long)]
         route: Vec<String>,
+        /// Durability the `--route` policies freeze into new destinations, read by the
+        /// broker adapter (NATS: `file`, `memory`, `file/r3` for three replicas).
+        #[arg(long)]
+        durability: Option<String>,
     },
     /// Run dispatcher tasks and a reconciler until Ctrl-C.
     Dispatch {
@@ -77,6 +81,11 @@ enum Cmd {
         /// Stream the demo's route policy points at.
         #[arg(long, default_value = "ORDERS")]
         topic: String,
+        /// Durability of the demo's route (NATS: `file/r3` for a stream of three replicas on
+        /// a cluster, with `NATS_URL` listing its servers comma-separated); default: keep
+        /// the route's (`file` when new).
+        #[arg(long)]
+        durability: Option<String>,
         /// Print the final status as JSON.
         #[arg(long)]
         json: bool,
@@ -319,7 +328,7 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
     let e = |x: runtime::RunError| x.to_string();
     match cmd {
         Cmd::Simulate(_) | Cmd::Capacity { .. } => unreachable!("handled without a runtime"),
-        Cmd::Migrate { route } => {
+        Cmd::Migrate { route, durability } => {
             let pg = runtime::pg_connect(&cfg.database_url).await.map_err(e)?;
             store::migrate(&pg).await.map_err(|x| x.to_string())?;
             for r in route {
@@ -333,6 +342,13 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
                     .await
                     .map_err(|x| x.to_string())?;
                 println!("route {name} -> {cluster}/{topic} (generation {g})");
+                if let Some(d) = &durability {
+                    let g = store::set_route_durability(&pg, name, d)
+                        .await
+                        .map_err(|x| x.to_string())?
+                        .ok_or_else(|| format!("route `{name}` vanished while setting its durability; run the command again"))?;
+                    println!("route {name} durability {d} (generation {g})");
+                }
             }
             println!("schema applied");
             Ok(0)
@@ -370,10 +386,16 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
             dispatchers,
             consumers,
             topic,
+            durability,
             json,
             metrics,
         } => {
             sealpost_cli::metrics::start(&cfg, &metrics, true)?;
+            if let Some(d) = &durability {
+                sealpost_cli::demo::set_durability(&cfg, &topic, d)
+                    .await
+                    .map_err(e)?;
+            }
             let ok = sealpost_cli::demo::run(cfg, orders, dispatchers, consumers, &topic, json)
                 .await
                 .map_err(e)?;

@@ -23,6 +23,17 @@
 //! last-by-subject read of the event's subject, which works for as long as the stream
 //! retains the message, not only inside the duplicate window. The cost is one subject per
 //! event in the stream's subject index (tens of bytes of server memory per retained event).
+//!
+//! **Durability and clusters.** The destination's frozen durability names the stream's
+//! storage and replica count ([`Durability`]: `file`, `memory`, `file/r3`, ...);
+//! [`Nats::ensure_stream_for`] creates the stream that way and refuses an existing stream
+//! with fewer replicas or other storage. [`Nats::connect`] takes one URL or several,
+//! comma-separated (the servers of one cluster): the client connects to one of them and
+//! moves to another when its server dies. With R3 a publish is acknowledged only once a
+//! majority of the stream's replicas hold it, so the acknowledged message survives the loss
+//! of any one node; a publish in flight when the stream leader dies ends as a receipt (the
+//! new leader answered), [`SendResult::NoAnswer`] (an unknown the reconciler looks up on the
+//! new leader) or never sent (no leader yet, no responders).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -88,6 +99,65 @@ pub enum NatsError {
     },
 }
 
+/// Storage of a stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Storage {
+    /// JetStream file store (survives a server restart).
+    File,
+    /// JetStream memory store.
+    Memory,
+}
+
+/// The durability a destination asks of a JetStream stream, parsed from
+/// `Destination::durability`: `file` or `memory`, optionally followed by `/rN` with N the
+/// replica count (1 to 5, JetStream's limit). `file` is `file/r1`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Durability {
+    /// Storage.
+    pub storage: Storage,
+    /// Replicas (each message is acknowledged once a majority hold it).
+    pub replicas: usize,
+}
+
+/// JetStream's largest replica count.
+pub const REPLICAS_MAX: usize = 5;
+
+impl Durability {
+    /// Parses `file`, `memory`, `file/r3`, `memory/r2`, ...
+    pub fn parse(s: &str) -> Result<Durability, String> {
+        let bad = || {
+            format!("durability `{s}`: expected `file` or `memory`, optionally with `/rN` (N replicas, 1 to {REPLICAS_MAX}), e.g. `file/r3`")
+        };
+        let (storage, replicas) = match s.split_once('/') {
+            Some((st, r)) => (
+                st,
+                r.strip_prefix('r')
+                    .and_then(|n| n.parse::<usize>().ok())
+                    .ok_or_else(bad)?,
+            ),
+            None => (s, 1),
+        };
+        let storage = match storage {
+            "file" => Storage::File,
+            "memory" => Storage::Memory,
+            _ => return Err(bad()),
+        };
+        if !(1..=REPLICAS_MAX).contains(&replicas) {
+            return Err(bad());
+        }
+        Ok(Durability { storage, replicas })
+    }
+}
+
+/// The servers of a comma-separated NATS URL list (`nats://a:4222,nats://b:4222`).
+pub fn server_urls(urls: &str) -> Vec<String> {
+    urls.split(',')
+        .map(str::trim)
+        .filter(|u| !u.is_empty())
+        .map(str::to_string)
+        .collect()
+}
+
 /// The subject of one event member on a topic.
 pub fn subject(topic: &str, event_id: EventId, member: u16) -> String {
     format!("sp.{topic}.{event_id}.{member}")
@@ -122,7 +192,8 @@ fn denied_subject(error: &str) -> Option<String> {
 }
 
 impl Nats {
-    /// Connects; `ack_timeout` bounds each publish acknowledgement.
+    /// Connects to `url`, one server or several of one cluster, comma-separated;
+    /// `ack_timeout` bounds each publish acknowledgement.
     pub async fn connect(
         url: &str,
         cluster: &str,
@@ -157,7 +228,7 @@ impl Nats {
             // Fail fast at startup with a clear error; once connected, the client reconnects
             // by itself and sends in the meantime end as never sent (not connected) or as
             // unknown outcomes for the reconciler.
-            .connect(url)
+            .connect(server_urls(url))
             .await
             .map_err(|source| NatsError::Connect {
                 url: url.to_string(),
@@ -178,23 +249,58 @@ impl Nats {
         })
     }
 
-    /// Creates the stream for `topic` if it does not exist (file storage, 2-minute duplicate
-    /// window).
+    /// Creates the stream for `topic` if it does not exist (file storage, one replica,
+    /// 2-minute duplicate window).
     pub async fn ensure_stream(&self, topic: &str) -> Result<(), NatsError> {
-        self.js
+        self.ensure_stream_for(topic, "file").await
+    }
+
+    /// Creates the stream for `topic` with the durability a destination freezes
+    /// ([`Durability`], e.g. `file/r3`) if it does not exist, and checks that an existing
+    /// stream keeps at least that: the same storage and no fewer replicas.
+    pub async fn ensure_stream_for(&self, topic: &str, durability: &str) -> Result<(), NatsError> {
+        let err = |detail: String| NatsError::Stream {
+            stream: topic.to_string(),
+            detail,
+        };
+        let d = Durability::parse(durability).map_err(err)?;
+        let storage = match d.storage {
+            Storage::File => jetstream::stream::StorageType::File,
+            Storage::Memory => jetstream::stream::StorageType::Memory,
+        };
+        let mut stream = self
+            .js
             .get_or_create_stream(jetstream::stream::Config {
                 name: topic.to_string(),
                 subjects: vec![format!("sp.{topic}.>")],
-                storage: jetstream::stream::StorageType::File,
+                storage,
+                num_replicas: d.replicas,
                 duplicate_window: DUPLICATE_WINDOW,
                 ..Default::default()
             })
             .await
-            .map_err(|e| NatsError::Stream {
-                stream: topic.to_string(),
-                detail: e.to_string(),
+            .map_err(|e| {
+                err(format!(
+                    "{e}; a stream of {} replicas needs a JetStream cluster of at least as many servers",
+                    d.replicas
+                ))
             })?;
+        let have = &stream.info().await.map_err(|e| err(e.to_string()))?.config;
+        if have.storage != storage || have.num_replicas < d.replicas {
+            return Err(err(format!(
+                "the stream exists with {:?} storage and {} replica(s), the destination asks for `{durability}`; \
+                 edit the stream (`nats stream edit {topic} --replicas {}`) or route to another stream",
+                have.storage, have.num_replicas, d.replicas
+            )));
+        }
         Ok(())
+    }
+
+    /// The server name of the stream leader of `topic`, if the stream is replicated and has
+    /// a leader now.
+    pub async fn stream_leader(&self, topic: &str) -> Option<String> {
+        let mut stream = self.js.get_stream(topic).await.ok()?;
+        stream.info().await.ok()?.cluster.as_ref()?.leader.clone()
     }
 
     /// The server's words if it refused a publish on `subject` for lack of permission.
@@ -465,6 +571,56 @@ mod tests {
         assert_eq!(
             denied_subject(r#"Permissions Violation for Subscription to "x""#),
             None
+        );
+    }
+
+    #[test]
+    fn durability_names_storage_and_replicas() {
+        let d = |s: &str| Durability::parse(s);
+        assert_eq!(
+            d("file"),
+            Ok(Durability {
+                storage: Storage::File,
+                replicas: 1
+            })
+        );
+        assert_eq!(
+            d("file/r3"),
+            Ok(Durability {
+                storage: Storage::File,
+                replicas: 3
+            })
+        );
+        assert_eq!(
+            d("memory/r2"),
+            Ok(Durability {
+                storage: Storage::Memory,
+                replicas: 2
+            })
+        );
+        for bad in [
+            "",
+            "disk",
+            "file/3",
+            "file/r0",
+            "file/r6",
+            "file/r",
+            "file/r3/x",
+        ] {
+            let e = d(bad).expect_err(bad);
+            assert!(e.contains("file/r3"), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn several_servers_comma_separated() {
+        assert_eq!(
+            server_urls("nats://127.0.0.1:4222"),
+            ["nats://127.0.0.1:4222"]
+        );
+        assert_eq!(
+            server_urls("nats://a:1, nats://b:2,,nats://c:3 "),
+            ["nats://a:1", "nats://b:2", "nats://c:3"]
         );
     }
 

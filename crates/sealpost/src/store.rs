@@ -230,6 +230,27 @@ pub async fn set_route(
     Ok(row.get::<_, i64>(0) as u64)
 }
 
+/// Sets the durability a route policy freezes into new destinations (e.g. `file/r3` for a
+/// JetStream stream of three replicas); a change bumps the generation, existing envelopes
+/// keep theirs (R2). `None` when there is no such route.
+pub async fn set_route_durability(
+    client: &impl GenericClient,
+    name: &str,
+    durability: &str,
+) -> Result<Option<u64>> {
+    let row = client
+        .query_opt(
+            "UPDATE sealpost.route_policy
+                SET generation = generation + (durability IS DISTINCT FROM $2)::int,
+                    durability = $2, updated_at = now()
+              WHERE name = $1
+             RETURNING generation",
+            &[&name, &durability],
+        )
+        .await?;
+    Ok(row.map(|r| r.get::<_, i64>(0) as u64))
+}
+
 /// The database clock in milliseconds (R7: leases use it, never a worker's clock).
 pub async fn db_now_ms(client: &impl GenericClient) -> Result<u64> {
     counted(1);
