@@ -4,6 +4,7 @@
 //! line; tests reach these modules as `sealpost_cli::...`.
 
 pub mod bench;
+pub mod brokers;
 pub mod capacity;
 pub mod config;
 pub mod consume_bench;
@@ -11,6 +12,7 @@ pub mod consumer;
 pub mod demo;
 pub mod metrics;
 pub mod ops;
+pub mod rabbitmq_consumer;
 pub mod web;
 
 use sealpost::store;
