@@ -76,10 +76,7 @@ mod tests {
         assert_eq!(BrokerKind::choose(None, &cfg), Ok(BrokerKind::Nats));
         cfg.broker = "rabbitmq".into();
         assert_eq!(BrokerKind::choose(None, &cfg), Ok(BrokerKind::Rabbitmq));
-        assert_eq!(
-            BrokerKind::choose(Some("nats"), &cfg),
-            Ok(BrokerKind::Nats)
-        );
+        assert_eq!(BrokerKind::choose(Some("nats"), &cfg), Ok(BrokerKind::Nats));
         let e = BrokerKind::choose(Some("kafkaa"), &cfg).unwrap_err();
         assert!(e.contains("kafkaa") && e.contains("--broker"), "{e}");
         assert_eq!(BrokerKind::Rabbitmq.cluster(&cfg), "rabbitmq-local");

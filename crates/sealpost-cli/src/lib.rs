@@ -52,6 +52,12 @@ pub fn print_reconcile(r: &ops::ReconcileReport) {
     for (c, n) in &r.consumed {
         println!("consumer {c}: {n} consumption receipts");
     }
+    if r.second_copies + r.resent_after_unknown > 0 {
+        println!(
+            "evidence, not loss: {} second copies recorded, {} events sent again after an unknown outcome (consumers' inboxes absorb the copies)",
+            r.second_copies, r.resent_after_unknown
+        );
+    }
     if r.findings.is_empty() {
         println!("no findings");
     }

@@ -372,7 +372,11 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
                 ),
                 BrokerKind::Rabbitmq => runtime::spawn_fleet(
                     &cfg,
-                    &Arc::new(brokers::connect_rabbitmq(&cfg, "dispatch").await.map_err(e)?),
+                    &Arc::new(
+                        brokers::connect_rabbitmq(&cfg, "dispatch")
+                            .await
+                            .map_err(e)?,
+                    ),
                     dispatchers,
                     !no_reconciler,
                     &stop,

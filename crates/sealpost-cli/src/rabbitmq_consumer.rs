@@ -53,7 +53,9 @@ async fn subscribe(
     let url = &cfg.rabbitmq_url;
     let connect = |source| {
         RunError::broker(RabbitError::Connect {
-            url: url.rsplit_once('@').map_or(url.clone(), |(_, h)| h.to_string()),
+            url: url
+                .rsplit_once('@')
+                .map_or(url.clone(), |(_, h)| h.to_string()),
             source,
         })
     };
@@ -65,9 +67,8 @@ async fn subscribe(
     .await
     .map_err(connect)?;
     let ch = conn.create_channel().await.map_err(connect)?;
-    let topo = |what: String| {
-        move |source| RunError::broker(RabbitError::Topology { what, source })
-    };
+    let topo =
+        |what: String| move |source| RunError::broker(RabbitError::Topology { what, source });
     ch.exchange_declare(
         topic.into(),
         ExchangeKind::Topic,
@@ -134,8 +135,7 @@ pub async fn run(
         let mut rows = Vec::with_capacity(messages.len());
         let mut letters = Vec::new();
         for m in messages {
-            let Some(d) = sealpost_rabbitmq::delivery_of(m.exchange.as_str(), &m.properties)
-            else {
+            let Some(d) = sealpost_rabbitmq::delivery_of(m.exchange.as_str(), &m.properties) else {
                 match decide_unreadable_delivery() {
                     FailedDelivery::DeadLetter => {
                         let why = sealpost_rabbitmq::unreadable_reason(&m.properties);
@@ -219,7 +219,14 @@ pub async fn run(
                         tracing::warn!(error = %e, "ack lost; the broker will redeliver and the inbox absorbs it");
                     }
                 }
-                give_up(&pg, &consumer_id, DeadLetterKind::EffectFailed, dead, policy).await;
+                give_up(
+                    &pg,
+                    &consumer_id,
+                    DeadLetterKind::EffectFailed,
+                    dead,
+                    policy,
+                )
+                .await;
             }
             Err(e) => {
                 tracing::warn!(error = %e, messages = held.len(), "inbox transaction failed; the batch is requeued after a delay");

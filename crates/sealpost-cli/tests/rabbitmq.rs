@@ -301,6 +301,24 @@ async fn dispatcher_killed_between_send_and_receipt_retries_to_the_same_exchange
         2 * n as i64,
         "one consumption receipt per event and consumer"
     );
+    // The reconciliation report: clean, with the second copies counted as evidence.
+    let opts = sealpost_cli::ops::ReconcileOptions {
+        pending_age_s: 60,
+        unconsumed_age_s: 0,
+        unknown_age_s: 900,
+        consumers: d.consumers.clone(),
+        streams: Vec::new(),
+        scan_max: 0,
+    };
+    let report = sealpost_cli::ops::reconcile(&d.pg, None, &opts)
+        .await
+        .unwrap();
+    assert!(report.findings.is_empty(), "{:?}", report.findings);
+    assert_eq!(report.resent_after_unknown, n as i64);
+    assert_eq!(
+        report.consumed.values().copied().collect::<Vec<_>>(),
+        [n as i64, n as i64]
+    );
     d.finish().await;
 }
 
@@ -370,7 +388,10 @@ async fn four_dispatcher_processes_over_50k_events_with_connections_closed_mid_r
     let cfg = "batch_size_max = 1000\n";
     d.spawn(cfg, &["dispatch", "--broker", "rabbitmq"]);
     for _ in 0..3 {
-        d.spawn(cfg, &["dispatch", "--no-reconciler", "--broker", "rabbitmq"]);
+        d.spawn(
+            cfg,
+            &["dispatch", "--no-reconciler", "--broker", "rabbitmq"],
+        );
     }
     let pids: Vec<u32> = d.children[2..].iter().map(Child::id).collect();
     // Mid-run, the broker closes the dispatchers' connections (only this test's processes).

@@ -215,7 +215,9 @@ impl Rabbit {
             }
         }
         *link = None;
-        let l = open(&self.url, &self.name).await.map_err(|e| e.to_string())?;
+        let l = open(&self.url, &self.name)
+            .await
+            .map_err(|e| e.to_string())?;
         tracing::info!(connection = %self.name, "RabbitMQ connection reopened");
         let ch = l.channel.clone();
         *link = Some(l);
@@ -409,7 +411,10 @@ impl Rabbit {
 pub async fn declare_queue(ch: &Channel, topic: &str, consumer: &str) -> Result<(), RabbitError> {
     let q = queue_name(topic, consumer);
     let mut args = FieldTable::default();
-    args.insert("x-queue-type".into(), AMQPValue::LongString("quorum".into()));
+    args.insert(
+        "x-queue-type".into(),
+        AMQPValue::LongString("quorum".into()),
+    );
     ch.queue_declare(
         q.as_str().into(),
         QueueDeclareOptions {
@@ -551,13 +556,12 @@ pub fn unreadable_reason(props: &BasicProperties) -> String {
         return "no headers: not a Sealpost message".into();
     }
     let mut wrong = Vec::new();
-    let mut check = |name: &str, ok: &dyn Fn(&str) -> bool, what: &str| match header_str(
-        props, name,
-    ) {
-        None => wrong.push(format!("{name} missing")),
-        Some(v) if !ok(&v) => wrong.push(format!("{name} `{v}` is not {what}")),
-        _ => {}
-    };
+    let mut check =
+        |name: &str, ok: &dyn Fn(&str) -> bool, what: &str| match header_str(props, name) {
+            None => wrong.push(format!("{name} missing")),
+            Some(v) if !ok(&v) => wrong.push(format!("{name} `{v}` is not {what}")),
+            _ => {}
+        };
     check(H_EVENT_ID, &|v| EventId::parse(v).is_some(), "a UUID");
     check(H_MEMBER, &|v| v.parse::<u16>().is_ok(), "a number");
     check(

@@ -187,7 +187,10 @@ async fn a_missing_exchange_wrong_cluster_and_passed_deadline_are_never_sent() {
         .send_batch(vec![request(&other, 2, b"x")], later())
         .await;
     assert!(
-        matches!(out[0], SendResult::NeverSent(NeverSentReason::WrongCluster(_))),
+        matches!(
+            out[0],
+            SendResult::NeverSent(NeverSentReason::WrongCluster(_))
+        ),
         "{out:?}"
     );
     rabbit
