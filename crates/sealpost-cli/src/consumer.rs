@@ -390,14 +390,14 @@ async fn record_lag(
 }
 
 /// One `demo_fulfilment` row, the example effect of one message.
-struct FulfilmentRow {
-    event_id: uuid::Uuid,
-    order_id: String,
-    idempotency_key: String,
+pub(crate) struct FulfilmentRow {
+    pub(crate) event_id: uuid::Uuid,
+    pub(crate) order_id: String,
+    pub(crate) idempotency_key: String,
 }
 
 /// The `order_id` of a demo order payload (empty if it has none).
-fn order_id(payload: &[u8]) -> String {
+pub(crate) fn order_id(payload: &[u8]) -> String {
     serde_json::from_slice::<serde_json::Value>(payload)
         .ok()
         .and_then(|v| {
@@ -410,7 +410,7 @@ fn order_id(payload: &[u8]) -> String {
 
 /// The example effect for a batch: one `demo_fulfilment` row per message it is given (the
 /// indices are those of `rows`), written with one statement.
-fn fulfil(consumer_id: String, rows: Vec<FulfilmentRow>) -> inbox::BatchEffect<'static> {
+pub(crate) fn fulfil(consumer_id: String, rows: Vec<FulfilmentRow>) -> inbox::BatchEffect<'static> {
     Box::new(move |tx, apply| {
         let ids: Vec<uuid::Uuid> = apply.iter().map(|&i| rows[i].event_id).collect();
         let orders: Vec<String> = apply.iter().map(|&i| rows[i].order_id.clone()).collect();

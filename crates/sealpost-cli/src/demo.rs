@@ -157,43 +157,72 @@ pub async fn run(
         )
         .await
         .map_err(store::StoreError::from)?;
-    let wanted = (cfg.nats_cluster.clone(), topic.to_string());
     let durability: String = current
         .as_ref()
         .map_or_else(|| "file".to_string(), |r| r.get(2));
+    let kind = crate::brokers::BrokerKind::choose(None, &cfg)
+        .map_err(|e| RunError::broker(std::io::Error::other(e)))?;
+    let cluster = kind.cluster(&cfg).to_string();
+    let wanted = (cluster.clone(), topic.to_string());
     if current.map(|r| (r.get::<_, String>(0), r.get::<_, String>(1))) != Some(wanted) {
-        store::set_route(&admin, ROUTE, &cfg.nats_cluster, topic).await?;
+        store::set_route(&admin, ROUTE, &cluster, topic).await?;
     }
-    let nats = Nats::connect(
-        &cfg.nats_url,
-        &cfg.nats_cluster,
-        Duration::from_millis(cfg.ack_timeout_ms),
-    )
-    .await
-    .map_err(RunError::broker)?;
-    nats.ensure_stream_for(topic, &durability)
-        .await
-        .map_err(RunError::broker)?;
     let stop = Arc::new(AtomicBool::new(false));
     let counters = Arc::new(Counters::default());
-    let broker = Arc::new(nats.clone());
-    let mut tasks = runtime::spawn_fleet(&cfg, &broker, dispatchers, true, &stop, &counters);
     let consumed: Vec<Arc<AtomicU64>> = (0..consumers)
         .map(|_| Arc::new(AtomicU64::new(0)))
         .collect();
     let consumer_ids: Vec<String> = (0..consumers)
         .map(|c| format!("fulfilment-{}", c + 1))
         .collect();
-    for (c, id) in consumer_ids.iter().enumerate() {
-        tasks.push(tokio::spawn(crate::consumer::run(
-            cfg.clone(),
-            nats.clone(),
-            id.clone(),
-            topic.to_string(),
-            stop.clone(),
-            consumed[c].clone(),
-        )));
-    }
+    // The NATS connection, kept for the reconciliation's stream scan (a RabbitMQ queue
+    // cannot be scanned without taking its messages).
+    let nats_scan: Option<Nats>;
+    let tasks = match kind {
+        crate::brokers::BrokerKind::Nats => {
+            let nats = crate::brokers::connect_nats(&cfg).await?;
+            nats.ensure_stream_for(topic, &durability)
+                .await
+                .map_err(RunError::broker)?;
+            let broker = Arc::new(nats.clone());
+            let mut tasks =
+                runtime::spawn_fleet(&cfg, &broker, dispatchers, true, &stop, &counters);
+            for (c, id) in consumer_ids.iter().enumerate() {
+                tasks.push(tokio::spawn(crate::consumer::run(
+                    cfg.clone(),
+                    nats.clone(),
+                    id.clone(),
+                    topic.to_string(),
+                    stop.clone(),
+                    consumed[c].clone(),
+                )));
+            }
+            nats_scan = Some(nats);
+            tasks
+        }
+        crate::brokers::BrokerKind::Rabbitmq => {
+            let rabbit = crate::brokers::connect_rabbitmq(&cfg, "demo").await?;
+            // The consumers' queues exist before the first publish: a message with no bound
+            // queue is returned, a refusal.
+            rabbit
+                .ensure_destination(topic, &consumer_ids)
+                .await
+                .map_err(RunError::broker)?;
+            let mut tasks =
+                runtime::spawn_fleet(&cfg, &Arc::new(rabbit), dispatchers, true, &stop, &counters);
+            for (c, id) in consumer_ids.iter().enumerate() {
+                tasks.push(tokio::spawn(crate::rabbitmq_consumer::run(
+                    cfg.clone(),
+                    id.clone(),
+                    topic.to_string(),
+                    stop.clone(),
+                    consumed[c].clone(),
+                )));
+            }
+            nats_scan = None;
+            tasks
+        }
+    };
     let written = Arc::new(AtomicU64::new(0));
     let run_id = runtime::owner_id() % 1_000_000;
     let writers_n = 4u64;
@@ -299,7 +328,7 @@ pub async fn run(
             streams: vec![topic.to_string()],
             scan_max: 10_000_000,
         };
-        let r = crate::ops::reconcile(&admin, Some(&nats), &opts).await?;
+        let r = crate::ops::reconcile(&admin, nats_scan.as_ref(), &opts).await?;
         if !json {
             println!("reconciliation:");
             crate::print_reconcile(&r);

@@ -4,6 +4,7 @@
 //! line; tests reach these modules as `sealpost_cli::...`.
 
 pub mod bench;
+pub mod brokers;
 pub mod capacity;
 pub mod config;
 pub mod consume_bench;
@@ -11,6 +12,7 @@ pub mod consumer;
 pub mod demo;
 pub mod metrics;
 pub mod ops;
+pub mod rabbitmq_consumer;
 pub mod web;
 
 use sealpost::store;
@@ -49,6 +51,12 @@ pub fn print_reconcile(r: &ops::ReconcileReport) {
     );
     for (c, n) in &r.consumed {
         println!("consumer {c}: {n} consumption receipts");
+    }
+    if r.second_copies + r.resent_after_unknown > 0 {
+        println!(
+            "evidence, not loss: {} second copies recorded, {} events sent again after an unknown outcome (consumers' inboxes absorb the copies)",
+            r.second_copies, r.resent_after_unknown
+        );
     }
     if r.findings.is_empty() {
         println!("no findings");

@@ -8,6 +8,7 @@ use std::time::Duration;
 use clap::{Parser, Subcommand};
 use sealpost::runtime::{self, Config, Counters};
 use sealpost::store;
+use sealpost_cli::brokers::{self, BrokerKind};
 use sealpost_nats::Nats;
 
 mod simulate;
@@ -19,7 +20,8 @@ struct Cli {
     /// ack_timeout_ms, idle_poll_ms, rejection_limit, reconcile_batch_max, reconcile_every_ms,
     /// lookups_in_flight_max, unknown_check_every_ms, verify_every_ms, verify_batch_max,
     /// unknown_alert_s, consumer_max_deliveries, consumer_effect_timeout_ms,
-    /// consumer_progress_every_ms, outbox_database_url, required_consumers; see
+    /// consumer_progress_every_ms, outbox_database_url, required_consumers, broker, rabbitmq_url,
+    /// rabbitmq_cluster; see
     /// docs/operations.md).
     #[arg(long, global = true, env = "SEALPOST_CONFIG")]
     config: Option<String>,
@@ -49,6 +51,9 @@ enum Cmd {
         /// Do not run a reconciler in this process.
         #[arg(long)]
         no_reconciler: bool,
+        /// Broker: `nats` or `rabbitmq` [default: config key `broker`, `nats`].
+        #[arg(long)]
+        broker: Option<String>,
         #[command(flatten)]
         metrics: sealpost_cli::metrics::MetricsArgs,
     },
@@ -60,6 +65,9 @@ enum Cmd {
         /// Stream to consume.
         #[arg(long, default_value = "ORDERS")]
         topic: String,
+        /// Broker: `nats` or `rabbitmq` [default: config key `broker`, `nats`].
+        #[arg(long)]
+        broker: Option<String>,
         /// Deliveries of a message whose effect fails before it is dead-lettered
         /// [default: config key `consumer_max_deliveries`, 10].
         #[arg(long)]
@@ -86,6 +94,9 @@ enum Cmd {
         /// the route's (`file` when new).
         #[arg(long)]
         durability: Option<String>,
+        /// Broker: `nats` or `rabbitmq` [default: config key `broker`, `nats`].
+        #[arg(long)]
+        broker: Option<String>,
         /// Print the final status as JSON.
         #[arg(long)]
         json: bool,
@@ -178,6 +189,9 @@ enum Cmd {
         /// Stream to scan for event ids the outbox never committed (repeatable).
         #[arg(long, default_value = "ORDERS")]
         stream: Vec<String>,
+        /// Broker: `nats` or `rabbitmq` [default: config key `broker`, `nats`].
+        #[arg(long)]
+        broker: Option<String>,
         /// Messages scanned per stream at most.
         #[arg(long, default_value_t = 1_000_000)]
         scan_max: u64,
@@ -356,20 +370,35 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
         Cmd::Dispatch {
             dispatchers,
             no_reconciler,
+            broker,
             metrics,
         } => {
+            let kind = BrokerKind::choose(broker.as_deref(), &cfg)?;
             sealpost_cli::metrics::start(&cfg, &metrics, true)?;
-            let nats = connect_nats(&cfg).await?;
             let stop = Arc::new(AtomicBool::new(false));
             let counters = Arc::new(Counters::default());
-            let tasks = runtime::spawn_fleet(
-                &cfg,
-                &Arc::new(nats),
-                dispatchers,
-                !no_reconciler,
-                &stop,
-                &counters,
-            );
+            let tasks = match kind {
+                BrokerKind::Nats => runtime::spawn_fleet(
+                    &cfg,
+                    &Arc::new(connect_nats(&cfg).await?),
+                    dispatchers,
+                    !no_reconciler,
+                    &stop,
+                    &counters,
+                ),
+                BrokerKind::Rabbitmq => runtime::spawn_fleet(
+                    &cfg,
+                    &Arc::new(
+                        brokers::connect_rabbitmq(&cfg, "dispatch")
+                            .await
+                            .map_err(e)?,
+                    ),
+                    dispatchers,
+                    !no_reconciler,
+                    &stop,
+                    &counters,
+                ),
+            };
             let s2 = stop.clone();
             tokio::spawn(async move {
                 let _ = tokio::signal::ctrl_c().await;
@@ -387,9 +416,15 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
             consumers,
             topic,
             durability,
+            broker,
             json,
             metrics,
         } => {
+            let mut cfg = cfg;
+            if let Some(b) = broker {
+                BrokerKind::choose(Some(&b), &cfg)?;
+                cfg.broker = b;
+            }
             sealpost_cli::metrics::start(&cfg, &metrics, true)?;
             if let Some(d) = &durability {
                 sealpost_cli::demo::set_durability(&cfg, &topic, d)
@@ -446,9 +481,11 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
         Cmd::Consume {
             consumer,
             topic,
+            broker,
             max_deliveries,
             metrics,
         } => {
+            let kind = BrokerKind::choose(broker.as_deref(), &cfg)?;
             let mut cfg = cfg;
             if let Some(n) = max_deliveries {
                 cfg.consumer_max_deliveries = n;
@@ -456,7 +493,6 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
                     .map_err(|x| format!("--max-deliveries: {x}"))?;
             }
             sealpost_cli::metrics::start(&cfg, &metrics, false)?;
-            let nats = connect_nats(&cfg).await?;
             let pg = runtime::pg_connect(&cfg.database_url).await.map_err(e)?;
             store::migrate(&pg).await.map_err(|x| x.to_string())?;
             let stop = Arc::new(AtomicBool::new(false));
@@ -466,9 +502,19 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
                 s2.store(true, std::sync::atomic::Ordering::Relaxed);
             });
             let consumed = Arc::new(std::sync::atomic::AtomicU64::new(0));
-            sealpost_cli::consumer::run(cfg, nats, consumer, topic, stop, consumed)
-                .await
-                .map_err(e)?;
+            match kind {
+                BrokerKind::Nats => {
+                    let nats = connect_nats(&cfg).await?;
+                    sealpost_cli::consumer::run(cfg, nats, consumer, topic, stop, consumed)
+                        .await
+                        .map_err(e)?
+                }
+                BrokerKind::Rabbitmq => {
+                    sealpost_cli::rabbitmq_consumer::run(cfg, consumer, topic, stop, consumed)
+                        .await
+                        .map_err(e)?
+                }
+            }
             Ok(0)
         }
         Cmd::Reconcile {
@@ -477,11 +523,16 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
             unknown_age_s,
             consumer,
             stream,
+            broker,
             scan_max,
             json,
         } => {
             let pg = runtime::pg_connect(&cfg.database_url).await.map_err(e)?;
-            let nats = connect_nats(&cfg).await?;
+            // A RabbitMQ queue cannot be scanned without taking its messages: no stream scan.
+            let nats = match BrokerKind::choose(broker.as_deref(), &cfg)? {
+                BrokerKind::Nats => Some(connect_nats(&cfg).await?),
+                BrokerKind::Rabbitmq => None,
+            };
             let opts = sealpost_cli::ops::ReconcileOptions {
                 pending_age_s,
                 unconsumed_age_s,
@@ -490,7 +541,7 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
                 streams: stream,
                 scan_max,
             };
-            let r = sealpost_cli::ops::reconcile(&pg, Some(&nats), &opts)
+            let r = sealpost_cli::ops::reconcile(&pg, nats.as_ref(), &opts)
                 .await
                 .map_err(|x| x.to_string())?;
             if json {

@@ -64,6 +64,13 @@ pub struct ReconcileReport {
     pub stream_messages_scanned: u64,
     /// Findings over their thresholds.
     pub findings: Vec<Finding>,
+    /// Second stored copies the acceptance point recorded (receipt kind `second_copy`):
+    /// evidence, not loss; the consumers' inboxes absorb them.
+    pub second_copies: i64,
+    /// Published events that were sent again after an unknown outcome (an attempt left
+    /// `UNKNOWN`): the broker may hold a second copy no receipt names (a broker that cannot
+    /// be asked, such as RabbitMQ, is always answered this way). Evidence, not a finding.
+    pub resent_after_unknown: i64,
 }
 
 fn ids(rows: &[tokio_postgres::Row]) -> Vec<String> {
@@ -91,7 +98,26 @@ pub async fn reconcile(
         consumed: Default::default(),
         stream_messages_scanned: 0,
         findings: Vec::new(),
+        second_copies: 0,
+        resent_after_unknown: 0,
     };
+    report.second_copies = pg
+        .query_one(
+            "SELECT count(*) FROM sealpost.receipts WHERE kind = 'second_copy'",
+            &[],
+        )
+        .await?
+        .get(0);
+    report.resent_after_unknown = pg
+        .query_one(
+            "SELECT count(*) FROM sealpost.outbox e
+             WHERE e.state IN ('PUBLISHED', 'RETAINED')
+               AND EXISTS (SELECT 1 FROM sealpost.attempts a WHERE a.event_id = e.event_id
+                           AND a.member = e.member AND a.status = 'UNKNOWN')",
+            &[],
+        )
+        .await?
+        .get(0);
     let mut add = |kind: &str,
                    consumer: Option<String>,
                    count: i64,

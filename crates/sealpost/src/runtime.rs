@@ -79,6 +79,13 @@ pub struct Config {
     /// Consumers that must have passed an event before `sealpost purge` removes it (the
     /// `--consumer` flags add to these).
     pub required_consumers: Vec<String>,
+    /// The broker the `sealpost` command's dispatch, consume, demo and reconcile use:
+    /// `nats` or `rabbitmq` (the `--broker` flag overrides it).
+    pub broker: String,
+    /// RabbitMQ AMQP URL (`RABBITMQ_URL` overrides it).
+    pub rabbitmq_url: String,
+    /// Cluster identity of the RabbitMQ connection (frozen into destinations).
+    pub rabbitmq_cluster: String,
 }
 
 impl Default for Config {
@@ -107,6 +114,9 @@ impl Default for Config {
             consumer_progress_every_ms: 1_000,
             outbox_database_url: String::new(),
             required_consumers: Vec::new(),
+            broker: "nats".to_string(),
+            rabbitmq_url: "amqp://guest:guest@127.0.0.1:5672/%2f".to_string(),
+            rabbitmq_cluster: "rabbitmq-local".to_string(),
         }
     }
 }
@@ -133,6 +143,9 @@ impl Config {
         }
         if let Ok(v) = std::env::var("NATS_URL") {
             self.nats_url = v;
+        }
+        if let Ok(v) = std::env::var("RABBITMQ_URL") {
+            self.rabbitmq_url = v;
         }
     }
 

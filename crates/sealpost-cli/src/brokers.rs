@@ -1,0 +1,84 @@
+//! Which broker the `sealpost` command talks to (config key `broker`, flag `--broker`), and
+//! connecting to it. The loops are generic over the broker port; only this file and the
+//! per-broker consumers know which adapters exist.
+
+use std::time::Duration;
+
+use sealpost::runtime::{Config, RunError};
+use sealpost_nats::Nats;
+use sealpost_rabbitmq::Rabbit;
+
+/// A broker the command can use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BrokerKind {
+    /// NATS JetStream (`nats_url`, `nats_cluster`).
+    Nats,
+    /// RabbitMQ (`rabbitmq_url`, `rabbitmq_cluster`).
+    Rabbitmq,
+}
+
+impl BrokerKind {
+    /// The broker named by `--broker` if given, else by the config key `broker`.
+    pub fn choose(flag: Option<&str>, cfg: &Config) -> Result<BrokerKind, String> {
+        let (name, from) = match flag {
+            Some(f) => (f, "--broker"),
+            None => (cfg.broker.as_str(), "config key `broker`"),
+        };
+        match name {
+            "nats" => Ok(BrokerKind::Nats),
+            "rabbitmq" => Ok(BrokerKind::Rabbitmq),
+            other => Err(format!(
+                "{from}: unknown broker `{other}`; expected `nats` or `rabbitmq`"
+            )),
+        }
+    }
+
+    /// The cluster identity destinations on this broker are frozen with.
+    pub fn cluster(self, cfg: &Config) -> &str {
+        match self {
+            BrokerKind::Nats => &cfg.nats_cluster,
+            BrokerKind::Rabbitmq => &cfg.rabbitmq_cluster,
+        }
+    }
+}
+
+/// The NATS adapter for the configured cluster (the error says what to check).
+pub async fn connect_nats(cfg: &Config) -> Result<Nats, RunError> {
+    Nats::connect(
+        &cfg.nats_url,
+        &cfg.nats_cluster,
+        Duration::from_millis(cfg.ack_timeout_ms),
+    )
+    .await
+    .map_err(RunError::broker)
+}
+
+/// The RabbitMQ adapter for the configured cluster; `role` names the connection at the
+/// broker (`sealpost-<role>-<pid>`), so an operator can find and close it.
+pub async fn connect_rabbitmq(cfg: &Config, role: &str) -> Result<Rabbit, RunError> {
+    Rabbit::connect(
+        &cfg.rabbitmq_url,
+        &cfg.rabbitmq_cluster,
+        Duration::from_millis(cfg.ack_timeout_ms),
+        &format!("sealpost-{role}-{}", std::process::id()),
+    )
+    .await
+    .map_err(RunError::broker)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_flag_wins_and_unknown_names_are_named() {
+        let mut cfg = Config::default();
+        assert_eq!(BrokerKind::choose(None, &cfg), Ok(BrokerKind::Nats));
+        cfg.broker = "rabbitmq".into();
+        assert_eq!(BrokerKind::choose(None, &cfg), Ok(BrokerKind::Rabbitmq));
+        assert_eq!(BrokerKind::choose(Some("nats"), &cfg), Ok(BrokerKind::Nats));
+        let e = BrokerKind::choose(Some("kafkaa"), &cfg).unwrap_err();
+        assert!(e.contains("kafkaa") && e.contains("--broker"), "{e}");
+        assert_eq!(BrokerKind::Rabbitmq.cluster(&cfg), "rabbitmq-local");
+    }
+}

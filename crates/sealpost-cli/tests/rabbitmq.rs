@@ -1,0 +1,424 @@
+//! Drills with real `sealpost dispatch --broker rabbitmq` and `sealpost consume --broker
+//! rabbitmq` processes against the real PostgreSQL and RabbitMQ: a dispatcher killed with
+//! SIGKILL between send and receipt (the unknown path: the broker cannot be asked, so every
+//! event is sent again to the same exchange and the consumers apply each once), an unroutable
+//! message refused until it is quarantined, and four dispatcher processes over 50,000 events
+//! with the dispatchers' broker connections closed by the broker mid-run. Every test has its
+//! own database, exchange and queues, removed at the end.
+
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use sealpost::runtime::{self, Config};
+use sealpost::store;
+use sealpost_rabbitmq::lapin::options::QueueDeclareOptions;
+use sealpost_rabbitmq::lapin::types::FieldTable;
+use sealpost_rabbitmq::{queue_name, Rabbit};
+
+const ADMIN_URL: &str = "host=127.0.0.1 user=postgres dbname=test";
+
+struct Drill {
+    db: String,
+    cfg: Config,
+    pg: tokio_postgres::Client,
+    rabbit: Rabbit,
+    topic: String,
+    consumers: Vec<String>,
+    dir: std::path::PathBuf,
+    children: Vec<Child>,
+}
+
+impl Drop for Drill {
+    fn drop(&mut self) {
+        for c in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+        if !self.db.is_empty() {
+            // A failed test still removes its database (finish() empties `db` when done).
+            let db = std::mem::take(&mut self.db);
+            let _ = std::thread::spawn(move || {
+                let rt = tokio::runtime::Runtime::new().unwrap();
+                rt.block_on(async {
+                    if let Ok(admin) = runtime::pg_connect(ADMIN_URL).await {
+                        let _ = admin
+                            .batch_execute(&format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))
+                            .await;
+                    }
+                });
+            })
+            .join();
+        }
+    }
+}
+
+async fn drill(tag: &str, n: usize, consumers: &[&str], bind: bool) -> Drill {
+    let r = runtime::owner_id() % 1_000_000_000;
+    let db = format!("sealpost_rabbitmq_{tag}_{r}");
+    let admin = runtime::pg_connect(ADMIN_URL)
+        .await
+        .expect("PostgreSQL must be running");
+    admin
+        .batch_execute(&format!("CREATE DATABASE {db}"))
+        .await
+        .expect("create the test database");
+    let mut cfg = Config::from_env().expect("default config");
+    cfg.database_url = format!("host=127.0.0.1 user=postgres dbname={db}");
+    let mut pg = runtime::pg_connect(&cfg.database_url).await.unwrap();
+    store::migrate(&pg).await.expect("migrate");
+    sealpost_cli::demo::prepare(&pg).await.unwrap();
+    let topic = format!("sp-drill-{tag}-{r}");
+    store::set_route(&pg, "orders", &cfg.rabbitmq_cluster, &topic)
+        .await
+        .expect("route");
+    let rabbit = Rabbit::connect(
+        &cfg.rabbitmq_url,
+        &cfg.rabbitmq_cluster,
+        Duration::from_secs(5),
+        &format!("sealpost-test-{tag}-{r}"),
+    )
+    .await
+    .expect("RabbitMQ must be running at 127.0.0.1:5672 (guest/guest)");
+    let consumers: Vec<String> = consumers.iter().map(|c| c.to_string()).collect();
+    let bound = if bind { consumers.clone() } else { Vec::new() };
+    rabbit.ensure_destination(&topic, &bound).await.unwrap();
+    let payload = br#"{"order_id":"x","total_cents":1}"#.to_vec();
+    let mut i = 0;
+    while i < n {
+        let m = (n - i).min(2_000);
+        let keys: Vec<String> = (i..i + m).map(|k| format!("o-{k}")).collect();
+        let events = sealpost_cli::demo::order_batch(&keys, &payload);
+        let tx = pg.transaction().await.unwrap();
+        store::enqueue_many(&tx, "orders", &events).await.unwrap();
+        tx.commit().await.unwrap();
+        i += m;
+    }
+    let dir = std::env::temp_dir().join(format!("sealpost-rabbitmq-{tag}-{r}"));
+    std::fs::create_dir_all(&dir).unwrap();
+    Drill {
+        db,
+        cfg,
+        pg,
+        rabbit,
+        topic,
+        consumers,
+        dir,
+        children: Vec::new(),
+    }
+}
+
+impl Drill {
+    /// Starts `sealpost <args>` with this drill's database, RabbitMQ and `extra` config.
+    fn spawn(&mut self, extra: &str, args: &[&str]) -> usize {
+        let path = self.dir.join(format!("c{}.toml", self.children.len()));
+        let config = format!(
+            "database_url = \"{}\"\nbroker = \"rabbitmq\"\nrabbitmq_url = \"{}\"\n{extra}",
+            self.cfg.database_url, self.cfg.rabbitmq_url
+        );
+        std::fs::write(&path, config).unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_sealpost"))
+            .arg("--config")
+            .arg(&path)
+            .args(args)
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn sealpost");
+        self.children.push(child);
+        self.children.len() - 1
+    }
+
+    fn consume(&mut self) {
+        for c in self.consumers.clone() {
+            let topic = self.topic.clone();
+            self.spawn(
+                "",
+                &[
+                    "consume",
+                    "--consumer",
+                    &c,
+                    "--topic",
+                    &topic,
+                    "--broker",
+                    "rabbitmq",
+                ],
+            );
+        }
+    }
+
+    async fn count(&self, sql: &str) -> i64 {
+        match self.pg.query_one(sql, &[]).await {
+            Ok(r) => r.get(0),
+            Err(e) => panic!("{sql}: {e}"),
+        }
+    }
+
+    /// Messages ready in `consumer`'s queue.
+    async fn ready(&self, consumer: &str) -> u32 {
+        let conn = sealpost_rabbitmq::lapin::Connection::connect(
+            &self.cfg.rabbitmq_url,
+            Default::default(),
+        )
+        .await
+        .unwrap();
+        let ch = conn.create_channel().await.unwrap();
+        let q = ch
+            .queue_declare(
+                queue_name(&self.topic, consumer).as_str().into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+        let _ = conn.close(200, "done".into()).await;
+        q.message_count()
+    }
+
+    async fn wait_for(&self, what: &str, sql: &str, n: i64, limit: Duration) {
+        let deadline = Instant::now() + limit;
+        loop {
+            let got = self.count(sql).await;
+            if got == n {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{what}: {got} of {n} before the deadline"
+            );
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+
+    /// Every event PUBLISHED with one primary; every consumer applied each event once.
+    async fn assert_published_and_applied_once(&self, n: i64) {
+        self.wait_for(
+            "published",
+            "SELECT count(*) FROM sealpost.outbox WHERE state = 'PUBLISHED'",
+            n,
+            Duration::from_secs(300),
+        )
+        .await;
+        assert_eq!(
+            self.count("SELECT count(*) FROM sealpost.outbox WHERE state <> 'PUBLISHED'")
+                .await,
+            0
+        );
+        for c in &self.consumers {
+            self.wait_for(
+                &format!("consumer {c} applied"),
+                &format!("SELECT count(DISTINCT event_id) FROM demo_fulfilment WHERE consumer_id = '{c}'"),
+                n,
+                Duration::from_secs(300),
+            )
+            .await;
+            assert_eq!(
+                self.count(&format!(
+                    "SELECT count(*) FROM demo_fulfilment WHERE consumer_id = '{c}'"
+                ))
+                .await,
+                n,
+                "consumer {c} applied every event exactly once"
+            );
+        }
+    }
+
+    async fn finish(mut self) {
+        for c in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        self.rabbit
+            .delete_destination(&self.topic, &self.consumers)
+            .await
+            .unwrap();
+        let db = std::mem::take(&mut self.db);
+        let admin = runtime::pg_connect(ADMIN_URL).await.unwrap();
+        admin
+            .batch_execute(&format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))
+            .await
+            .unwrap();
+    }
+}
+
+#[tokio::test]
+async fn dispatcher_killed_between_send_and_receipt_retries_to_the_same_exchange() {
+    let n = 300;
+    let mut d = drill("kill", n, &["c1", "c2"], true).await;
+    // Dispatcher A publishes (confirmed), then sits before its receipt transaction.
+    let a = d.spawn(
+        "lease_ms = 2000\nack_timeout_ms = 1000\ndrill_pause_after_publish_ms = 600000\n",
+        &["dispatch", "--no-reconciler", "--broker", "rabbitmq"],
+    );
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while d.ready("c1").await < n as u32 {
+        assert!(Instant::now() < deadline, "dispatcher A never published");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(d.count("SELECT count(*) FROM sealpost.receipts").await, 0);
+    d.children[a].kill().unwrap();
+    d.children[a].wait().unwrap();
+    // B's reconciler finds the rows unknown once A's lease ends; RabbitMQ cannot be asked,
+    // so each is sent again to the same exchange under the same event id.
+    d.spawn(
+        "lease_ms = 2000\nack_timeout_ms = 1000\n",
+        &["dispatch", "--broker", "rabbitmq"],
+    );
+    d.wait_for(
+        "published",
+        "SELECT count(*) FROM sealpost.outbox WHERE state = 'PUBLISHED'",
+        n as i64,
+        Duration::from_secs(120),
+    )
+    .await;
+    assert_eq!(
+        d.count("SELECT count(*) FROM sealpost.attempts").await,
+        2 * n as i64,
+        "one retry per event, nothing more"
+    );
+    assert_eq!(
+        d.ready("c1").await,
+        2 * n as u32,
+        "the queue (bound only to this test's exchange, the frozen destination) holds both copies of each event"
+    );
+    // The consumers see both copies and apply each event once.
+    d.consume();
+    d.assert_published_and_applied_once(n as i64).await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while d.ready("c1").await + d.ready("c2").await > 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the second copies were never acked"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(
+        d.count("SELECT count(*) FROM sealpost.inbox").await,
+        2 * n as i64,
+        "one consumption receipt per event and consumer"
+    );
+    // The reconciliation report: clean, with the second copies counted as evidence.
+    let opts = sealpost_cli::ops::ReconcileOptions {
+        pending_age_s: 60,
+        unconsumed_age_s: 0,
+        unknown_age_s: 900,
+        consumers: d.consumers.clone(),
+        streams: Vec::new(),
+        scan_max: 0,
+    };
+    let report = sealpost_cli::ops::reconcile(&d.pg, None, &opts)
+        .await
+        .unwrap();
+    assert!(report.findings.is_empty(), "{:?}", report.findings);
+    assert_eq!(report.resent_after_unknown, n as i64);
+    assert_eq!(
+        report.consumed.values().copied().collect::<Vec<_>>(),
+        [n as i64, n as i64]
+    );
+    d.finish().await;
+}
+
+#[tokio::test]
+async fn an_unroutable_event_is_refused_until_it_is_quarantined() {
+    let n = 5;
+    // The exchange exists; no queue is bound to it.
+    let mut d = drill("noroute", n, &[], false).await;
+    d.spawn(
+        "rejection_limit = 2\nidle_poll_ms = 20\n",
+        &["dispatch", "--broker", "rabbitmq"],
+    );
+    d.wait_for(
+        "quarantined",
+        "SELECT count(*) FROM sealpost.outbox WHERE state = 'QUARANTINED'",
+        n as i64,
+        Duration::from_secs(120),
+    )
+    .await;
+    assert_eq!(
+        d.count("SELECT count(*) FROM sealpost.outbox WHERE state = 'PUBLISHED'")
+            .await,
+        0,
+        "a returned message is never a success"
+    );
+    let s = store::status(&d.pg).await.unwrap();
+    assert_eq!(s.quarantined_rows.len(), n);
+    assert!(
+        s.quarantined_rows
+            .iter()
+            .all(|(_, why)| why.contains("NO_ROUTE")),
+        "the broker's words are kept: {:?}",
+        s.quarantined_rows
+    );
+    d.finish().await;
+}
+
+/// Closes, at the broker, every connection whose name starts with `prefix`; returns how many.
+fn close_connections(prefix: &str) -> usize {
+    let out = Command::new("rabbitmqctl")
+        .args(["-q", "list_connections", "pid", "client_properties"])
+        .output()
+        .expect("rabbitmqctl");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let mut closed = 0;
+    for line in text.lines() {
+        if !line.contains(&format!("\"{prefix}")) {
+            continue;
+        }
+        let Some(pid) = line.split_whitespace().next() else {
+            continue;
+        };
+        let ok = Command::new("rabbitmqctl")
+            .args(["-q", "close_connection", pid, "sealpost drill"])
+            .status()
+            .is_ok_and(|s| s.success());
+        closed += usize::from(ok);
+    }
+    closed
+}
+
+#[tokio::test]
+async fn four_dispatcher_processes_over_50k_events_with_connections_closed_mid_run() {
+    let n = 50_000;
+    let mut d = drill("four", n, &["c1", "c2"], true).await;
+    d.consume();
+    let cfg = "batch_size_max = 1000\n";
+    d.spawn(cfg, &["dispatch", "--broker", "rabbitmq"]);
+    for _ in 0..3 {
+        d.spawn(
+            cfg,
+            &["dispatch", "--no-reconciler", "--broker", "rabbitmq"],
+        );
+    }
+    let pids: Vec<u32> = d.children[2..].iter().map(Child::id).collect();
+    // Mid-run, the broker closes the dispatchers' connections (only this test's processes).
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while d
+        .count("SELECT count(*) FROM sealpost.outbox WHERE state = 'PUBLISHED'")
+        .await
+        < (n / 4) as i64
+    {
+        assert!(Instant::now() < deadline, "no progress");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let closed: usize = pids
+        .iter()
+        .map(|p| close_connections(&format!("sealpost-dispatch-{p}")))
+        .sum();
+    assert!(closed >= 1, "no dispatcher connection found to close");
+    d.assert_published_and_applied_once(n as i64).await;
+    let owners = d
+        .count("SELECT count(DISTINCT owner) FROM sealpost.attempts")
+        .await;
+    assert!(owners >= 2, "the work was shared ({owners} owner(s))");
+    println!(
+        "closed {closed} connection(s); attempts {} for {n} events; second copies recorded {}",
+        d.count("SELECT count(*) FROM sealpost.attempts").await,
+        d.count("SELECT count(*) FROM sealpost.receipts WHERE kind = 'second_copy'")
+            .await
+    );
+    d.finish().await;
+}
