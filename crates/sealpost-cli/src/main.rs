@@ -36,6 +36,10 @@ enum Cmd {
         /// Route policy `NAME=CLUSTER/TOPIC`; revising one bumps its generation.
         #[arg(long)]
         route: Vec<String>,
+        /// Ordering of the routes given (R29): `none`, or `per-aggregate` (an aggregate's
+        /// events reach the broker in `aggregate_version` order, one unresolved at a time).
+        #[arg(long, default_value = "none")]
+        ordering: String,
     },
     /// Run dispatcher tasks and a reconciler until Ctrl-C.
     Dispatch {
@@ -319,7 +323,11 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
     let e = |x: runtime::RunError| x.to_string();
     match cmd {
         Cmd::Simulate(_) | Cmd::Capacity { .. } => unreachable!("handled without a runtime"),
-        Cmd::Migrate { route } => {
+        Cmd::Migrate { route, ordering } => {
+            let ordering =
+                sealpost_core::envelope::EventOrdering::parse(&ordering).ok_or_else(|| {
+                    format!("--ordering `{ordering}`: expected `none` or `per-aggregate`")
+                })?;
             let pg = runtime::pg_connect(&cfg.database_url).await.map_err(e)?;
             store::migrate(&pg).await.map_err(|x| x.to_string())?;
             for r in route {
@@ -329,10 +337,13 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
                 let (cluster, topic) = dest
                     .split_once('/')
                     .ok_or_else(|| format!("--route `{r}`: expected NAME=CLUSTER/TOPIC"))?;
-                let g = store::set_route(&pg, name, cluster, topic)
+                let g = store::set_route_ordering(&pg, name, cluster, topic, ordering)
                     .await
                     .map_err(|x| x.to_string())?;
-                println!("route {name} -> {cluster}/{topic} (generation {g})");
+                println!(
+                    "route {name} -> {cluster}/{topic}, ordering {} (generation {g})",
+                    ordering.name()
+                );
             }
             println!("schema applied");
             Ok(0)
