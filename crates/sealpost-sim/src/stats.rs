@@ -335,6 +335,9 @@ pub struct TraceStats {
     pub ordering_waits: u64,
     /// Deliveries an ordered consumer held back for an earlier version (R29).
     pub ordering_holds: u64,
+    /// Ordered events a consumer could not apply because a restore lost an earlier version
+    /// before it reached the broker (the consumer's owner's exit: seed the version).
+    pub ordering_gaps_parked: u64,
 }
 
 impl TraceStats {
@@ -360,6 +363,7 @@ impl TraceStats {
         self.conflicts_parked += o.conflicts_parked;
         self.ordering_waits += o.ordering_waits;
         self.ordering_holds += o.ordering_holds;
+        self.ordering_gaps_parked += o.ordering_gaps_parked;
         self.inbox_duplicates += o.inbox_duplicates;
         self.inbox_quarantined += o.inbox_quarantined;
         self.migrations_granted += o.migrations_granted;
