@@ -393,7 +393,7 @@ fn range(rng: &mut ChaCha8Rng, lo: u64, hi: u64) -> u64 {
 }
 
 fn ordered_at(generation: u64, mode: u8) -> bool {
-    mode == 1 || (mode == 2 && generation % 2 == 0)
+    mode == 1 || (mode == 2 && generation.is_multiple_of(2))
 }
 
 fn policy_for(generation: u64, mode: u8) -> RoutePolicy {
