@@ -662,6 +662,52 @@ mod tests {
         );
     }
 
+    /// R29: a claim whose rows all wait scans on at once (not after the idle poll); once a
+    /// batch with ordered sends is submitted, the next claim scans from its lowest ordered
+    /// position, where the successors that just became claimable are.
+    #[test]
+    fn ordered_batches_bring_the_scan_back_to_their_successors() {
+        let cfg = DispatcherConfig {
+            rescan_every_ms: 60_000,
+            ..DispatcherConfig::default()
+        };
+        let mut m = DispatcherMachine::new(cfg, 0);
+        let from = |a: Option<DispatchAction>| match a {
+            Some(DispatchAction::Claim { from_position, .. }) => from_position,
+            other => panic!("expected a claim, got {other:?}"),
+        };
+        assert_eq!(from(m.poll_action(0)), 0);
+        let mut c = claimed(3, 0, 0, 10_000);
+        c.ordered_from = Some(101);
+        assert!(matches!(
+            m.handle_claimed(0, c),
+            Some(DispatchAction::Send { .. })
+        ));
+        assert_eq!(
+            from(m.poll_action(0)),
+            104,
+            "while the batch is on the wire the scan moves on"
+        );
+        let waiting = Claimed {
+            last_position: Some(200),
+            ..Claimed::default()
+        };
+        m.handle_claimed(1, waiting);
+        assert_eq!(m.poll_timeout(), Some(1), "rows waited: scan on at once");
+        assert!(matches!(
+            m.handle_sent(1, vec![SendResult::NoAnswer; 3]),
+            Some(DispatchAction::Submit(_))
+        ));
+        m.handle_submitted(2, true);
+        assert_eq!(
+            from(m.poll_action(2)),
+            101,
+            "an ordered batch was submitted: the next scan starts at its position"
+        );
+        m.handle_claimed(3, Claimed::default());
+        assert_eq!(m.poll_action(3), None, "an empty claim sleeps");
+    }
+
     #[test]
     fn deadline_is_the_lease_end_on_the_local_clock_minus_the_margin() {
         // Local clock 1_000 when the claim started; database clock 50_000 inside it.

@@ -1660,4 +1660,9 @@ fn an_ordered_claim_waits_for_the_earlier_event_of_its_aggregate() {
         decide_dispatch_claim_with(&sending, true, T0 + LEASE, LEASE),
         ClaimDecision::ExpireToUnknown
     );
+    // A migration keeps the ordering: its successors wait on it.
+    assert_eq!(
+        decide_migration(&ordered, &orders_eu()),
+        Err(MigrationRefusal::OrderingChanged)
+    );
 }
