@@ -144,8 +144,10 @@ pub enum ApplyOrder {
     Hold,
 }
 
-/// The ordered consumer's gap rule: versions of one aggregate are applied `1, 2, 3, ...`
-/// (`last_applied` is `None` before the first). It relies on the producer numbering an
+/// The ordered consumer's gap rule: versions of one aggregate are applied `1, 2, 3, ...`.
+/// `last_applied` is the highest version up to which *every* version of the aggregate was
+/// applied (the contiguous prefix, `None` before version 1), not the highest applied: an
+/// unordered version (sent before a route turned ordering on) may have arrived early. It relies on the producer numbering an
 /// aggregate's versions without holes from 1, which the `aggregate_version` header lets the
 /// consumer check; an aggregate whose history began before Sealpost is seeded with its last
 /// version by the consumer's owner.

@@ -322,9 +322,9 @@ struct Consumer {
     effects: Vec<(EventId, u32)>,
     next_receipt: u64,
     tick_scheduled: bool,
-    /// The consumer's own database: the highest version applied per aggregate (committed
-    /// with the effect).
-    last_version: Vec<(u32, u64)>,
+    /// The consumer's own database: the versions applied per aggregate (committed with the
+    /// effect); the gap rule reads the contiguous prefix.
+    applied_versions: Vec<(u32, Vec<u64>)>,
     /// Ghost: the highest version applied per aggregate among ordered messages.
     ordered_applied: Vec<(u32, u64)>,
 }
@@ -2214,12 +2214,19 @@ impl World {
             .map(|(_, r)| *r);
         let decision = self.proto.decide_inbox(existing, m.payload_digest);
         let agg_version = self.aggregate_version(m.event_id);
+        // The highest version up to which every version of the aggregate was applied
+        // (unordered versions too: a route revision may have sent some of them unordered).
         let last = agg_version.and_then(|(a, _)| {
-            self.consumers[ci]
-                .last_version
+            let vs = &self.consumers[ci]
+                .applied_versions
                 .iter()
-                .find(|e| e.0 == a)
-                .map(|e| e.1)
+                .find(|e| e.0 == a)?
+                .1;
+            let mut prefix = 0;
+            while vs.contains(&(prefix + 1)) {
+                prefix += 1;
+            }
+            (prefix > 0).then_some(prefix)
         });
         if decision == InboxDecision::Apply {
             if let Some((agg, version)) = agg_version.filter(|_| m.ordered) {
@@ -2248,9 +2255,9 @@ impl World {
             InboxDecision::Apply => {
                 if let Some((agg, version)) = agg_version {
                     let con = &mut self.consumers[ci];
-                    match con.last_version.iter_mut().find(|e| e.0 == agg) {
-                        Some(e) => e.1 = e.1.max(version),
-                        None => con.last_version.push((agg, version)),
+                    match con.applied_versions.iter_mut().find(|e| e.0 == agg) {
+                        Some(e) => e.1.push(version),
+                        None => con.applied_versions.push((agg, vec![version])),
                     }
                 }
                 let in_tx = self.proto.inbox_in_effect_tx();
