@@ -42,6 +42,10 @@ enum Cmd {
         /// broker adapter (NATS: `file`, `memory`, `file/r3` for three replicas).
         #[arg(long)]
         durability: Option<String>,
+        /// Ordering of the routes given (R29): `none`, or `per-aggregate` (an aggregate's
+        /// events reach the broker in `aggregate_version` order, one unresolved at a time).
+        #[arg(long, default_value = "none")]
+        ordering: String,
     },
     /// Run dispatcher tasks and a reconciler until Ctrl-C.
     Dispatch {
@@ -342,7 +346,15 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
     let e = |x: runtime::RunError| x.to_string();
     match cmd {
         Cmd::Simulate(_) | Cmd::Capacity { .. } => unreachable!("handled without a runtime"),
-        Cmd::Migrate { route, durability } => {
+        Cmd::Migrate {
+            route,
+            durability,
+            ordering,
+        } => {
+            let ordering =
+                sealpost_core::envelope::EventOrdering::parse(&ordering).ok_or_else(|| {
+                    format!("--ordering `{ordering}`: expected `none` or `per-aggregate`")
+                })?;
             let pg = runtime::pg_connect(&cfg.database_url).await.map_err(e)?;
             store::migrate(&pg).await.map_err(|x| x.to_string())?;
             for r in route {
@@ -352,10 +364,13 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
                 let (cluster, topic) = dest
                     .split_once('/')
                     .ok_or_else(|| format!("--route `{r}`: expected NAME=CLUSTER/TOPIC"))?;
-                let g = store::set_route(&pg, name, cluster, topic)
+                let g = store::set_route_ordering(&pg, name, cluster, topic, ordering)
                     .await
                     .map_err(|x| x.to_string())?;
-                println!("route {name} -> {cluster}/{topic} (generation {g})");
+                println!(
+                    "route {name} -> {cluster}/{topic}, ordering {} (generation {g})",
+                    ordering.name()
+                );
                 if let Some(d) = &durability {
                     let g = store::set_route_durability(&pg, name, d)
                         .await

@@ -540,6 +540,7 @@ async fn retire_rows(
                     serializer: String::new(),
                     durability: String::new(),
                     required_ack: String::new(),
+                    ordering: sealpost_core::envelope::EventOrdering::Unordered,
                 },
             );
             row.state = state;

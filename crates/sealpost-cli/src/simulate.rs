@@ -181,6 +181,9 @@ fn print_table(s: &TraceStats, elapsed_s: f64) {
         ("rows purged", s.purged),
         ("early purges refused", s.purges_refused),
         ("poison released by operator", s.quarantine_released),
+        ("ordered claims that waited", s.ordering_waits),
+        ("ordered deliveries held", s.ordering_holds),
+        ("ordered gaps a restore left", s.ordering_gaps_parked),
     ];
     for (k, v) in rows {
         println!("  {k:<30}{v:>10}");

@@ -220,6 +220,7 @@ async fn a_v1_database_with_rows_in_every_state_upgrades_in_place_and_the_protoc
         serializer: "json.v1".into(),
         durability: "file".into(),
         required_ack: "stream".into(),
+        ordering: sealpost_core::envelope::EventOrdering::Unordered,
     };
     let payload = br#"{"order":"upgrade"}"#.to_vec();
     let now: i64 = store::db_now_ms(&pg).await.unwrap() as i64;

@@ -3,6 +3,7 @@
 //! out or was superseded gets [`Fenced`] and may only leave an audit record.
 
 use crate::encoding::Digest;
+use crate::envelope::EventOrdering;
 use crate::row::{Attempt, AttemptStatus, Claim, EventRow};
 use crate::state::{transition, State, TransitionError};
 
@@ -54,6 +55,9 @@ pub enum ClaimDecision {
     ExpireToUnknown,
     /// Not claimable now.
     Skip,
+    /// Claimable, but its destination keeps per-aggregate order and an earlier event of the
+    /// same aggregate is unresolved (R29): it waits, untouched, until that one is published.
+    Wait,
 }
 
 /// The first backoff after a "never sent" outcome or a refusal; it doubles per repeat.
@@ -81,16 +85,43 @@ pub fn serves(clusters: &[String], row: &EventRow) -> bool {
 pub fn decide_dispatch_claim_for(
     row: &EventRow,
     clusters: &[String],
+    earlier_unresolved: bool,
     now_ms: u64,
     lease_ms: u64,
 ) -> ClaimDecision {
     if !serves(clusters, row) {
         return ClaimDecision::Skip;
     }
-    decide_dispatch_claim(row, now_ms, lease_ms)
+    decide_dispatch_claim_with(row, earlier_unresolved, now_ms, lease_ms)
 }
 
-/// The dispatcher's claim decision for one row (R7). `lease_ms` is added to the database's
+/// The claim decision with the one fact a row does not carry itself: `earlier_unresolved`,
+/// "an event of the same aggregate with a lower `aggregate_version`, bound for a
+/// per-aggregate-ordered destination, is not yet published" (pending, claimed, sending,
+/// unknown, reconciling, retry-claimed or quarantined). For a row whose frozen destination
+/// is [`EventOrdering::PerAggregate`] a grant becomes [`ClaimDecision::Wait`] while that
+/// fact holds, so the aggregate's events reach the broker one at a time, in version order
+/// (R29). A `SENDING` row whose lease ran out still moves to `DISPATCH_UNKNOWN`: that is
+/// bookkeeping, not a send. The fact is ignored for unordered destinations.
+///
+/// The shell must read the fact so that it errs towards `true`: the store reads every
+/// earlier version of the key regardless of who holds it, in the claim's own statement.
+pub fn decide_dispatch_claim_with(
+    row: &EventRow,
+    earlier_unresolved: bool,
+    now_ms: u64,
+    lease_ms: u64,
+) -> ClaimDecision {
+    let d = decide_dispatch_claim(row, now_ms, lease_ms);
+    let ordered = row.destination.ordering == EventOrdering::PerAggregate;
+    match d {
+        ClaimDecision::Grant { .. } if ordered && earlier_unresolved => ClaimDecision::Wait,
+        d => d,
+    }
+}
+
+/// The dispatcher's claim decision for one row (R7), for a row with no earlier unresolved
+/// event of its aggregate (see [`decide_dispatch_claim_with`] for ordered destinations). `lease_ms` is added to the database's
 /// `now_ms`; a worker's clock is never consulted. A `PENDING` row that could not leave waits
 /// out its backoff ([`never_sent_backoff_ms`]).
 pub fn decide_dispatch_claim(row: &EventRow, now_ms: u64, lease_ms: u64) -> ClaimDecision {
@@ -170,7 +201,7 @@ pub fn apply_claim(
             row.unknown_since_ms.get_or_insert(now_ms);
             Ok(None)
         }
-        ClaimDecision::Skip => Ok(None),
+        ClaimDecision::Skip | ClaimDecision::Wait => Ok(None),
     }
 }
 

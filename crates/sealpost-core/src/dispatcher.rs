@@ -93,6 +93,11 @@ pub struct Claimed {
     /// The highest commit position the claim scan locked (claimed or moved to unknown);
     /// `None` if it found nothing.
     pub last_position: Option<u64>,
+    /// The lowest commit position among the sends bound for a per-aggregate-ordered
+    /// destination (R29). Their successors wait behind them and are committed after them;
+    /// once this batch is submitted the next claim scans from here, so a successor that
+    /// became claimable is found at once and not only at the next full scan.
+    pub ordered_from: Option<u64>,
 }
 
 /// A sender's report on its own attempt, without a receipt.
@@ -224,6 +229,8 @@ pub struct DispatcherMachine {
     full_scan_at_ms: u64,
     /// Told to stop: finishes what it holds, claims nothing more.
     stopping: bool,
+    /// [`Claimed::ordered_from`] of the batches not yet submitted.
+    ordered_resume: Option<u64>,
 }
 
 impl DispatcherMachine {
@@ -241,6 +248,7 @@ impl DispatcherMachine {
             scan_from: 0,
             full_scan_at_ms: now_ms,
             stopping: false,
+            ordered_resume: None,
         }
     }
 
@@ -356,8 +364,18 @@ impl DispatcherMachine {
             // after it until the next full scan.
             self.scan_from = self.scan_from.max(p + 1);
         }
+        if let Some(p) = claimed.ordered_from {
+            self.ordered_resume = Some(self.ordered_resume.map_or(p, |q| q.min(p)));
+        }
         if claimed.sends.is_empty() {
-            self.wake_at_ms = now_ms + self.cfg.idle_poll_ms;
+            // Rows were found but none could be sent (they wait for an earlier event of
+            // their aggregate, R29): scan on behind them at once instead of idling. Each such
+            // claim moves `scan_from` forward, so this ends with a claim that finds nothing.
+            self.wake_at_ms = if claimed.last_position.is_some() {
+                now_ms
+            } else {
+                now_ms + self.cfg.idle_poll_ms
+            };
             return None;
         }
         self.counts.batches += 1;
@@ -493,6 +511,10 @@ impl DispatcherMachine {
         if ok {
             self.wake_at_ms = self.wake_at_ms.max(now_ms + sub.next_claim_in_ms);
             self.submitting = None;
+            if let Some(p) = self.ordered_resume.take() {
+                // Ordered events were resolved: their successors are behind the scan position.
+                self.scan_from = self.scan_from.min(p);
+            }
             return;
         }
         if sub.tries >= self.cfg.submit_tries_max {
@@ -567,6 +589,7 @@ mod tests {
             serializer: "json.v1".into(),
             durability: "file".into(),
             required_ack: "stream".into(),
+            ordering: crate::envelope::EventOrdering::Unordered,
         }
         .resolve("k");
         SendRequest {
@@ -596,6 +619,7 @@ mod tests {
                 })
                 .collect(),
             last_position: (n > 0).then_some(100 + n),
+            ordered_from: None,
         }
     }
 
@@ -636,6 +660,52 @@ mod tests {
             0,
             "a full scan when the rescan period is over"
         );
+    }
+
+    /// R29: a claim whose rows all wait scans on at once (not after the idle poll); once a
+    /// batch with ordered sends is submitted, the next claim scans from its lowest ordered
+    /// position, where the successors that just became claimable are.
+    #[test]
+    fn ordered_batches_bring_the_scan_back_to_their_successors() {
+        let cfg = DispatcherConfig {
+            rescan_every_ms: 60_000,
+            ..DispatcherConfig::default()
+        };
+        let mut m = DispatcherMachine::new(cfg, 0);
+        let from = |a: Option<DispatchAction>| match a {
+            Some(DispatchAction::Claim { from_position, .. }) => from_position,
+            other => panic!("expected a claim, got {other:?}"),
+        };
+        assert_eq!(from(m.poll_action(0)), 0);
+        let mut c = claimed(3, 0, 0, 10_000);
+        c.ordered_from = Some(101);
+        assert!(matches!(
+            m.handle_claimed(0, c),
+            Some(DispatchAction::Send { .. })
+        ));
+        assert_eq!(
+            from(m.poll_action(0)),
+            104,
+            "while the batch is on the wire the scan moves on"
+        );
+        let waiting = Claimed {
+            last_position: Some(200),
+            ..Claimed::default()
+        };
+        m.handle_claimed(1, waiting);
+        assert_eq!(m.poll_timeout(), Some(1), "rows waited: scan on at once");
+        assert!(matches!(
+            m.handle_sent(1, vec![SendResult::NoAnswer; 3]),
+            Some(DispatchAction::Submit(_))
+        ));
+        m.handle_submitted(2, true);
+        assert_eq!(
+            from(m.poll_action(2)),
+            101,
+            "an ordered batch was submitted: the next scan starts at its position"
+        );
+        m.handle_claimed(3, Claimed::default());
+        assert_eq!(m.poll_action(3), None, "an empty claim sleeps");
     }
 
     #[test]

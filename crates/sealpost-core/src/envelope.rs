@@ -111,6 +111,55 @@ impl PartitionAlgorithm {
     }
 }
 
+/// Whether a route keeps each aggregate's events in order (R29). Frozen with the destination,
+/// so a route revision cannot change it under an event that is already committed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum EventOrdering {
+    /// Events leave in whatever order the claims find them (the default).
+    #[default]
+    Unordered,
+    /// An aggregate's events reach the broker in `aggregate_version` order: a later event is
+    /// not sent while an earlier one of the same aggregate is unresolved (pending, claimed,
+    /// sending, unknown, reconciling or quarantined). See `claim::decide_dispatch_claim_with`.
+    PerAggregate,
+}
+
+impl EventOrdering {
+    /// Stable name used in the canonical encoding, the database and the CLI.
+    pub fn name(self) -> &'static str {
+        match self {
+            EventOrdering::Unordered => "none",
+            EventOrdering::PerAggregate => "per_aggregate",
+        }
+    }
+
+    /// Parses [`EventOrdering::name`] (also `per-aggregate`).
+    pub fn parse(s: &str) -> Option<EventOrdering> {
+        match s {
+            "none" | "unordered" => Some(EventOrdering::Unordered),
+            "per_aggregate" | "per-aggregate" => Some(EventOrdering::PerAggregate),
+            _ => None,
+        }
+    }
+}
+
+/// The key under which a per-aggregate-ordered event waits for its predecessors: aggregate
+/// type and id (`None` for an unordered destination). A length prefix keeps `("a:b", "c")`
+/// and `("a", "b:c")` apart.
+pub fn ordering_key(
+    ordering: EventOrdering,
+    aggregate_type: &str,
+    aggregate_id: &str,
+) -> Option<String> {
+    match ordering {
+        EventOrdering::Unordered => None,
+        EventOrdering::PerAggregate => Some(format!(
+            "{}:{aggregate_type}/{aggregate_id}",
+            aggregate_type.len()
+        )),
+    }
+}
+
 /// `destination.v1` (R2): where an event goes, frozen inside the committing transaction.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Destination {
@@ -130,21 +179,27 @@ pub struct Destination {
     pub durability: String,
     /// Required acknowledgement level, e.g. `stream` or `all`.
     pub required_ack: String,
+    /// Per-aggregate ordering (R29); `Unordered` is encoded by omission, so the digests of
+    /// destinations frozen before ordering existed are unchanged.
+    pub ordering: EventOrdering,
 }
 
 impl Destination {
     /// The destination digest (canonical encoding, see `docs/encoding.md`).
     pub fn digest(&self) -> Digest {
-        Canonical::new(DESTINATION_DOMAIN)
-            .str(1, &self.cluster)
+        let mut c = Canonical::new(DESTINATION_DOMAIN);
+        c.str(1, &self.cluster)
             .str(2, &self.topic)
             .str(3, &self.routing_key)
             .str(4, &self.partition_algorithm.name())
             .u64(5, self.route_policy_generation)
             .str(6, &self.serializer)
             .str(7, &self.durability)
-            .str(8, &self.required_ack)
-            .finish()
+            .str(8, &self.required_ack);
+        if self.ordering != EventOrdering::Unordered {
+            c.str(9, self.ordering.name());
+        }
+        c.finish()
     }
 
     /// The partition this destination's routing key maps to, if partitioned.
@@ -171,6 +226,8 @@ pub struct RoutePolicy {
     pub durability: String,
     /// Required ACK level.
     pub required_ack: String,
+    /// Per-aggregate ordering, frozen into each destination resolved from this revision.
+    pub ordering: EventOrdering,
 }
 
 impl RoutePolicy {
@@ -186,6 +243,7 @@ impl RoutePolicy {
             serializer: self.serializer.clone(),
             durability: self.durability.clone(),
             required_ack: self.required_ack.clone(),
+            ordering: self.ordering,
         }
     }
 }
@@ -305,6 +363,7 @@ mod tests {
             serializer: "json.v1".into(),
             durability: "file".into(),
             required_ack: "stream".into(),
+            ordering: EventOrdering::Unordered,
         }
     }
 
@@ -356,6 +415,26 @@ mod tests {
         let b = policy(2).resolve("k");
         assert_ne!(a.digest(), b.digest());
         assert_eq!(a.digest(), policy(1).resolve("k").digest());
+    }
+
+    /// Ordering is field 9, present only when ordered: unordered digests keep their vectors.
+    #[test]
+    fn ordering_is_frozen_in_the_digest_only_when_asked() {
+        let unordered = policy(19).resolve("tenant-7.order.o-42");
+        let mut p = policy(19);
+        p.ordering = EventOrdering::PerAggregate;
+        let ordered = p.resolve("tenant-7.order.o-42");
+        assert_eq!(ordered.ordering, EventOrdering::PerAggregate);
+        assert_ne!(ordered.digest(), unordered.digest());
+        assert_eq!(
+            EventOrdering::parse(EventOrdering::PerAggregate.name()),
+            Some(EventOrdering::PerAggregate)
+        );
+        assert_eq!(ordering_key(EventOrdering::Unordered, "order", "o-1"), None);
+        assert_ne!(
+            ordering_key(EventOrdering::PerAggregate, "a:b", "c"),
+            ordering_key(EventOrdering::PerAggregate, "a", "b:c")
+        );
     }
 
     #[test]

@@ -25,6 +25,10 @@ pub enum MigrationRefusal {
     /// The new destination is the current one.
     #[error("the new destination equals the frozen one")]
     SameDestination,
+    /// The new destination's ordering differs (R29): the event's successors wait on it, so a
+    /// migration keeps it (`per_aggregate` to `per_aggregate`, unordered to unordered).
+    #[error("the new destination's ordering differs from the frozen one; migrate to a route with the same ordering")]
+    OrderingChanged,
 }
 
 /// The migration receipt: evidence of what moved, from where, on what proof.
@@ -54,6 +58,9 @@ pub fn decide_migration(
     }
     if !matches!(row.state, State::Pending | State::Quarantined) {
         return Err(MigrationRefusal::Busy(row.state));
+    }
+    if to.ordering != row.destination.ordering {
+        return Err(MigrationRefusal::OrderingChanged);
     }
     let to_digest = to.digest();
     if to_digest == row.destination_digest {

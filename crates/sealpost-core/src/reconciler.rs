@@ -470,6 +470,7 @@ mod tests {
                 serializer: "json.v1".into(),
                 durability: "file".into(),
                 required_ack: "stream".into(),
+                ordering: crate::envelope::EventOrdering::Unordered,
             }
             .resolve("k"),
         }

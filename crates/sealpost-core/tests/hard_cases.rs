@@ -55,6 +55,7 @@ fn policy(generation: u64, topic: &str) -> RoutePolicy {
         serializer: "json.v1".into(),
         durability: "file".into(),
         required_ack: "stream".into(),
+        ordering: sealpost_core::envelope::EventOrdering::Unordered,
     }
 }
 
@@ -1621,4 +1622,47 @@ fn poison_with_an_older_unknown_attempt_reaches_quarantine_and_the_late_ack_stil
         decide_receipt(&row2, &ack(&row2, 2, 8)),
         ReceiptVerdict::Reject(_)
     ));
+}
+
+/// R29: on a per-aggregate-ordered destination a claim waits while an earlier event of the
+/// aggregate is unresolved, and is granted once it is not; an unordered destination ignores
+/// the fact; a `SENDING` row whose lease ran out still becomes unknown (bookkeeping, no send).
+#[test]
+fn an_ordered_claim_waits_for_the_earlier_event_of_its_aggregate() {
+    use sealpost_core::claim::decide_dispatch_claim_with;
+    use sealpost_core::envelope::EventOrdering;
+    let mut p = policy(1, "ORDERS");
+    p.ordering = EventOrdering::PerAggregate;
+    let ordered = EventRow::new_pending(event_id(), 0, payload(), p.resolve(KEY));
+    assert_eq!(
+        decide_dispatch_claim_with(&ordered, true, T0, LEASE),
+        ClaimDecision::Wait
+    );
+    assert!(matches!(
+        decide_dispatch_claim_with(&ordered, false, T0, LEASE),
+        ClaimDecision::Grant { .. }
+    ));
+    let unordered = pending();
+    assert!(matches!(
+        decide_dispatch_claim_with(&unordered, true, T0, LEASE),
+        ClaimDecision::Grant { .. }
+    ));
+    // A waiting row is left untouched.
+    let mut row = ordered.clone();
+    assert_eq!(apply_claim(&mut row, &ClaimDecision::Wait, 1, T0), Ok(None));
+    assert_eq!(row, ordered);
+    // A SENDING row past its lease: the fact does not hold back the move to unknown.
+    let mut sending = ordered.clone();
+    let t = claim(&mut sending, 1, T0);
+    let b = decide_begin_send(&sending, t, T0).unwrap();
+    apply_begin_send(&mut sending, &b, t, 1, T0).unwrap();
+    assert_eq!(
+        decide_dispatch_claim_with(&sending, true, T0 + LEASE, LEASE),
+        ClaimDecision::ExpireToUnknown
+    );
+    // A migration keeps the ordering: its successors wait on it.
+    assert_eq!(
+        decide_migration(&ordered, &orders_eu()),
+        Err(MigrationRefusal::OrderingChanged)
+    );
 }

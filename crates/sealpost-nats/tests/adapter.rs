@@ -27,6 +27,7 @@ fn destination(cluster: &str, topic: &str) -> Destination {
         serializer: "json.v1".into(),
         durability: "file".into(),
         required_ack: "stream".into(),
+        ordering: sealpost_core::envelope::EventOrdering::Unordered,
     }
 }
 

@@ -54,11 +54,14 @@ pub enum Mutant {
     /// Cleanup ignores the restore point: it purges rows published after the oldest backup
     /// that may still be restored.
     PurgeIgnoresRestorePoint,
+    /// The claim ignores "an earlier event of this aggregate is unresolved" (R29): an
+    /// ordered aggregate's later event is sent while an earlier one is pending or unknown.
+    OrderingIgnoresEarlierEvent,
 }
 
 impl Mutant {
     /// Every mutant, in `--list-mutants` order.
-    pub const ALL: [Mutant; 16] = [
+    pub const ALL: [Mutant; 17] = [
         Mutant::AcceptWithoutDigestCheck,
         Mutant::RetryToOtherDestination,
         Mutant::AcceptUnregisteredAttempt,
@@ -75,6 +78,7 @@ impl Mutant {
         Mutant::RefusalAsNoAnswer,
         Mutant::HighWaterCursor,
         Mutant::PurgeIgnoresRestorePoint,
+        Mutant::OrderingIgnoresEarlierEvent,
     ];
 
     /// The CLI name.
@@ -96,6 +100,7 @@ impl Mutant {
             Mutant::RefusalAsNoAnswer => "refusal-as-no-answer",
             Mutant::HighWaterCursor => "high-water-cursor",
             Mutant::PurgeIgnoresRestorePoint => "purge-ignores-restore-point",
+            Mutant::OrderingIgnoresEarlierEvent => "ordering-ignores-earlier-event",
         }
     }
 
@@ -135,6 +140,26 @@ impl Protocol {
         } else {
             asked
         }
+    }
+
+    /// The dispatcher's claim decision for one row of a scan, with the store's fact "an
+    /// earlier event of this aggregate is unresolved" (the mutant drops the fact).
+    pub fn decide_dispatch_claim(
+        &self,
+        row: &EventRow,
+        clusters: &[String],
+        earlier_unresolved: bool,
+        now_ms: u64,
+        lease_ms: u64,
+    ) -> claim::ClaimDecision {
+        let earlier_unresolved =
+            earlier_unresolved && !self.is(Mutant::OrderingIgnoresEarlierEvent);
+        claim::decide_dispatch_claim_for(row, clusters, earlier_unresolved, now_ms, lease_ms)
+    }
+
+    /// The ordered consumer's gap rule.
+    pub fn decide_apply_order(&self, last_applied: Option<u64>, version: u64) -> inbox::ApplyOrder {
+        inbox::decide_apply_order(last_applied, version)
     }
 
     /// `acceptDispatchReceipt`'s decision.

@@ -28,11 +28,14 @@ pub enum Violation {
     /// A request that left the process after its claim's lease ended (R9: an expired claim
     /// cannot start a new send).
     SendsPastLease,
+    /// R29: an event of a per-aggregate-ordered destination stored at the broker after a
+    /// later version of its aggregate, or applied by a consumer after a later version.
+    Ordering,
 }
 
 impl Violation {
     /// Every class, in JSON order.
-    pub const ALL: [Violation; 10] = [
+    pub const ALL: [Violation; 11] = [
         Violation::LostEvents,
         Violation::SecondEventIds,
         Violation::CrossDestinationRetries,
@@ -43,6 +46,7 @@ impl Violation {
         Violation::Liveness,
         Violation::SecondCopies,
         Violation::SendsPastLease,
+        Violation::Ordering,
     ];
 
     /// JSON key.
@@ -58,13 +62,14 @@ impl Violation {
             Violation::Liveness => "liveness",
             Violation::SecondCopies => "second_copies",
             Violation::SendsPastLease => "sends_past_lease",
+            Violation::Ordering => "ordering",
         }
     }
 }
 
 /// Counts per violation class.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Violations(pub [u64; 10]);
+pub struct Violations(pub [u64; 11]);
 
 impl Violations {
     /// Adds one.
@@ -326,6 +331,13 @@ pub struct TraceStats {
     /// Rows parked in `QUARANTINED` at the end as a conflict (a contradicting copy at a
     /// create-if-absent destination), waiting for an operator.
     pub conflicts_parked: u64,
+    /// Claims that waited for an earlier event of their aggregate (R29).
+    pub ordering_waits: u64,
+    /// Deliveries an ordered consumer held back for an earlier version (R29).
+    pub ordering_holds: u64,
+    /// Ordered events a consumer could not apply because a restore lost an earlier version
+    /// before it reached the broker (the consumer's owner's exit: seed the version).
+    pub ordering_gaps_parked: u64,
 }
 
 impl TraceStats {
@@ -349,6 +361,9 @@ impl TraceStats {
         self.verified += o.verified;
         self.never_sent += o.never_sent;
         self.conflicts_parked += o.conflicts_parked;
+        self.ordering_waits += o.ordering_waits;
+        self.ordering_holds += o.ordering_holds;
+        self.ordering_gaps_parked += o.ordering_gaps_parked;
         self.inbox_duplicates += o.inbox_duplicates;
         self.inbox_quarantined += o.inbox_quarantined;
         self.migrations_granted += o.migrations_granted;

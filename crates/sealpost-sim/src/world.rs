@@ -11,8 +11,8 @@ use rand_chacha::ChaCha8Rng;
 use rand_core::{Rng, SeedableRng};
 
 use sealpost_core::claim::{
-    apply_begin_send, apply_claim, apply_release_quarantine, decide_dispatch_claim_for,
-    decide_reconcile_claim, decide_send_outcome, ClaimDecision, ClaimToken, SendOutcome,
+    apply_begin_send, apply_claim, apply_release_quarantine, decide_reconcile_claim,
+    decide_send_outcome, ClaimDecision, ClaimToken, SendOutcome,
 };
 use sealpost_core::cleanup::{
     apply_retention, PurgeRefusal, RetentionDecision, RetentionPolicy, Watermark,
@@ -23,9 +23,9 @@ use sealpost_core::dispatcher::{
 };
 use sealpost_core::encoding::Digest;
 use sealpost_core::envelope::{
-    Destination, EventId, PartitionAlgorithm, RoutePolicy, PAYLOAD_DOMAIN,
+    Destination, EventId, EventOrdering, PartitionAlgorithm, RoutePolicy, PAYLOAD_DOMAIN,
 };
-use sealpost_core::inbox::{InboxDecision, InboxRecord};
+use sealpost_core::inbox::{ApplyOrder, InboxDecision, InboxRecord};
 use sealpost_core::migration::{apply_migration, decide_migration};
 use sealpost_core::port::{Capabilities, NeverSentReason, RefusalKind, SendRequest, SendResult};
 use sealpost_core::receipt::{apply_receipt, Receipt, ReceiptSource, ReceiptVerdict};
@@ -93,6 +93,12 @@ struct Config {
     p_redeliver: u32,
     p_seq0: u32,
     p_forge: u32,
+    /// Per-aggregate ordering of the route (R29): 0 never, 1 every policy generation, 2 the
+    /// even generations only (a revision turns it on or off between an aggregate's events).
+    ordering_mode: u8,
+    /// Facts share this many aggregates (fact `f` is version `f / aggregates + 1` of
+    /// aggregate `f % aggregates`).
+    aggregates: u32,
 }
 
 /// A publish request on the wire.
@@ -114,6 +120,8 @@ struct PubReq {
     stream: u8,
     /// The adapter asks the broker to refuse a second copy.
     create_if_absent: bool,
+    /// The destination keeps per-aggregate order (R29; on the wire: a header).
+    ordered: bool,
 }
 
 /// A batch handed to the adapter model, until every message has an outcome.
@@ -205,6 +213,9 @@ struct Fact {
     poison: bool,
     /// Committed at least once (a client got "ok").
     committed: bool,
+    /// The aggregate it belongs to, and its version there (1, 2, ... without holes).
+    aggregate: u32,
+    version: u64,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -219,6 +230,8 @@ struct Db {
 
 #[derive(Clone, Debug)]
 struct Msg {
+    /// Sent to a per-aggregate-ordered destination.
+    ordered: bool,
     event_id: EventId,
     member: u16,
     envelope_generation: u32,
@@ -309,6 +322,11 @@ struct Consumer {
     effects: Vec<(EventId, u32)>,
     next_receipt: u64,
     tick_scheduled: bool,
+    /// The consumer's own database: the versions applied per aggregate (committed with the
+    /// effect); the gap rule reads the contiguous prefix.
+    applied_versions: Vec<(u32, Vec<u64>)>,
+    /// Ghost: the highest version applied per aggregate among ordered messages.
+    ordered_applied: Vec<(u32, u64)>,
 }
 
 /// Runs one trace.
@@ -357,6 +375,13 @@ pub struct World {
     conflicts: Vec<u32>,
     /// (class, subject) pairs already counted in this trace.
     reported: Vec<(Violation, u32)>,
+    /// Ghost: the first stored copy of each event of an ordered destination, in broker
+    /// order: (aggregate, version, event id).
+    ordered_stored: Vec<(u32, u64, EventId)>,
+    /// Ghost: aggregates a restore set back behind a committed version (its business rows
+    /// and envelopes lost): their later versions were written against a history the
+    /// database no longer has, so the order checkers skip them (see docs/simulator.md).
+    restore_broken: Vec<u32>,
 }
 
 fn chance(rng: &mut ChaCha8Rng, per_mille: u32) -> bool {
@@ -367,7 +392,11 @@ fn range(rng: &mut ChaCha8Rng, lo: u64, hi: u64) -> u64 {
     lo + rng.next_u64() % (hi - lo + 1)
 }
 
-fn policy_for(generation: u64) -> RoutePolicy {
+fn ordered_at(generation: u64, mode: u8) -> bool {
+    mode == 1 || (mode == 2 && generation.is_multiple_of(2))
+}
+
+fn policy_for(generation: u64, mode: u8) -> RoutePolicy {
     let g = generation as usize;
     RoutePolicy {
         generation,
@@ -377,17 +406,22 @@ fn policy_for(generation: u64) -> RoutePolicy {
         serializer: "json.v1".to_string(),
         durability: "file".to_string(),
         required_ack: "stream".to_string(),
+        ordering: if ordered_at(generation, mode) {
+            EventOrdering::PerAggregate
+        } else {
+            EventOrdering::Unordered
+        },
     }
 }
 
-fn member_destination(generation: u64, fact: u32, member: u16) -> Destination {
+fn member_destination(generation: u64, mode: u8, aggregate: u32, member: u16) -> Destination {
     // Member 1 of a delivery set goes to the billing stream of the other cluster.
-    let mut p = policy_for(generation);
+    let mut p = policy_for(generation, mode);
     if member > 0 {
         p.cluster = CLUSTERS[(generation as usize + 1) % 2].to_string();
         p.topic = TOPICS[2].to_string();
     }
-    p.resolve(&format!("tenant-1.order.o-{fact}"))
+    p.resolve(&format!("tenant-1.order.o-{aggregate}"))
 }
 
 impl World {
@@ -438,6 +472,15 @@ impl World {
             p_redeliver: range(&mut rng, 0, 300) as u32,
             p_seq0: range(&mut rng, 0, 300) as u32,
             p_forge: range(&mut rng, 0, 80) as u32,
+            ordering_mode: range(&mut rng, 0, 2) as u8,
+            aggregates: 0,
+        };
+        let mut cfg = cfg;
+        // Half the traces give several facts to one aggregate (its versions 1, 2, ...).
+        cfg.aggregates = if chance(&mut rng, 500) {
+            range(&mut rng, 1, cfg.facts as u64) as u32
+        } else {
+            cfg.facts as u32
         };
         let mut streams = Vec::new();
         for cluster in 0..CLUSTERS.len() as u8 {
@@ -518,6 +561,8 @@ impl World {
             checked_version: u64::MAX,
             conflicts: Vec::new(),
             reported: Vec::new(),
+            ordered_stored: Vec::new(),
+            restore_broken: Vec::new(),
         };
         w.plan();
         w
@@ -556,6 +601,8 @@ impl World {
                 members,
                 poison,
                 committed: false,
+                aggregate: f as u32 % self.cfg.aggregates,
+                version: (f as u32 / self.cfg.aggregates) as u64 + 1,
             });
             self.at(t, Ev::WriterCommit { fact: f as u32 });
         }
@@ -811,6 +858,20 @@ impl World {
         if self.db.business.contains(&fact) {
             return; // a retried command finds its committed fact: no second id (R3)
         }
+        // The producer writes version v of an aggregate after reading version v - 1 under
+        // the aggregate's lock: a later version never commits before an earlier one.
+        let (agg, version) = (self.facts[f].aggregate, self.facts[f].version);
+        let predecessor = self
+            .facts
+            .iter()
+            .position(|x| x.aggregate == agg && x.version + 1 == version);
+        // (A restore may lose the predecessor's commit afterwards, with its business row:
+        // then the producer's later version stands alone, as it would in production.)
+        if predecessor.is_some_and(|p| !self.facts[p].committed) {
+            let t = self.now + range(&mut self.rng, 100, 2_000);
+            self.at(t, Ev::WriterCommit { fact });
+            return;
+        }
         if self.faults_on && chance(&mut self.rng, self.cfg.p_writer_crash) {
             // F1: killed before the commit; the client retries with the same command.
             self.fault(Fault::CrashBeforeCommit);
@@ -825,7 +886,7 @@ impl World {
         // One transaction: business row and every member's PENDING envelope (R4).
         self.db.business.push(fact);
         for m in 0..members {
-            let dest = member_destination(self.db.policy, fact, m);
+            let dest = member_destination(self.db.policy, self.cfg.ordering_mode, agg, m);
             self.db
                 .rows
                 .push(EventRow::new_pending(event_id, m, payload, dest));
@@ -966,6 +1027,7 @@ impl World {
             db_now_ms: self.now,
             sends: Vec::new(),
             last_position: None,
+            ordered_from: None,
         };
         let mut meta = Vec::new();
         let from = self
@@ -975,9 +1037,22 @@ impl World {
             if claimed.sends.len() >= max {
                 break;
             }
-            let decision =
-                decide_dispatch_claim_for(&self.db.rows[i], &clusters, self.now, LEASE_MS);
+            // The store reads this fact in the claim's own statement, from every earlier
+            // version of the aggregate whoever holds it.
+            let earlier = self.earlier_unresolved(i);
+            let decision = self.proto.decide_dispatch_claim(
+                &self.db.rows[i],
+                &clusters,
+                earlier,
+                self.now,
+                LEASE_MS,
+            );
             if decision == ClaimDecision::Skip {
+                continue;
+            }
+            if decision == ClaimDecision::Wait {
+                self.stats.ordering_waits += 1;
+                claimed.last_position = Some(i as u64);
                 continue;
             }
             claimed.last_position = Some(i as u64);
@@ -1018,6 +1093,10 @@ impl World {
                     .as_ref()
                     .map_or(now, |c| c.lease_until_ms);
                 meta.push((i as u32, stream, token, lease_until_ms));
+                if self.db.rows[i].destination.ordering == EventOrdering::PerAggregate {
+                    let p = i as u64;
+                    claimed.ordered_from = Some(claimed.ordered_from.map_or(p, |q| q.min(p)));
+                }
                 claimed.sends.push(ClaimedSend {
                     request: req,
                     token,
@@ -1034,9 +1113,46 @@ impl World {
         claimed
     }
 
+    /// The fact the store reads for an ordered claim: an earlier version of row `i`'s
+    /// aggregate, bound for an ordered destination, is not published.
+    fn earlier_unresolved(&self, i: usize) -> bool {
+        let Some(&f) = self.db.row_fact.get(i) else {
+            return false;
+        };
+        let (agg, version) = (
+            self.facts[f as usize].aggregate,
+            self.facts[f as usize].version,
+        );
+        self.db.rows.iter().zip(&self.db.row_fact).any(|(r, &g)| {
+            let x = &self.facts[g as usize];
+            x.aggregate == agg
+                && x.version < version
+                && r.destination.ordering == EventOrdering::PerAggregate
+                && !r.state.is_published()
+        })
+    }
+
+    /// True when row `i` is an ordered event behind a row parked as a conflict (it waits
+    /// with it for the operator's exit).
+    fn behind_conflict(&self, i: usize) -> bool {
+        let Some(&f) = self.db.row_fact.get(i) else {
+            return false;
+        };
+        let (agg, version) = (
+            self.facts[f as usize].aggregate,
+            self.facts[f as usize].version,
+        );
+        self.conflicts.iter().any(|&c| {
+            let x = &self.facts[self.db.row_fact[c as usize] as usize];
+            x.aggregate == agg && x.version < version
+        })
+    }
+
     /// Registers the attempt of a fresh claim (same transaction as the claim).
     fn begin_send(&mut self, d: u8, r: usize, token: ClaimToken) -> Option<(SendRequest, u8)> {
         let fact = self.db.row_fact[r];
+        let agg = self.facts[fact as usize].aggregate;
+        let mode = self.cfg.ordering_mode;
         let (policy, member, now) = (self.db.policy, self.db.rows[r].member, self.now);
         let mut random = [0u8; 10];
         self.rng.fill_bytes(&mut random);
@@ -1045,7 +1161,7 @@ impl World {
             &self.db.rows[r],
             token,
             self.now,
-            || member_destination(policy, fact, member).digest(),
+            || member_destination(policy, mode, agg, member).digest(),
             || EventId::mint(1_800_000_000_000 + now, random),
         ) {
             Ok(b) => b,
@@ -1089,7 +1205,7 @@ impl World {
         let destination = if begin.destination_digest == self.db.rows[r].destination_digest {
             self.db.rows[r].destination.clone()
         } else {
-            member_destination(policy, fact, member)
+            member_destination(policy, mode, agg, member)
         };
         let Some(stream) = self.stream_of(&destination) else {
             self.violation(Violation::Liveness, || "destination has no stream".into());
@@ -1149,6 +1265,7 @@ impl World {
                     destination_digest: s.destination_digest,
                     stream,
                     create_if_absent,
+                    ordered: s.destination.ordering == EventOrdering::PerAggregate,
                 },
             )
             .collect();
@@ -1486,7 +1603,9 @@ impl World {
             );
             return;
         } else {
+            let first = !stream.msgs.iter().any(|m| m.event_id == req.event_id);
             stream.msgs.push(Msg {
+                ordered: req.ordered,
                 event_id: req.event_id,
                 member: req.member,
                 envelope_generation: req.envelope_generation,
@@ -1496,6 +1615,9 @@ impl World {
             });
             let seq = stream.msgs.len() as u64;
             stream.dedup.push((req.event_id, req.member, seq, now));
+            if first {
+                self.check_broker_order(&req);
+            }
             (seq, false)
         };
         if held && !duplicate {
@@ -1833,7 +1955,7 @@ impl World {
         let mut due: Vec<(u64, usize)> = Vec::new();
         for i in 0..self.db.rows.len() {
             match decide_reconcile_claim(&self.db.rows[i], self.now, RECONCILE_LEASE_MS) {
-                ClaimDecision::Skip => {}
+                ClaimDecision::Skip | ClaimDecision::Wait => {}
                 ClaimDecision::ExpireToUnknown => {
                     self.fault(Fault::ClaimSuperseded);
                     let d = ClaimDecision::ExpireToUnknown;
@@ -1982,7 +2104,13 @@ impl World {
         }
         let r = self.rng.next_u32() as usize % self.db.rows.len();
         let fact = self.db.row_fact[r];
-        let to = member_destination(self.db.policy + 1, fact, self.db.rows[r].member);
+        let agg = self.facts[fact as usize].aggregate;
+        let to = member_destination(
+            self.db.policy + 1,
+            self.cfg.ordering_mode,
+            agg,
+            self.db.rows[r].member,
+        );
         match decide_migration(&self.db.rows[r], &to) {
             Ok(grant) => {
                 if let Some(g) = self.never_sent_ghost.get_mut(r) {
@@ -2085,8 +2213,53 @@ impl World {
             .find(|(e, _)| *e == m.event_id)
             .map(|(_, r)| *r);
         let decision = self.proto.decide_inbox(existing, m.payload_digest);
+        let agg_version = self.aggregate_version(m.event_id);
+        // The highest version up to which every version of the aggregate was applied
+        // (unordered versions too: a route revision may have sent some of them unordered).
+        let last = agg_version.and_then(|(a, _)| {
+            let vs = &self.consumers[ci]
+                .applied_versions
+                .iter()
+                .find(|e| e.0 == a)?
+                .1;
+            let mut prefix = 0;
+            while vs.contains(&(prefix + 1)) {
+                prefix += 1;
+            }
+            (prefix > 0).then_some(prefix)
+        });
+        if decision == InboxDecision::Apply {
+            if let Some((agg, version)) = agg_version.filter(|_| m.ordered) {
+                if self.proto.decide_apply_order(last, version) == ApplyOrder::Hold {
+                    // Not applied, not acked: delivered again after the earlier version.
+                    self.stats.ordering_holds += 1;
+                    return true;
+                }
+                // Checker (R29): the consumer applies an ordered aggregate's versions in order
+                // (an unordered version, from a route revision, promises nothing).
+                let con = &mut self.consumers[ci];
+                let seen = con.ordered_applied.iter_mut().find(|e| e.0 == agg);
+                let later = seen.as_ref().map_or(0, |e| e.1);
+                match seen {
+                    Some(e) => e.1 = e.1.max(version),
+                    None => con.ordered_applied.push((agg, version)),
+                }
+                if later > version && !self.restore_broken.contains(&agg) {
+                    self.violation_of(Violation::Ordering, 8_000_000 + agg, || {
+                        format!("consumer {ci} applied version {version} of aggregate {agg} after version {later}")
+                    });
+                }
+            }
+        }
         match decision {
             InboxDecision::Apply => {
+                if let Some((agg, version)) = agg_version {
+                    let con = &mut self.consumers[ci];
+                    match con.applied_versions.iter_mut().find(|e| e.0 == agg) {
+                        Some(e) => e.1.push(version),
+                        None => con.applied_versions.push((agg, vec![version])),
+                    }
+                }
                 let in_tx = self.proto.inbox_in_effect_tx();
                 self.apply_effect(ci, &m);
                 if !in_tx && self.faults_on && chance(&mut self.rng, self.cfg.p_consumer_crash) {
@@ -2121,6 +2294,55 @@ impl World {
             con.watermark[s] += 1;
         }
         true
+    }
+
+    /// Checker (R29): the first stored copy of an ordered event comes after every earlier
+    /// version and before every later version of its aggregate stored for an ordered
+    /// destination.
+    fn check_broker_order(&mut self, req: &PubReq) {
+        let Some((agg, version)) = self.aggregate_version(req.event_id).filter(|_| req.ordered)
+        else {
+            return;
+        };
+        if self.ordered_stored.iter().any(|e| e.2 == req.event_id)
+            || self.restore_broken.contains(&agg)
+        {
+            return;
+        }
+        if let Some(&(_, later, _)) = self
+            .ordered_stored
+            .iter()
+            .find(|e| e.0 == agg && e.1 > version)
+        {
+            self.violation_of(Violation::Ordering, 7_000_000 + agg, || {
+                format!("broker stored version {version} of aggregate {agg} after version {later}")
+            });
+        }
+        self.ordered_stored.push((agg, version, req.event_id));
+    }
+
+    /// The aggregate and version of an event (the headers on the wire say it).
+    fn aggregate_version(&self, event_id: EventId) -> Option<(u32, u64)> {
+        let x = self.facts.iter().find(|f| f.event_id == event_id)?;
+        Some((x.aggregate, x.version))
+    }
+
+    /// True when a consumer waits in vain for an earlier version of this event's aggregate:
+    /// a database restore lost it with its business row before it reached the broker. The
+    /// consumer's owner seeds the aggregate's version past the gap (the documented exit).
+    fn behind_lost(&self, event_id: EventId) -> bool {
+        let Some((agg, version)) = self.aggregate_version(event_id) else {
+            return false;
+        };
+        self.facts.iter().enumerate().any(|(f, x)| {
+            x.aggregate == agg
+                && x.version < version
+                && !self.db.business.contains(&(f as u32))
+                && !self
+                    .streams
+                    .iter()
+                    .any(|s| s.msgs.iter().any(|m| m.event_id == x.event_id))
+        })
     }
 
     fn apply_effect(&mut self, ci: usize, m: &Msg) {
@@ -2260,6 +2482,15 @@ impl World {
         };
         self.fault(Fault::DatabaseRestored);
         self.db = snap;
+        for f in 0..self.facts.len() {
+            let a = self.facts[f].aggregate;
+            if self.facts[f].committed
+                && !self.db.business.contains(&(f as u32))
+                && !self.restore_broken.contains(&a)
+            {
+                self.restore_broken.push(a);
+            }
+        }
         self.epoch += 1;
         // A conflict found later is re-found from the restored rows.
         self.conflicts.clear();
@@ -2406,6 +2637,11 @@ impl World {
                 self.stats.conflicts_parked += 1;
                 continue;
             }
+            if self.behind_conflict(i) {
+                // Ordered behind a parked conflict: it waits with it (R29), not lost.
+                self.stats.conflicts_parked += 1;
+                continue;
+            }
             if !row.state.is_published() {
                 let st = row.state;
                 self.violation(Violation::Liveness, || format!("row {i} ended {st}"));
@@ -2418,6 +2654,10 @@ impl World {
                     .iter()
                     .find(|(e, _)| *e == eid)
                     .map_or(0, |(_, n)| *n);
+                if n == 0 && self.behind_lost(eid) {
+                    self.stats.ordering_gaps_parked += 1;
+                    continue;
+                }
                 if n != 1 {
                     self.violation(Violation::Liveness, || {
                         format!("consumer {c} applied {eid} {n} times")

@@ -80,6 +80,7 @@ fn expected_class(m: Mutant) -> Option<Violation> {
         Mutant::RefusalAsNoAnswer => Some(Violation::Liveness),
         Mutant::HighWaterCursor => Some(Violation::Liveness),
         Mutant::PurgeIgnoresRestorePoint => Some(Violation::EarlyPurges),
+        Mutant::OrderingIgnoresEarlierEvent => Some(Violation::Ordering),
     }
 }
 

@@ -55,6 +55,7 @@ pub async fn enqueue(
         p.try_get(4)?,
         p.try_get(5)?,
         p.try_get(6)?,
+        &p.try_get::<String, _>(8)?,
     )?;
     let txid: i64 = p.try_get(7)?;
     let ev = NewEvent {
@@ -87,6 +88,12 @@ pub async fn enqueue(
         .bind(env.destination_digest.0.as_slice())
         .bind(env.digest().0.as_slice())
         .bind(ev.payload)
+        .bind(d.ordering.name())
+        .bind(sealpost_core::envelope::ordering_key(
+            d.ordering,
+            &env.aggregate_type,
+            &env.aggregate_id,
+        ))
         .execute(&mut *conn)
         .await?;
     Ok(env)

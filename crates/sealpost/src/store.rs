@@ -6,15 +6,16 @@ use std::collections::HashMap;
 
 use sealpost_core::claim::apply_release_quarantine;
 use sealpost_core::claim::{
-    apply_begin_send, apply_claim, apply_send_outcome, decide_begin_send, decide_dispatch_claim,
-    decide_reconcile_claim, decide_send_outcome, ClaimDecision, ClaimToken, SendOutcome,
-    SendOutcomeDecision,
+    apply_begin_send, apply_claim, apply_send_outcome, decide_begin_send,
+    decide_dispatch_claim_with, decide_reconcile_claim, decide_send_outcome, ClaimDecision,
+    ClaimToken, SendOutcome, SendOutcomeDecision,
 };
 use sealpost_core::claim::{decide_dispatch_claim_for, NEVER_SENT_ALERT_COUNT};
 use sealpost_core::dispatcher::{Claimed, ClaimedSend, Submission};
 use sealpost_core::encoding::Digest;
 use sealpost_core::envelope::{
-    Destination, EventId, NewEvent, PartitionAlgorithm, RoutePolicy, SealedEnvelope,
+    ordering_key, Destination, EventId, EventOrdering, NewEvent, PartitionAlgorithm, RoutePolicy,
+    SealedEnvelope,
 };
 use sealpost_core::port::SendRequest;
 use sealpost_core::receipt::{
@@ -39,6 +40,7 @@ pub const MIGRATIONS: &[(i32, &str)] = &[
         4,
         include_str!("../migrations/0004_consumers_retention.sql"),
     ),
+    (5, include_str!("../migrations/0005_ordering.sql")),
 ];
 
 /// Statements the store has sent to PostgreSQL in this process (each query, `BEGIN` and
@@ -251,6 +253,30 @@ pub async fn set_route_durability(
     Ok(row.map(|r| r.get::<_, i64>(0) as u64))
 }
 
+/// [`set_route`] with a per-aggregate ordering choice (R29): a revision that changes it bumps
+/// the generation like any other; events already committed keep the ordering frozen in
+/// their destination.
+pub async fn set_route_ordering(
+    client: &impl GenericClient,
+    name: &str,
+    cluster: &str,
+    topic: &str,
+    ordering: EventOrdering,
+) -> Result<u64> {
+    let row = client
+        .query_one(
+            "INSERT INTO sealpost.route_policy (name, generation, cluster, topic, ordering)
+             VALUES ($1, 1, $2, $3, $4)
+             ON CONFLICT (name) DO UPDATE SET generation = sealpost.route_policy.generation + 1,
+                 cluster = EXCLUDED.cluster, topic = EXCLUDED.topic,
+                 ordering = EXCLUDED.ordering, updated_at = now()
+             RETURNING generation",
+            &[&name, &cluster, &topic, &ordering.name()],
+        )
+        .await?;
+    Ok(row.get::<_, i64>(0) as u64)
+}
+
 /// The database clock in milliseconds (R7: leases use it, never a worker's clock).
 pub async fn db_now_ms(client: &impl GenericClient) -> Result<u64> {
     counted(1);
@@ -335,16 +361,20 @@ pub async fn enqueue_many(
             aggregate_version, event_type, payload_schema_digest, payload_digest, tenant, occurred_at_ms,
             creating_txid, dest_cluster, dest_topic, dest_routing_key, dest_partition_alg,
             dest_policy_generation, dest_serializer, dest_durability, dest_required_ack,
-            destination_digest, envelope_digest, payload)
+            destination_digest, envelope_digest, payload, dest_ordering)
          SELECT u.id, 0, 1, u.at, u.ai, u.av, u.et, u.sd, u.pd, u.tn, u.oc, $20, u.dc, u.dt, u.dk, u.da,
-                u.dg, u.ds, u.dd, u.dr, u.dgst, u.edg, u.payload
+                u.dg, u.ds, u.dd, u.dr, u.dgst, u.edg, u.payload, $22
          FROM unnest($1::uuid[], $2::text[], $3::text[], $4::int8[], $5::text[], $6::bytea[], $7::bytea[],
                      $8::text[], $9::int8[], $10::text[], $11::text[], $12::text[], $13::text[], $14::int8[],
-                     $15::text[], $16::text[], $17::text[], $18::bytea[], $19::bytea[], $21::bytea[])
-              AS u(id, at, ai, av, et, sd, pd, tn, oc, dc, dt, dk, da, dg, ds, dd, dr, dgst, edg, payload)
-         RETURNING event_id, member, envelope_generation, dest_cluster, created_at_ms)
-         INSERT INTO sealpost.work (event_id, member, envelope_generation, dest_cluster, created_at_ms, phase, state)
-         SELECT event_id, member, envelope_generation, dest_cluster, created_at_ms, 0, 'PENDING' FROM e",
+                     $15::text[], $16::text[], $17::text[], $18::bytea[], $19::bytea[], $21::bytea[],
+                     $23::text[])
+              AS u(id, at, ai, av, et, sd, pd, tn, oc, dc, dt, dk, da, dg, ds, dd, dr, dgst, edg, payload, ok)
+         RETURNING event_id, member, envelope_generation, dest_cluster, created_at_ms, aggregate_version)
+         INSERT INTO sealpost.work (event_id, member, envelope_generation, dest_cluster, created_at_ms, phase, state,
+                                    ordering_key, aggregate_version)
+         SELECT e.event_id, e.member, e.envelope_generation, e.dest_cluster, e.created_at_ms, 0, 'PENDING', v.ok,
+                e.aggregate_version
+         FROM e JOIN unnest($1::uuid[], $23::text[]) AS v(id, ok) ON v.id = e.event_id",
         &[
             &ids,
             &col(&|e| e.aggregate_type.clone()),
@@ -367,6 +397,13 @@ pub async fn enqueue_many(
             &bytes(&|e| e.digest().0.to_vec()),
             &(txid as i64),
             &payloads,
+            &policy.ordering.name(),
+            &envs
+                .iter()
+                .map(|e| {
+                    ordering_key(e.destination.ordering, &e.aggregate_type, &e.aggregate_id)
+                })
+                .collect::<Vec<Option<String>>>(),
         ],
     )
     .await?;
@@ -377,7 +414,7 @@ pub async fn enqueue_many(
 /// concurrent revision until the caller's transaction ends (shared with the sqlx flavour).
 pub(crate) const POLICY_SQL: &str =
     "SELECT generation, cluster, topic, partition_algorithm, serializer, durability, required_ack,
-            txid_current()
+            txid_current(), ordering
      FROM sealpost.route_policy WHERE name = $1 FOR SHARE";
 
 /// Inserts one sealed envelope and its `PENDING` work row in one statement (shared with the
@@ -387,11 +424,13 @@ pub(crate) const INSERT_ENVELOPE_SQL: &str =
         aggregate_version, event_type, payload_schema_digest, payload_digest, tenant, occurred_at_ms,
         creating_txid, dest_cluster, dest_topic, dest_routing_key, dest_partition_alg,
         dest_policy_generation, dest_serializer, dest_durability, dest_required_ack,
-        destination_digest, envelope_digest, payload)
-     VALUES ($1,$2,$3,$4,$5,$6,$7,$8,$9,$10,$11,$12,$13,$14,$15,$16,$17,$18,$19,$20,$21,$22,$23)
-     RETURNING event_id, member, envelope_generation, dest_cluster, created_at_ms)
-     INSERT INTO sealpost.work (event_id, member, envelope_generation, dest_cluster, created_at_ms, phase, state)
-     SELECT event_id, member, envelope_generation, dest_cluster, created_at_ms, 0, 'PENDING' FROM e";
+        destination_digest, envelope_digest, payload, dest_ordering)
+     VALUES ($1,$2,$3,$4,$5,$6,$7,$8,$9,$10,$11,$12,$13,$14,$15,$16,$17,$18,$19,$20,$21,$22,$23,$24)
+     RETURNING event_id, member, envelope_generation, dest_cluster, created_at_ms, aggregate_version)
+     INSERT INTO sealpost.work (event_id, member, envelope_generation, dest_cluster, created_at_ms, phase, state,
+                                ordering_key, aggregate_version)
+     SELECT event_id, member, envelope_generation, dest_cluster, created_at_ms, 0, 'PENDING', $25::text,
+            aggregate_version FROM e";
 
 /// Builds a policy from the columns of [`POLICY_SQL`].
 #[allow(clippy::too_many_arguments)]
@@ -403,6 +442,7 @@ pub(crate) fn policy_from_parts(
     serializer: String,
     durability: String,
     required_ack: String,
+    ordering: &str,
 ) -> Result<RoutePolicy> {
     Ok(RoutePolicy {
         generation: generation as u64,
@@ -413,6 +453,8 @@ pub(crate) fn policy_from_parts(
         serializer,
         durability,
         required_ack,
+        ordering: EventOrdering::parse(ordering)
+            .ok_or_else(|| StoreError::Corrupt(format!("route ordering `{ordering}`")))?,
     })
 }
 
@@ -430,6 +472,7 @@ async fn load_policy(tx: &Transaction<'_>, route: &str) -> Result<(RoutePolicy, 
         p.get(4),
         p.get(5),
         p.get(6),
+        p.get::<_, &str>(8),
     )?;
     Ok((policy, p.get::<_, i64>(7) as u64))
 }
@@ -467,6 +510,8 @@ async fn insert_envelope(
             &env.destination_digest.0.as_slice(),
             &env.digest().0.as_slice(),
             &payload,
+            &d.ordering.name(),
+            &ordering_key(d.ordering, &env.aggregate_type, &env.aggregate_id),
         ],
     )
     .await?;
@@ -483,10 +528,10 @@ const ROW_COLS: &str =
     w.primary_partition, w.primary_sequence, w.superseded_generations, w.superseded_digests,
     w.not_before_ms, w.never_sent, w.next_lookup_at_ms, w.lookups, w.attempt_id, w.attempt_agen,
     w.attempt_claim_generation, w.attempt_owner, w.attempt_envelope_generation, w.attempt_status,
-    w.attempt_started_ms, w.attempts_archived";
+    w.attempt_started_ms, w.attempts_archived, e.dest_ordering";
 
 /// Number of columns in [`ROW_COLS`]; extra selected columns start here.
-const ROW_COLS_LEN: usize = 40;
+const ROW_COLS_LEN: usize = 41;
 
 /// Selects (and locks, if `pick` says `FOR UPDATE`) work rows with `pick` (a
 /// `FROM sealpost.work w ...` clause with its own order and limit), then joins their sealed envelopes: the rows are chosen
@@ -501,6 +546,29 @@ fn locked_rows_sql(pick: &str, extra_cols: &str, order: &str) -> String {
          ORDER BY {order}"
     )
 }
+
+/// The fact the claim decision takes for a per-aggregate-ordered row (R29): "an earlier
+/// version of this aggregate is unresolved". It reads every earlier version of the key in
+/// the unresolved phases (0 dispatchable, 1 unknown, 3 quarantined; the `work_ordering_open`
+/// index), *whoever holds or locks it*: `SKIP LOCKED` hides a row from the pick, not from
+/// this probe. It is evaluated in the claim's own statement, on the statement's snapshot:
+///
+/// * a version that is unresolved in the snapshot counts, even if it is being published by
+///   a transaction that has not committed: the fact errs towards "wait";
+/// * a version resolved (phase 2) in the snapshot was published by a committed transaction
+///   and never becomes unresolved again (only a database restore undoes it, and it undoes
+///   the later versions' sends with it);
+/// * so two dispatchers that lock v1 and v2 at the same moment cannot both send: the one
+///   holding v2 sees v1 unresolved and waits, and v2 is only sent by a claim that starts
+///   after the receipt of v1 committed.
+///
+/// The producer's side of the bargain: version v + 1 of an aggregate commits after version v
+/// (it is written after reading v under the aggregate's lock, as an optimistic version check
+/// does). An earlier version committed *later* is not seen by a claim that ran before it.
+const EARLIER_UNRESOLVED_SQL: &str = "(w.ordering_key IS NOT NULL AND EXISTS (
+        SELECT 1 FROM sealpost.work p
+        WHERE p.ordering_key = w.ordering_key AND p.aggregate_version < w.aggregate_version
+          AND p.ordering_key IS NOT NULL AND p.phase <> 2))";
 
 /// The database clock in milliseconds at the start of the statement, as SQL.
 const NOW_MS_SQL: &str = "(extract(epoch from statement_timestamp()) * 1000)::bigint";
@@ -523,6 +591,11 @@ fn parse_row(r: &tokio_postgres::Row) -> Result<Loaded> {
         serializer: r.get(9),
         durability: r.get(10),
         required_ack: r.get(11),
+        ordering: {
+            let o: &str = r.get(40);
+            EventOrdering::parse(o)
+                .ok_or_else(|| StoreError::Corrupt(format!("destination ordering `{o}`")))?
+        },
     };
     let state_s: String = r.get(13);
     let state =
@@ -649,6 +722,8 @@ fn phase_of(state: State) -> i16 {
     match state {
         State::Pending | State::Claimed | State::Sending | State::RetryClaimed => 0,
         State::DispatchUnknown | State::Reconciling => 1,
+        // Migration 5: parked poison stays among the unresolved rows of the ordering index.
+        State::Quarantined => 3,
         _ => 2,
     }
 }
@@ -1058,6 +1133,10 @@ pub struct ClaimBatch {
     pub expired_to_unknown: usize,
     /// The highest commit position among the rows the scan locked.
     pub last_position: Option<u64>,
+    /// The lowest commit position among the sends bound for an ordered destination.
+    pub ordered_from: Option<u64>,
+    /// Rows the scan locked that wait for an earlier event of their aggregate (R29).
+    pub ordering_waits: usize,
 }
 
 impl ClaimBatch {
@@ -1067,6 +1146,7 @@ impl ClaimBatch {
         let db_now_ms = self.db_now_ms;
         Claimed {
             last_position: self.last_position,
+            ordered_from: self.ordered_from,
             claim_started_ms,
             db_now_ms,
             sends: self
@@ -1253,7 +1333,7 @@ async fn claim_in(
         ),
         &format!(
             ", e.payload, nextval('sealpost.attempt_id_seq'), {NOW_MS_SQL}, w.committed_seq,
-               pg_current_xact_id()::xid::text::bigint, w.created_at_ms"
+               pg_current_xact_id()::xid::text::bigint, w.created_at_ms, {EARLIER_UNRESOLVED_SQL}"
         ),
         "w.dest_cluster, w.committed_seq",
     );
@@ -1285,11 +1365,18 @@ async fn claim_in(
             .max(),
         ..ClaimBatch::default()
     };
+    let mut ordered_from: Option<u64> = None;
     for (i, row) in after.iter_mut().enumerate() {
+        let earlier_unresolved = found[i].get::<_, bool>(ROW_COLS_LEN + 6);
         let decision = match cluster {
-            Some(_) => decide_dispatch_claim_for(row, &served, now_ms, lease_ms),
-            None => decide_dispatch_claim(row, now_ms, lease_ms),
+            Some(_) => {
+                decide_dispatch_claim_for(row, &served, earlier_unresolved, now_ms, lease_ms)
+            }
+            None => decide_dispatch_claim_with(row, earlier_unresolved, now_ms, lease_ms),
         };
+        if decision == ClaimDecision::Wait {
+            batch.ordering_waits += 1;
+        }
         match apply_claim(row, &decision, owner, now_ms) {
             Ok(Some(token)) => {
                 let begin = decide_begin_send(row, token, now_ms)
@@ -1297,6 +1384,10 @@ async fn claim_in(
                 let attempt_id = ids[i] as u64;
                 apply_begin_send(row, &begin, token, attempt_id, now_ms)
                     .map_err(|e| StoreError::Corrupt(e.to_string()))?;
+                if row.destination.ordering == EventOrdering::PerAggregate {
+                    let p = found[i].get::<_, i64>(ROW_COLS_LEN + 3) as u64;
+                    ordered_from = Some(ordered_from.map_or(p, |q| q.min(p)));
+                }
                 batch.outgoing.push(Outgoing {
                     event_id: begin.event_id,
                     member: row.member,
@@ -1318,6 +1409,7 @@ async fn claim_in(
             Err(e) => return Err(StoreError::Corrupt(e.to_string())),
         }
     }
+    batch.ordered_from = ordered_from;
     persist(&tx, &before, &after).await?;
     tx.commit().await?;
     if let Some(held) = held {
@@ -2349,10 +2441,10 @@ pub async fn migrate_event(
             aggregate_version, event_type, payload_schema_digest, payload_digest, tenant, occurred_at_ms,
             creating_txid, dest_cluster, dest_topic, dest_routing_key, dest_partition_alg,
             dest_policy_generation, dest_serializer, dest_durability, dest_required_ack,
-            destination_digest, envelope_digest, payload, created_at_ms)
+            destination_digest, envelope_digest, payload, created_at_ms, dest_ordering)
          SELECT event_id, member, $4, aggregate_type, aggregate_id, aggregate_version, event_type,
             payload_schema_digest, payload_digest, tenant, occurred_at_ms, creating_txid, $5, $6,
-            dest_routing_key, $7, $8, $9, $10, $11, $12, $13, payload, created_at_ms
+            dest_routing_key, $7, $8, $9, $10, $11, $12, $13, payload, created_at_ms, $14
          FROM sealpost.envelope WHERE event_id = $1 AND member = $2 AND envelope_generation = $3",
         &[
             &uuid_of(event_id),
@@ -2368,6 +2460,7 @@ pub async fn migrate_event(
             &to.required_ack,
             &grant.to_digest.0.as_slice(),
             &env.digest().0.as_slice(),
+            &to.ordering.name(),
         ],
     )
     .await?;
@@ -2383,7 +2476,7 @@ pub async fn migrate_event(
         .collect();
     tx.execute(
         "UPDATE sealpost.work SET envelope_generation = $3, dest_cluster = $4,
-            superseded_generations = $5, superseded_digests = $6
+            superseded_generations = $5, superseded_digests = $6, ordering_key = $7
          WHERE event_id = $1 AND member = $2",
         &[
             &uuid_of(event_id),
@@ -2392,6 +2485,7 @@ pub async fn migrate_event(
             &to.cluster,
             &gens,
             &digs,
+            &ordering_key(to.ordering, &env.aggregate_type, &env.aggregate_id),
         ],
     )
     .await?;
