@@ -30,6 +30,7 @@ fn destination(cluster: &str, topic: &str, routing_key: &str) -> Destination {
         serializer: "json.v1".into(),
         durability: "quorum".into(),
         required_ack: "confirm".into(),
+        ordering: sealpost_core::envelope::EventOrdering::Unordered,
     }
 }
 
