@@ -1704,8 +1704,11 @@ pub async fn submit_held(
     let mut before = Vec::new();
     let mut after = Vec::new();
     let mut xmins = Vec::new();
-    let guarded_now_ms = held.db_now_ms().unwrap_or(0);
-    if let Some(now_ms) = held.db_now_ms() {
+    // One reading of the clock for the whole guarded write: the time `apply_receipt` stamps
+    // is the one the latency is measured to.
+    let guarded_now = held.db_now_ms();
+    let guarded_now_ms = guarded_now.unwrap_or(0);
+    if let Some(now_ms) = guarded_now {
         for (k, r) in receipts.iter().enumerate() {
             let key = (r.event_id, r.member);
             let Some(h) = held.rows.get(&key) else {
