@@ -75,6 +75,41 @@ pub enum PartitionAlgorithm {
         /// Number of partitions when the destination was frozen.
         partitions: u32,
     },
+    /// Kafka's default partitioner for keyed records: the positive part of murmur2 (seed
+    /// `0x9747b28c`) of the routing key's UTF-8 bytes, modulo the partition count frozen with
+    /// the destination. A Java producer or consumer computes the same partition for the key
+    /// with the same count; adding partitions to the topic later moves no frozen event.
+    KafkaMurmur2 {
+        /// Number of partitions when the destination was frozen.
+        partitions: u32,
+    },
+}
+
+/// Kafka's murmur2 (`org.apache.kafka.common.utils.Utils.murmur2`), as a `u32`.
+pub fn kafka_murmur2(data: &[u8]) -> u32 {
+    const M: u32 = 0x5bd1_e995;
+    const R: u32 = 24;
+    let mut h: u32 = 0x9747_b28c ^ (data.len() as u32);
+    let mut chunks = data.chunks_exact(4);
+    for c in &mut chunks {
+        let mut k = u32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+        k = k.wrapping_mul(M);
+        k ^= k >> R;
+        k = k.wrapping_mul(M);
+        h = h.wrapping_mul(M);
+        h ^= k;
+    }
+    let rest = chunks.remainder();
+    if !rest.is_empty() {
+        for (i, b) in rest.iter().enumerate().rev() {
+            h ^= u32::from(*b) << (8 * i);
+        }
+        h = h.wrapping_mul(M);
+    }
+    h ^= h >> 13;
+    h = h.wrapping_mul(M);
+    h ^= h >> 15;
+    h
 }
 
 impl PartitionAlgorithm {
@@ -90,6 +125,9 @@ impl PartitionAlgorithm {
                 }
                 Some(h % (*partitions).max(1))
             }
+            PartitionAlgorithm::KafkaMurmur2 { partitions } => {
+                Some((kafka_murmur2(routing_key.as_bytes()) & 0x7fff_ffff) % (*partitions).max(1))
+            }
         }
     }
 
@@ -98,6 +136,9 @@ impl PartitionAlgorithm {
         match self {
             PartitionAlgorithm::None => "none".to_string(),
             PartitionAlgorithm::Fnv1a32 { partitions } => format!("fnv1a32/{partitions}"),
+            PartitionAlgorithm::KafkaMurmur2 { partitions } => {
+                format!("kafka-murmur2/{partitions}")
+            }
         }
     }
 
@@ -105,6 +146,10 @@ impl PartitionAlgorithm {
     pub fn parse(s: &str) -> Option<PartitionAlgorithm> {
         if s == "none" {
             return Some(PartitionAlgorithm::None);
+        }
+        if let Some(n) = s.strip_prefix("kafka-murmur2/") {
+            let partitions: u32 = n.parse().ok()?;
+            return (partitions > 0).then_some(PartitionAlgorithm::KafkaMurmur2 { partitions });
         }
         let n = s.strip_prefix("fnv1a32/")?.parse().ok()?;
         Some(PartitionAlgorithm::Fnv1a32 { partitions: n })
@@ -353,6 +398,34 @@ impl SealedEnvelope {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Kafka's own vectors (`UtilsTest.testMurmur2`, as Java's signed ints).
+    #[test]
+    fn kafka_murmur2_matches_the_java_client() {
+        let cases: [(&[u8], i32); 6] = [
+            (b"21", -973_932_308),
+            (b"foobar", -790_332_482),
+            (b"a-little-bit-long-string", -985_981_536),
+            (b"a-little-bit-longer-string", -1_486_304_829),
+            (
+                b"lkjh234lh9fiuh90y23oiuhsafujhadof229phr9h19h89h8",
+                -58_897_971,
+            ),
+            (b"abc", 479_470_107),
+        ];
+        for (data, want) in cases {
+            assert_eq!(kafka_murmur2(data), want as u32, "{data:?}");
+        }
+        let alg = PartitionAlgorithm::KafkaMurmur2 { partitions: 12 };
+        assert_eq!(
+            alg.partition_of("foobar"),
+            Some(((-790_332_482i32 & 0x7fff_ffff) % 12) as u32)
+        );
+        assert_eq!(PartitionAlgorithm::parse(&alg.name()), Some(alg));
+        assert_eq!(alg.name(), "kafka-murmur2/12");
+        assert_eq!(PartitionAlgorithm::parse("kafka-murmur2/0"), None);
+        assert_eq!(PartitionAlgorithm::parse("kafka-murmur2/x"), None);
+    }
 
     pub(crate) fn policy(generation: u64) -> RoutePolicy {
         RoutePolicy {
