@@ -167,6 +167,7 @@ fn request(env: &SealedEnvelope, attempt_id: u64, payload: &[u8]) -> SendRequest
         destination: env.destination.clone(),
         destination_digest: env.destination_digest,
         payload: payload.to_vec(),
+        envelope: Default::default(),
     }
 }
 

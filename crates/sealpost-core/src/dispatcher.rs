@@ -601,6 +601,7 @@ mod tests {
             destination_digest: d.digest(),
             destination: d,
             payload: vec![],
+            envelope: Default::default(),
         }
     }
 

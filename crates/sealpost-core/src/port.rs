@@ -42,6 +42,76 @@ pub struct Capabilities {
     pub per_key_ordering: bool,
 }
 
+/// The sealed envelope's description of the event, carried on the wire as headers by every
+/// adapter ([`WireEnvelope::headers`], the same names on every broker), so a consumer can
+/// route by type, check the schema and detect a gap in an aggregate's versions without
+/// reading the payload. Informative: what a consumer *trusts* is the payload digest and the
+/// inbox, not these.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct WireEnvelope {
+    /// Event type, e.g. `order.created.v1`.
+    pub event_type: String,
+    /// Aggregate type, e.g. `order`.
+    pub aggregate_type: String,
+    /// Aggregate id.
+    pub aggregate_id: String,
+    /// Aggregate version (per-aggregate ordering sends versions in this order, R29).
+    pub aggregate_version: u64,
+    /// When the business fact happened (unix ms, the producer's clock).
+    pub occurred_at_ms: u64,
+    /// Tenant.
+    pub tenant: String,
+    /// Digest of the payload schema name.
+    pub payload_schema_digest: Digest,
+}
+
+/// Header: event type ([`WireEnvelope`]).
+pub const H_EVENT_TYPE: &str = "Sealpost-Event-Type";
+/// Header: aggregate type.
+pub const H_AGGREGATE_TYPE: &str = "Sealpost-Aggregate-Type";
+/// Header: aggregate id.
+pub const H_AGGREGATE_ID: &str = "Sealpost-Aggregate-Id";
+/// Header: aggregate version (decimal).
+pub const H_AGGREGATE_VERSION: &str = "Sealpost-Aggregate-Version";
+/// Header: occurred at (unix ms, decimal).
+pub const H_OCCURRED_AT_MS: &str = "Sealpost-Occurred-At-Ms";
+/// Header: tenant.
+pub const H_TENANT: &str = "Sealpost-Tenant";
+/// Header: payload schema digest (`sha256:` hex).
+pub const H_PAYLOAD_SCHEMA: &str = "Sealpost-Payload-Schema";
+
+impl WireEnvelope {
+    /// The headers every adapter writes, as (name, value) pairs.
+    pub fn headers(&self) -> [(&'static str, String); 7] {
+        [
+            (H_EVENT_TYPE, self.event_type.clone()),
+            (H_AGGREGATE_TYPE, self.aggregate_type.clone()),
+            (H_AGGREGATE_ID, self.aggregate_id.clone()),
+            (H_AGGREGATE_VERSION, self.aggregate_version.to_string()),
+            (H_OCCURRED_AT_MS, self.occurred_at_ms.to_string()),
+            (H_TENANT, self.tenant.clone()),
+            (
+                H_PAYLOAD_SCHEMA,
+                self.payload_schema_digest.to_prefixed_hex(),
+            ),
+        ]
+    }
+
+    /// Reads them back (a consumer's side); `None` when a header is missing or malformed
+    /// (a message from before these headers existed, or from another producer).
+    pub fn from_headers<'a>(get: impl Fn(&str) -> Option<&'a str>) -> Option<WireEnvelope> {
+        Some(WireEnvelope {
+            event_type: get(H_EVENT_TYPE)?.to_string(),
+            aggregate_type: get(H_AGGREGATE_TYPE)?.to_string(),
+            aggregate_id: get(H_AGGREGATE_ID)?.to_string(),
+            aggregate_version: get(H_AGGREGATE_VERSION)?.parse().ok()?,
+            occurred_at_ms: get(H_OCCURRED_AT_MS)?.parse().ok()?,
+            tenant: get(H_TENANT)?.to_string(),
+            payload_schema_digest: Digest::from_hex(get(H_PAYLOAD_SCHEMA)?)?,
+        })
+    }
+}
+
 /// One message of a batch: an attempt registered in the store before it leaves.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SendRequest {
@@ -61,6 +131,8 @@ pub struct SendRequest {
     pub destination_digest: Digest,
     /// Payload bytes as sealed.
     pub payload: Vec<u8>,
+    /// The envelope's description of the event, sent as headers.
+    pub envelope: WireEnvelope,
 }
 
 /// Why a message provably never left the process.

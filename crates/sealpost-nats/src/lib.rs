@@ -501,6 +501,9 @@ impl Broker for Nats {
                 H_DESTINATION_DIGEST,
                 r.destination_digest.to_prefixed_hex().as_str(),
             );
+            for (name, value) in r.envelope.headers() {
+                headers.insert(name, value.as_str());
+            }
             let msg_id = if r.member == 0 {
                 r.event_id.to_string()
             } else {

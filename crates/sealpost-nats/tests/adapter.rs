@@ -41,6 +41,7 @@ fn request(destination: &Destination, payload: &[u8]) -> SendRequest {
         destination: destination.clone(),
         destination_digest: destination.digest(),
         payload: payload.to_vec(),
+        envelope: Default::default(),
     }
 }
 

@@ -473,6 +473,9 @@ fn properties(r: &SendRequest) -> BasicProperties {
         H_DESTINATION_DIGEST.into(),
         header(r.destination_digest.to_prefixed_hex()),
     );
+    for (name, value) in r.envelope.headers() {
+        h.insert(name.into(), header(value));
+    }
     let msg_id = if r.member == 0 {
         r.event_id.to_string()
     } else {

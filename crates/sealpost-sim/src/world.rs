@@ -1228,6 +1228,7 @@ impl World {
                 destination,
                 destination_digest: begin.destination_digest,
                 payload: Vec::new(),
+                envelope: Default::default(),
             },
             stream,
         ))

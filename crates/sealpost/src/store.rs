@@ -17,7 +17,7 @@ use sealpost_core::envelope::{
     ordering_key, Destination, EventId, EventOrdering, NewEvent, PartitionAlgorithm, RoutePolicy,
     SealedEnvelope,
 };
-use sealpost_core::port::SendRequest;
+use sealpost_core::port::{SendRequest, WireEnvelope};
 use sealpost_core::receipt::{
     apply_receipt, decide_receipt, Receipt, ReceiptSource, ReceiptVerdict,
 };
@@ -248,6 +248,28 @@ pub async fn set_route_durability(
               WHERE name = $1
              RETURNING generation",
             &[&name, &durability],
+        )
+        .await?;
+    Ok(row.map(|r| r.get::<_, i64>(0) as u64))
+}
+
+/// Sets how a route policy maps routing keys to partitions (for Kafka:
+/// `kafka-murmur2/<partitions the topic has>`); a change bumps the generation, and events
+/// already committed keep the algorithm and count frozen in their destination, so adding
+/// partitions to a topic later moves none of them. `None` when there is no such route.
+pub async fn set_route_partitions(
+    client: &impl GenericClient,
+    name: &str,
+    algorithm: PartitionAlgorithm,
+) -> Result<Option<u64>> {
+    let row = client
+        .query_opt(
+            "UPDATE sealpost.route_policy
+                SET generation = generation + (partition_algorithm IS DISTINCT FROM $2)::int,
+                    partition_algorithm = $2, updated_at = now()
+              WHERE name = $1
+             RETURNING generation",
+            &[&name, &algorithm.name()],
         )
         .await?;
     Ok(row.map(|r| r.get::<_, i64>(0) as u64))
@@ -569,6 +591,23 @@ const EARLIER_UNRESOLVED_SQL: &str = "(w.ordering_key IS NOT NULL AND EXISTS (
         SELECT 1 FROM sealpost.work p
         WHERE p.ordering_key = w.ordering_key AND p.aggregate_version < w.aggregate_version
           AND p.ordering_key IS NOT NULL AND p.phase <> 2))";
+
+/// The sealed envelope's description of the event, read by the claim for the wire headers
+/// ([`WireEnvelope`]); [`wire_envelope`] parses them from the given column on.
+const WIRE_ENVELOPE_COLS: &str = "e.event_type, e.aggregate_type, e.aggregate_id,
+    e.aggregate_version, e.occurred_at_ms, e.tenant, e.payload_schema_digest";
+
+fn wire_envelope(r: &tokio_postgres::Row, from: usize) -> Result<WireEnvelope> {
+    Ok(WireEnvelope {
+        event_type: r.get(from),
+        aggregate_type: r.get(from + 1),
+        aggregate_id: r.get(from + 2),
+        aggregate_version: r.get::<_, i64>(from + 3) as u64,
+        occurred_at_ms: r.get::<_, i64>(from + 4) as u64,
+        tenant: r.get(from + 5),
+        payload_schema_digest: digest_of(r.get(from + 6))?,
+    })
+}
 
 /// The database clock in milliseconds at the start of the statement, as SQL.
 const NOW_MS_SQL: &str = "(extract(epoch from statement_timestamp()) * 1000)::bigint";
@@ -1098,6 +1137,8 @@ pub struct Outgoing {
     pub payload: Vec<u8>,
     /// Lease end of the claim (database clock).
     pub lease_until_ms: u64,
+    /// The envelope's description of the event (wire headers).
+    pub envelope: WireEnvelope,
 }
 
 impl Outgoing {
@@ -1112,6 +1153,7 @@ impl Outgoing {
             destination: self.destination,
             destination_digest: self.destination_digest,
             payload: self.payload,
+            envelope: self.envelope,
         }
     }
 
@@ -1333,7 +1375,8 @@ async fn claim_in(
         ),
         &format!(
             ", e.payload, nextval('sealpost.attempt_id_seq'), {NOW_MS_SQL}, w.committed_seq,
-               pg_current_xact_id()::xid::text::bigint, w.created_at_ms, {EARLIER_UNRESOLVED_SQL}"
+               pg_current_xact_id()::xid::text::bigint, w.created_at_ms, {EARLIER_UNRESOLVED_SQL},
+               {WIRE_ENVELOPE_COLS}"
         ),
         "w.dest_cluster, w.committed_seq",
     );
@@ -1399,6 +1442,7 @@ async fn claim_in(
                     destination_digest: begin.destination_digest,
                     payload: std::mem::take(&mut payloads[i]),
                     lease_until_ms: row.claim.as_ref().map_or(now_ms, |c| c.lease_until_ms),
+                    envelope: wire_envelope(&found[i], ROW_COLS_LEN + 7)?,
                 });
             }
             Ok(None) => {
