@@ -1,0 +1,671 @@
+//! Kafka adapter: the only crate that knows the Kafka protocol. It implements the broker port
+//! [`sealpost_core::port::Broker`] over `rdkafka` (librdkafka, bundled) and knows no SQL.
+//!
+//! **What maps to what.** A destination's cluster is the identity this adapter was connected
+//! with ([`Kafka::cluster`]); its topic is the Kafka topic; its routing key is the record key
+//! (the aggregate id by default, so a Java consumer sees the key it expects). The partition
+//! is **Sealpost's choice**, not the client's: the destination freezes
+//! `kafka-murmur2/<n>` ([`PartitionAlgorithm::KafkaMurmur2`]), Kafka's default partitioner
+//! over the partition count `n` the topic had when the route was set, and the record is
+//! produced to exactly that partition. Adding partitions to the topic later moves no
+//! committed event, so an aggregate's events stay in one partition, in order.
+//!
+//! **The producer.** `acks=all`, `enable.idempotence=true` (the broker drops librdkafka's own
+//! retries of a batch by producer id and sequence), `message.timeout.ms` = the ack timeout.
+//! Each record carries the Sealpost headers (event id, member, envelope generation, attempt
+//! id, digests, and the envelope's [`sealpost_core::port::WireEnvelope`]).
+//!
+//! **Answers.** A delivery report with (partition, offset) is the [`Receipt`]: `stream` is
+//! the topic, `partition` the partition, and `sequence` the **offset + 1** (a receipt's
+//! position is never 0; Kafka's first offset is). A record over the size limit, or a topic
+//! the producer may not write, is a permanent refusal. An unknown topic or partition is
+//! [`NeverSentReason::NoSuchDestination`]. A timed-out or otherwise failed delivery is
+//! [`SendResult::NoAnswer`]: librdkafka may have written it.
+//!
+//! **The deadline.** The dispatcher's batch deadline is the lease end minus the ack timeout
+//! (`send_deadline_ms`): the time left after it is for the answer. librdkafka retries a
+//! record internally until `message.timeout.ms` (= the ack timeout) after it was handed over,
+//! and never transmits it after reporting it. So a record is handed over only while the
+//! deadline is at least [`DEADLINE_MARGIN`] away; every transmission of it then ends before
+//! the lease does, and no other dispatcher or the reconciler can have taken the row over
+//! (R9). Past that point the answer is [`NeverSentReason::DeadlinePassed`]: it never left.
+//!
+//! **Lookup** ("did you store event X?", R13). Kafka has no read by key. The adapter scans the
+//! *frozen* partition only: from the first offset whose timestamp is at or after the event's
+//! own time (a UUIDv7 event id carries its mint time; an event cannot be sent before it was
+//! committed) minus [`KafkaConfig::lookup_clock_margin_ms`] (producer clock skew), up to the
+//! partition's high watermark read when the lookup began, matching the event-id and member
+//! headers. Cost: one ListOffsets, one watermark query and a read of the partition's traffic
+//! since the event was minted (plus the margin); bound: [`KafkaConfig::lookup_scan_max`]
+//! records, past which the answer is [`Lookup::Unavailable`] (nothing learned; the reconciler
+//! asks again later and an operator sees the row age). When the first retained record is
+//! newer than the scan's start, records the scan needed may have been deleted by retention:
+//! the answer is [`Lookup::Unqueryable`] ("cannot be asked"), and the reconciler retries to the
+//! same destination (R14). An event id that is not a UUIDv7 is scanned from the partition's
+//! start, and is unqueryable once retention has deleted anything.
+
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::config::ClientConfig;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
+use rdkafka::{Offset, TopicPartitionList};
+use sealpost_core::encoding::Digest;
+use sealpost_core::envelope::{Destination, EventId, PartitionAlgorithm};
+use sealpost_core::port::{
+    Broker, Capabilities, NeverSentReason, RefusalKind, SendRequest, SendResult,
+};
+use sealpost_core::receipt::{Receipt, ReceiptSource};
+use sealpost_core::reconcile::Lookup;
+
+pub use rdkafka;
+
+/// Header: event id.
+pub const H_EVENT_ID: &str = "Sealpost-Event-Id";
+/// Header: delivery-set member.
+pub const H_MEMBER: &str = "Sealpost-Member";
+/// Header: envelope generation.
+pub const H_ENVELOPE_GENERATION: &str = "Sealpost-Envelope-Generation";
+/// Header: attempt id.
+pub const H_ATTEMPT_ID: &str = "Sealpost-Attempt-Id";
+/// Header: payload digest.
+pub const H_PAYLOAD_DIGEST: &str = "Sealpost-Payload-Digest";
+/// Header: destination digest.
+pub const H_DESTINATION_DIGEST: &str = "Sealpost-Destination-Digest";
+
+/// A record is handed to librdkafka only while the batch deadline is at least this far away
+/// (librdkafka enforces message timeouts about once a second, so a report can be that late).
+pub const DEADLINE_MARGIN: Duration = Duration::from_millis(1_500);
+
+/// Adapter errors.
+#[derive(Debug, thiserror::Error)]
+pub enum KafkaAdapterError {
+    /// The client could not be created or the cluster did not answer.
+    #[error("cannot connect to Kafka at {brokers}: {source}; is the broker running and `kafka_brokers` right (host:port[,host:port])?")]
+    Connect {
+        /// Bootstrap servers tried.
+        brokers: String,
+        /// Cause.
+        source: KafkaError,
+    },
+    /// Creating, deleting or describing a topic failed.
+    #[error("Kafka {what}: {detail}")]
+    Topology {
+        /// What was being done.
+        what: String,
+        /// The broker's or client's words.
+        detail: String,
+    },
+}
+
+/// Settings of the adapter.
+#[derive(Clone, Debug)]
+pub struct KafkaConfig {
+    /// Bootstrap servers, `host:port[,host:port]`.
+    pub brokers: String,
+    /// Cluster identity frozen into destinations.
+    pub cluster: String,
+    /// Bound on one delivery report (librdkafka's `message.timeout.ms`).
+    pub ack_timeout: Duration,
+    /// How far before the event's mint time a lookup starts its scan (producer clock skew).
+    pub lookup_clock_margin_ms: u64,
+    /// Records one lookup reads at most.
+    pub lookup_scan_max: u64,
+    /// The client id the broker logs (`sealpost-<role>-<pid>`).
+    pub client_id: String,
+    /// librdkafka properties set on every client this adapter creates, after its own (e.g.
+    /// `security.protocol`, or `batch.num.messages=1` for tansu 0.6, see docs/operations.md).
+    pub client_properties: Vec<(String, String)>,
+}
+
+impl KafkaConfig {
+    /// Defaults for `brokers` and `cluster`: 60 s clock margin, 1,000,000 records per lookup.
+    pub fn new(brokers: &str, cluster: &str, ack_timeout: Duration) -> KafkaConfig {
+        KafkaConfig {
+            brokers: brokers.to_string(),
+            cluster: cluster.to_string(),
+            ack_timeout,
+            lookup_clock_margin_ms: 60_000,
+            lookup_scan_max: 1_000_000,
+            client_id: format!("sealpost-{}", std::process::id()),
+            client_properties: Vec::new(),
+        }
+    }
+}
+
+/// A producer connected to one Kafka cluster. Clones share the producer. A producer that
+/// librdkafka declares failed for good (a fatal error, e.g. the idempotent producer fenced)
+/// is replaced before the next batch; its records in flight were answered as no answer.
+#[derive(Clone)]
+pub struct Kafka {
+    cfg: KafkaConfig,
+    producer: std::sync::Arc<std::sync::RwLock<FutureProducer>>,
+}
+
+fn new_producer(cfg: &KafkaConfig) -> Result<FutureProducer, KafkaError> {
+    let timeout_ms = cfg.ack_timeout.as_millis().max(1_000).to_string();
+    let mut c = client_config(cfg);
+    c.set("acks", "all")
+        .set("enable.idempotence", "true")
+        .set("message.timeout.ms", &timeout_ms)
+        .set("request.timeout.ms", &timeout_ms)
+        .set("linger.ms", "2")
+        .set("queue.buffering.max.messages", "1000000");
+    with_properties(c, cfg).create()
+}
+
+fn client_config(cfg: &KafkaConfig) -> ClientConfig {
+    let mut c = ClientConfig::new();
+    c.set("bootstrap.servers", &cfg.brokers)
+        .set("client.id", &cfg.client_id)
+        .set("broker.address.family", "v4");
+    c
+}
+
+/// Applies the user's properties last (they win over the adapter's).
+fn with_properties(mut c: ClientConfig, cfg: &KafkaConfig) -> ClientConfig {
+    for (k, v) in &cfg.client_properties {
+        c.set(k, v);
+    }
+    c
+}
+
+/// Parses `key=value[,key=value]` (the `KAFKA_CLIENT_PROPERTIES` form).
+pub fn parse_properties(s: &str) -> Result<Vec<(String, String)>, String> {
+    s.split(',')
+        .map(str::trim)
+        .filter(|p| !p.is_empty())
+        .map(|p| {
+            p.split_once('=')
+                .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
+                .filter(|(k, _)| !k.is_empty())
+                .ok_or_else(|| format!("`{p}`: expected key=value"))
+        })
+        .collect()
+}
+
+fn topology(what: impl Into<String>) -> impl FnOnce(KafkaError) -> KafkaAdapterError {
+    let what = what.into();
+    move |e| KafkaAdapterError::Topology {
+        what,
+        detail: e.to_string(),
+    }
+}
+
+impl Kafka {
+    /// Creates the producer and checks that the cluster answers a metadata request.
+    pub async fn connect(cfg: KafkaConfig) -> Result<Kafka, KafkaAdapterError> {
+        let producer = new_producer(&cfg).map_err(|source| KafkaAdapterError::Connect {
+            brokers: cfg.brokers.clone(),
+            source,
+        })?;
+        let p = producer.clone();
+        let brokers = cfg.brokers.clone();
+        tokio::task::spawn_blocking(move || {
+            p.client().fetch_metadata(None, Duration::from_secs(10))
+        })
+        .await
+        .map_err(|e| KafkaAdapterError::Topology {
+            what: "checking the connection".into(),
+            detail: e.to_string(),
+        })?
+        .map_err(|source| KafkaAdapterError::Connect { brokers, source })?;
+        Ok(Kafka {
+            cfg,
+            producer: std::sync::Arc::new(std::sync::RwLock::new(producer)),
+        })
+    }
+
+    /// The current producer, replaced first if librdkafka declared it failed for good.
+    fn producer(&self) -> FutureProducer {
+        let current = self
+            .producer
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        let Some((code, why)) = current.client().fatal_error() else {
+            return current;
+        };
+        let mut slot = self.producer.write().unwrap_or_else(|p| p.into_inner());
+        if slot.client().fatal_error().is_none() {
+            return slot.clone(); // another batch replaced it already
+        }
+        match new_producer(&self.cfg) {
+            Ok(p) => {
+                tracing::warn!(%code, %why, "Kafka producer failed for good; replaced with a new one");
+                *slot = p.clone();
+                p
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "Kafka producer failed for good and cannot be replaced yet");
+                current
+            }
+        }
+    }
+
+    /// The adapter's settings.
+    pub fn config(&self) -> &KafkaConfig {
+        &self.cfg
+    }
+
+    /// Creates `topic` with `partitions` partitions if it does not exist; returns the
+    /// partition count it has (freeze this into the route: `kafka-murmur2/<n>`).
+    pub async fn ensure_topic(
+        &self,
+        topic: &str,
+        partitions: u32,
+    ) -> Result<u32, KafkaAdapterError> {
+        if let Some(n) = self.partition_count(topic).await? {
+            return Ok(n);
+        }
+        let admin: AdminClient<DefaultClientContext> =
+            with_properties(client_config(&self.cfg), &self.cfg)
+                .create()
+                .map_err(topology("creating an admin client"))?;
+        let t = NewTopic::new(topic, partitions as i32, TopicReplication::Fixed(1));
+        let r = admin
+            .create_topics(
+                [&t],
+                &AdminOptions::new().operation_timeout(Some(Duration::from_secs(10))),
+            )
+            .await
+            .map_err(topology(format!("creating topic `{topic}`")))?;
+        for x in r {
+            if let Err((name, code)) = x {
+                if code != RDKafkaErrorCode::TopicAlreadyExists {
+                    return Err(KafkaAdapterError::Topology {
+                        what: format!("creating topic `{name}`"),
+                        detail: code.to_string(),
+                    });
+                }
+            }
+        }
+        // Metadata reaches every broker shortly after the creation is acknowledged.
+        for _ in 0..50 {
+            if let Some(n) = self.partition_count(topic).await? {
+                return Ok(n);
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        Err(KafkaAdapterError::Topology {
+            what: format!("creating topic `{topic}`"),
+            detail: "created, but not in the cluster's metadata after 5 s".into(),
+        })
+    }
+
+    /// Deletes `topic` (tests, demos).
+    pub async fn delete_topic(&self, topic: &str) -> Result<(), KafkaAdapterError> {
+        let admin: AdminClient<DefaultClientContext> =
+            with_properties(client_config(&self.cfg), &self.cfg)
+                .create()
+                .map_err(topology("creating an admin client"))?;
+        admin
+            .delete_topics(&[topic], &AdminOptions::new())
+            .await
+            .map_err(topology(format!("deleting topic `{topic}`")))?;
+        Ok(())
+    }
+
+    /// The number of partitions of `topic`, `None` if the cluster does not know it.
+    pub async fn partition_count(&self, topic: &str) -> Result<Option<u32>, KafkaAdapterError> {
+        let p = self.producer();
+        let t = topic.to_string();
+        let md = tokio::task::spawn_blocking(move || {
+            p.client().fetch_metadata(Some(&t), Duration::from_secs(10))
+        })
+        .await
+        .map_err(|e| KafkaAdapterError::Topology {
+            what: format!("describing topic `{topic}`"),
+            detail: e.to_string(),
+        })?
+        .map_err(topology(format!("describing topic `{topic}`")))?;
+        Ok(md
+            .topics()
+            .iter()
+            .find(|m| m.name() == topic && m.error().is_none() && !m.partitions().is_empty())
+            .map(|m| m.partitions().len() as u32))
+    }
+
+    fn receipt(&self, r: &SendRequest, partition: i32, offset: i64) -> Receipt {
+        Receipt {
+            event_id: r.event_id,
+            member: r.member,
+            envelope_generation: r.envelope_generation,
+            attempt_id: r.attempt_id,
+            payload_digest: r.payload_digest,
+            destination_digest: r.destination_digest,
+            cluster: self.cfg.cluster.clone(),
+            stream: r.destination.topic.clone(),
+            partition: Some(partition as u32),
+            sequence: offset as u64 + 1,
+            broker_duplicate: false,
+            source: ReceiptSource::Ack,
+        }
+    }
+
+    /// A lookup's blocking part (a consumer of its own, assigned to the frozen partition).
+    fn lookup_blocking(
+        &self,
+        topic: &str,
+        partition: i32,
+        event_id: EventId,
+        member: u16,
+    ) -> Lookup {
+        let mut c = client_config(&self.cfg);
+        c.set("group.id", "sealpost-lookup")
+            .set("enable.auto.commit", "false")
+            .set("enable.auto.offset.store", "false")
+            .set("auto.offset.reset", "earliest");
+        let consumer: BaseConsumer = match with_properties(c, &self.cfg).create() {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(error = %e, "Kafka lookup: cannot create a consumer");
+                return Lookup::Unavailable;
+            }
+        };
+        let timeout = Duration::from_secs(10);
+        let (low, high) = match consumer.fetch_watermarks(topic, partition, timeout) {
+            Ok(w) => w,
+            Err(e) => {
+                tracing::warn!(error = %e, topic, partition, "Kafka lookup: no watermarks");
+                return Lookup::Unavailable;
+            }
+        };
+        if high <= low {
+            // Nothing retained. Absent only if nothing was ever deleted.
+            return if low == 0 {
+                Lookup::Absent
+            } else {
+                Lookup::Unqueryable
+            };
+        }
+        // The scan's start: the event's mint time minus the clock margin (UUIDv7), else the
+        // partition's start.
+        let minted_ms = event_id_unix_ms(event_id);
+        let from_ms = minted_ms.map(|t| t.saturating_sub(self.cfg.lookup_clock_margin_ms));
+        let start = match from_ms {
+            None => low,
+            Some(t) => {
+                let mut tpl = TopicPartitionList::new();
+                if tpl
+                    .add_partition_offset(topic, partition, Offset::Offset(t as i64))
+                    .is_err()
+                {
+                    return Lookup::Unavailable;
+                }
+                match consumer.offsets_for_times(tpl, timeout) {
+                    Ok(found) => match found.find_partition(topic, partition).map(|e| e.offset()) {
+                        Some(Offset::Offset(o)) => o.max(low),
+                        // No record at or after that time.
+                        Some(Offset::End) => return Lookup::Absent,
+                        _ => return Lookup::Unavailable,
+                    },
+                    Err(e) => {
+                        tracing::warn!(error = %e, topic, partition, "Kafka lookup: ListOffsets failed");
+                        return Lookup::Unavailable;
+                    }
+                }
+            }
+        };
+        if start >= high {
+            return Lookup::Absent;
+        }
+        let mut tpl = TopicPartitionList::new();
+        if tpl
+            .add_partition_offset(topic, partition, Offset::Offset(start))
+            .is_err()
+            || consumer.assign(&tpl).is_err()
+        {
+            return Lookup::Unavailable;
+        }
+        let want_id = event_id.to_string();
+        let want_member = member.to_string();
+        let began = Instant::now();
+        let mut read: u64 = 0;
+        let mut first = true;
+        loop {
+            if read >= self.cfg.lookup_scan_max {
+                tracing::warn!(topic, partition, read, "Kafka lookup: scan bound reached; nothing learned (raise lookup_scan_max, or resolve by hand)");
+                return Lookup::Unavailable;
+            }
+            if began.elapsed() > Duration::from_secs(60) {
+                tracing::warn!(
+                    topic,
+                    partition,
+                    read,
+                    "Kafka lookup: scan took over 60 s; nothing learned"
+                );
+                return Lookup::Unavailable;
+            }
+            let m = match consumer.poll(Duration::from_millis(500)) {
+                None => continue,
+                Some(Err(e)) => {
+                    tracing::warn!(error = %e, topic, partition, "Kafka lookup: fetch failed");
+                    return Lookup::Unavailable;
+                }
+                Some(Ok(m)) => m,
+            };
+            read += 1;
+            if first {
+                first = false;
+                // Retention deleted records the scan needed: the first retained one is
+                // already newer than the scan's start.
+                if low > 0 && m.offset() == low {
+                    let ts = m.timestamp().to_millis().unwrap_or(i64::MAX);
+                    if from_ms.is_none_or(|t| ts > t as i64) {
+                        return Lookup::Unqueryable;
+                    }
+                }
+            }
+            if let Some(h) = m.headers() {
+                let get = |name: &str| {
+                    h.iter()
+                        .find(|x| x.key == name)
+                        .and_then(|x| x.value)
+                        .and_then(|v| std::str::from_utf8(v).ok())
+                };
+                if get(H_EVENT_ID) == Some(want_id.as_str())
+                    && get(H_MEMBER) == Some(want_member.as_str())
+                {
+                    let parsed = (|| {
+                        Some(Receipt {
+                            event_id,
+                            member,
+                            envelope_generation: get(H_ENVELOPE_GENERATION)?.parse().ok()?,
+                            attempt_id: get(H_ATTEMPT_ID)?.parse().ok()?,
+                            payload_digest: Digest::from_hex(get(H_PAYLOAD_DIGEST)?)?,
+                            destination_digest: Digest::from_hex(get(H_DESTINATION_DIGEST)?)?,
+                            cluster: self.cfg.cluster.clone(),
+                            stream: topic.to_string(),
+                            partition: Some(partition as u32),
+                            sequence: m.offset() as u64 + 1,
+                            broker_duplicate: false,
+                            source: ReceiptSource::Lookup,
+                        })
+                    })();
+                    return match parsed {
+                        Some(r) => Lookup::Found(r),
+                        // Our id without our headers: not proof of our send.
+                        None => Lookup::Unavailable,
+                    };
+                }
+            }
+            if m.offset() + 1 >= high {
+                return Lookup::Absent;
+            }
+        }
+    }
+}
+
+/// The mint time of a UUIDv7 event id (unix ms), `None` for other versions.
+pub fn event_id_unix_ms(id: EventId) -> Option<u64> {
+    if id.0[6] >> 4 != 7 {
+        return None;
+    }
+    let mut b = [0u8; 8];
+    b[2..].copy_from_slice(&id.0[..6]);
+    Some(u64::from_be_bytes(b))
+}
+
+/// The message id Sealpost gives a member's copy (the event id for member 0).
+fn header_pairs(r: &SendRequest) -> OwnedHeaders {
+    let fixed = [
+        (H_EVENT_ID, r.event_id.to_string()),
+        (H_MEMBER, r.member.to_string()),
+        (H_ENVELOPE_GENERATION, r.envelope_generation.to_string()),
+        (H_ATTEMPT_ID, r.attempt_id.to_string()),
+        (H_PAYLOAD_DIGEST, r.payload_digest.to_prefixed_hex()),
+        (H_DESTINATION_DIGEST, r.destination_digest.to_prefixed_hex()),
+    ];
+    let mut h = OwnedHeaders::new();
+    for (key, value) in fixed.iter().chain(r.envelope.headers().iter()) {
+        h = h.insert(Header {
+            key,
+            value: Some(value.as_str()),
+        });
+    }
+    h
+}
+
+/// Maps a failed delivery (or a refused enqueue: `left` false) to the port's answer.
+fn failure(e: &KafkaError, left: bool) -> SendResult {
+    let code = e.rdkafka_error_code();
+    use RDKafkaErrorCode as C;
+    match code {
+        Some(C::MessageSizeTooLarge | C::InvalidMessageSize | C::MessageBatchTooLarge) => {
+            SendResult::Refused {
+                kind: RefusalKind::PayloadTooLarge,
+                detail: format!("Kafka: {e} (raise the topic's max.message.bytes or shrink the payload, then release the event)"),
+            }
+        }
+        Some(C::TopicAuthorizationFailed | C::ClusterAuthorizationFailed) => SendResult::Refused {
+            kind: RefusalKind::NotPermitted,
+            detail: format!("Kafka: {e} (grant WRITE on the topic, then release the event)"),
+        },
+        Some(C::UnknownTopicOrPartition | C::UnknownTopic | C::UnknownPartition) => {
+            SendResult::NeverSent(NeverSentReason::NoSuchDestination(format!(
+                "Kafka: {e} (create the topic with at least the frozen partition count)"
+            )))
+        }
+        Some(C::InvalidRecord) => SendResult::Refused {
+            kind: RefusalKind::Rejected,
+            detail: format!("Kafka: {e}"),
+        },
+        _ if !left => SendResult::NeverSent(NeverSentReason::NotConnected(format!("Kafka: {e}"))),
+        _ => SendResult::NoAnswer,
+    }
+}
+
+impl Broker for Kafka {
+    fn cluster(&self) -> &str {
+        &self.cfg.cluster
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            lookup_by_event_id: true,
+            duplicate_window_ms: None,
+            create_if_absent: false,
+            per_key_ordering: true,
+        }
+    }
+
+    async fn send_batch(&self, batch: Vec<SendRequest>, deadline: Instant) -> Vec<SendResult> {
+        let mut out: Vec<Option<SendResult>> = vec![None; batch.len()];
+        let producer = self.producer();
+        let mut waiting = Vec::with_capacity(batch.len());
+        let now_ms = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as i64);
+        for (i, r) in batch.iter().enumerate() {
+            if r.destination.cluster != self.cfg.cluster {
+                out[i] = Some(SendResult::NeverSent(NeverSentReason::WrongCluster(
+                    r.destination.cluster.clone(),
+                )));
+                continue;
+            }
+            let partition = match (r.destination.partition_algorithm, r.destination.partition()) {
+                (PartitionAlgorithm::KafkaMurmur2 { .. }, Some(p)) => p as i32,
+                (alg, _) => {
+                    out[i] = Some(SendResult::Refused {
+                        kind: RefusalKind::Rejected,
+                        detail: format!(
+                            "destination frozen with partition algorithm `{}`: a Kafka route needs `kafka-murmur2/<n>` (set the route's partitions, then migrate the event to the new route generation)",
+                            alg.name()
+                        ),
+                    });
+                    continue;
+                }
+            };
+            if Instant::now() + DEADLINE_MARGIN > deadline {
+                out[i] = Some(SendResult::NeverSent(NeverSentReason::DeadlinePassed));
+                continue;
+            }
+            let record = FutureRecord::to(&r.destination.topic)
+                .partition(partition)
+                .key(r.destination.routing_key.as_bytes())
+                .payload(&r.payload)
+                .timestamp(now_ms)
+                .headers(header_pairs(r));
+            match producer.send_result(record) {
+                Ok(f) => waiting.push((i, f)),
+                Err((e, _)) => out[i] = Some(failure(&e, false)),
+            }
+        }
+        let wait = self.cfg.ack_timeout + DEADLINE_MARGIN;
+        let reports = futures::future::join_all(
+            waiting
+                .into_iter()
+                .map(|(i, f)| async move { (i, tokio::time::timeout(wait, f).await) }),
+        )
+        .await;
+        for (i, rep) in reports {
+            let r = &batch[i];
+            out[i] = Some(match rep {
+                Ok(Ok(Ok(d))) => SendResult::Receipt(self.receipt(r, d.partition, d.offset)),
+                Ok(Ok(Err((e, _)))) => {
+                    tracing::debug!(event_id = %r.event_id, error = %e, "Kafka delivery failed");
+                    failure(&e, true)
+                }
+                Ok(Err(_)) | Err(_) => SendResult::NoAnswer,
+            });
+        }
+        out.into_iter()
+            .map(|o| o.unwrap_or(SendResult::NoAnswer))
+            .collect()
+    }
+
+    async fn lookup(&self, destination: &Destination, event_id: EventId, member: u16) -> Lookup {
+        if destination.cluster != self.cfg.cluster {
+            return Lookup::Unavailable;
+        }
+        let Some(partition) = destination.partition() else {
+            return Lookup::Unqueryable;
+        };
+        let me = self.clone();
+        let topic = destination.topic.clone();
+        tokio::task::spawn_blocking(move || {
+            me.lookup_blocking(&topic, partition as i32, event_id, member)
+        })
+        .await
+        .unwrap_or(Lookup::Unavailable)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_v7_event_id_carries_its_mint_time() {
+        let id = EventId::mint(1_764_000_000_123, [7; 10]);
+        assert_eq!(event_id_unix_ms(id), Some(1_764_000_000_123));
+        let mut v4 = id;
+        v4.0[6] = 0x40 | (v4.0[6] & 0x0f);
+        assert_eq!(event_id_unix_ms(v4), None);
+    }
+}
