@@ -5,6 +5,7 @@
 use std::time::Duration;
 
 use sealpost::runtime::{Config, RunError};
+use sealpost_kafka::{Kafka, KafkaConfig};
 use sealpost_nats::Nats;
 use sealpost_rabbitmq::Rabbit;
 
@@ -15,6 +16,8 @@ pub enum BrokerKind {
     Nats,
     /// RabbitMQ (`rabbitmq_url`, `rabbitmq_cluster`).
     Rabbitmq,
+    /// Kafka (`kafka_brokers`, `kafka_cluster`).
+    Kafka,
 }
 
 impl BrokerKind {
@@ -27,8 +30,9 @@ impl BrokerKind {
         match name {
             "nats" => Ok(BrokerKind::Nats),
             "rabbitmq" => Ok(BrokerKind::Rabbitmq),
+            "kafka" => Ok(BrokerKind::Kafka),
             other => Err(format!(
-                "{from}: unknown broker `{other}`; expected `nats` or `rabbitmq`"
+                "{from}: unknown broker `{other}`; expected `nats`, `rabbitmq` or `kafka`"
             )),
         }
     }
@@ -38,6 +42,7 @@ impl BrokerKind {
         match self {
             BrokerKind::Nats => &cfg.nats_cluster,
             BrokerKind::Rabbitmq => &cfg.rabbitmq_cluster,
+            BrokerKind::Kafka => &cfg.kafka_cluster,
         }
     }
 }
@@ -66,6 +71,26 @@ pub async fn connect_rabbitmq(cfg: &Config, role: &str) -> Result<Rabbit, RunErr
     .map_err(RunError::broker)
 }
 
+/// The Kafka adapter for the configured cluster; `role` names the client at the broker
+/// (`sealpost-<role>-<pid>`).
+pub async fn connect_kafka(cfg: &Config, role: &str) -> Result<Kafka, RunError> {
+    let mut k = KafkaConfig::new(
+        &cfg.kafka_brokers,
+        &cfg.kafka_cluster,
+        Duration::from_millis(cfg.ack_timeout_ms),
+    );
+    k.lookup_clock_margin_ms = cfg.kafka_lookup_clock_margin_ms;
+    k.lookup_scan_max = cfg.kafka_lookup_scan_max;
+    k.client_id = format!("sealpost-{role}-{}", std::process::id());
+    k.client_properties =
+        sealpost_kafka::parse_properties(&cfg.kafka_client_properties).map_err(|e| {
+            RunError::broker(std::io::Error::other(format!(
+                "config key `kafka_client_properties` (or KAFKA_CLIENT_PROPERTIES): {e}"
+            )))
+        })?;
+    Kafka::connect(k).await.map_err(RunError::broker)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -80,5 +105,10 @@ mod tests {
         let e = BrokerKind::choose(Some("kafkaa"), &cfg).unwrap_err();
         assert!(e.contains("kafkaa") && e.contains("--broker"), "{e}");
         assert_eq!(BrokerKind::Rabbitmq.cluster(&cfg), "rabbitmq-local");
+        assert_eq!(
+            BrokerKind::choose(Some("kafka"), &cfg),
+            Ok(BrokerKind::Kafka)
+        );
+        assert_eq!(BrokerKind::Kafka.cluster(&cfg), "kafka-local");
     }
 }

@@ -167,6 +167,15 @@ pub async fn run(
     if current.map(|r| (r.get::<_, String>(0), r.get::<_, String>(1))) != Some(wanted) {
         store::set_route(&admin, ROUTE, &cluster, topic).await?;
     }
+    if kind != crate::brokers::BrokerKind::Kafka {
+        // A route that pointed at Kafka before: its destinations have no partitions now.
+        store::set_route_partitions(
+            &admin,
+            ROUTE,
+            sealpost_core::envelope::PartitionAlgorithm::None,
+        )
+        .await?;
+    }
     let stop = Arc::new(AtomicBool::new(false));
     let counters = Arc::new(Counters::default());
     let consumed: Vec<Arc<AtomicU64>> = (0..consumers)
@@ -212,6 +221,34 @@ pub async fn run(
                 runtime::spawn_fleet(&cfg, &Arc::new(rabbit), dispatchers, true, &stop, &counters);
             for (c, id) in consumer_ids.iter().enumerate() {
                 tasks.push(tokio::spawn(crate::rabbitmq_consumer::run(
+                    cfg.clone(),
+                    id.clone(),
+                    topic.to_string(),
+                    stop.clone(),
+                    consumed[c].clone(),
+                )));
+            }
+            nats_scan = None;
+            tasks
+        }
+        crate::brokers::BrokerKind::Kafka => {
+            let kafka = crate::brokers::connect_kafka(&cfg, "demo").await?;
+            // The route freezes the partition count the topic has (created with
+            // `kafka_partitions` if new): Kafka's default partitioner over that count.
+            let n = kafka
+                .ensure_topic(topic, cfg.kafka_partitions)
+                .await
+                .map_err(RunError::broker)?;
+            store::set_route_partitions(
+                &admin,
+                ROUTE,
+                sealpost_core::envelope::PartitionAlgorithm::KafkaMurmur2 { partitions: n },
+            )
+            .await?;
+            let mut tasks =
+                runtime::spawn_fleet(&cfg, &Arc::new(kafka), dispatchers, true, &stop, &counters);
+            for (c, id) in consumer_ids.iter().enumerate() {
+                tasks.push(tokio::spawn(crate::kafka_consumer::run(
                     cfg.clone(),
                     id.clone(),
                     topic.to_string(),

@@ -10,6 +10,7 @@ pub mod config;
 pub mod consume_bench;
 pub mod consumer;
 pub mod demo;
+pub mod kafka_consumer;
 pub mod metrics;
 pub mod ops;
 pub mod rabbitmq_consumer;

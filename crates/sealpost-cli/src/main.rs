@@ -21,7 +21,8 @@ struct Cli {
     /// lookups_in_flight_max, unknown_check_every_ms, verify_every_ms, verify_batch_max,
     /// unknown_alert_s, consumer_max_deliveries, consumer_effect_timeout_ms,
     /// consumer_progress_every_ms, outbox_database_url, required_consumers, broker, rabbitmq_url,
-    /// rabbitmq_cluster; see
+    /// rabbitmq_cluster, kafka_brokers, kafka_cluster, kafka_partitions,
+    /// kafka_lookup_clock_margin_ms, kafka_lookup_scan_max; see
     /// docs/operations.md).
     #[arg(long, global = true, env = "SEALPOST_CONFIG")]
     config: Option<String>,
@@ -46,6 +47,10 @@ enum Cmd {
         /// events reach the broker in `aggregate_version` order, one unresolved at a time).
         #[arg(long, default_value = "none")]
         ordering: String,
+        /// Kafka routes: the partition count to freeze (`kafka-murmur2/<n>`, Kafka's default
+        /// partitioner) [default: the count the topic has now, asked of `kafka_brokers`].
+        #[arg(long)]
+        partitions: Option<u32>,
     },
     /// Run dispatcher tasks and a reconciler until Ctrl-C.
     Dispatch {
@@ -55,7 +60,7 @@ enum Cmd {
         /// Do not run a reconciler in this process.
         #[arg(long)]
         no_reconciler: bool,
-        /// Broker: `nats` or `rabbitmq` [default: config key `broker`, `nats`].
+        /// Broker: `nats`, `rabbitmq` or `kafka` [default: config key `broker`, `nats`].
         #[arg(long)]
         broker: Option<String>,
         #[command(flatten)]
@@ -69,7 +74,7 @@ enum Cmd {
         /// Stream to consume.
         #[arg(long, default_value = "ORDERS")]
         topic: String,
-        /// Broker: `nats` or `rabbitmq` [default: config key `broker`, `nats`].
+        /// Broker: `nats`, `rabbitmq` or `kafka` [default: config key `broker`, `nats`].
         #[arg(long)]
         broker: Option<String>,
         /// Deliveries of a message whose effect fails before it is dead-lettered
@@ -98,7 +103,7 @@ enum Cmd {
         /// the route's (`file` when new).
         #[arg(long)]
         durability: Option<String>,
-        /// Broker: `nats` or `rabbitmq` [default: config key `broker`, `nats`].
+        /// Broker: `nats`, `rabbitmq` or `kafka` [default: config key `broker`, `nats`].
         #[arg(long)]
         broker: Option<String>,
         /// Print the final status as JSON.
@@ -193,7 +198,7 @@ enum Cmd {
         /// Stream to scan for event ids the outbox never committed (repeatable).
         #[arg(long, default_value = "ORDERS")]
         stream: Vec<String>,
-        /// Broker: `nats` or `rabbitmq` [default: config key `broker`, `nats`].
+        /// Broker: `nats`, `rabbitmq` or `kafka` [default: config key `broker`, `nats`].
         #[arg(long)]
         broker: Option<String>,
         /// Messages scanned per stream at most.
@@ -350,6 +355,7 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
             route,
             durability,
             ordering,
+            partitions,
         } => {
             let ordering =
                 sealpost_core::envelope::EventOrdering::parse(&ordering).ok_or_else(|| {
@@ -371,6 +377,26 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
                     "route {name} -> {cluster}/{topic}, ordering {} (generation {g})",
                     ordering.name()
                 );
+                if cluster == cfg.kafka_cluster || partitions.is_some() {
+                    let n = match partitions {
+                        Some(0) => return Err("--partitions: must be at least 1".into()),
+                        Some(n) => n,
+                        None => brokers::connect_kafka(&cfg, "migrate")
+                            .await
+                            .map_err(e)?
+                            .partition_count(topic)
+                            .await
+                            .map_err(|x| x.to_string())?
+                            .ok_or_else(|| format!("--route `{r}`: Kafka topic `{topic}` does not exist at {}; create it, or pass --partitions N to freeze N partitions", cfg.kafka_brokers))?,
+                    };
+                    let alg =
+                        sealpost_core::envelope::PartitionAlgorithm::KafkaMurmur2 { partitions: n };
+                    let g = store::set_route_partitions(&pg, name, alg)
+                        .await
+                        .map_err(|x| x.to_string())?
+                        .ok_or_else(|| format!("route `{name}` vanished while setting its partitions; run the command again"))?;
+                    println!("route {name} partitions {} (generation {g})", alg.name());
+                }
                 if let Some(d) = &durability {
                     let g = store::set_route_durability(&pg, name, d)
                         .await
@@ -408,6 +434,14 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
                             .await
                             .map_err(e)?,
                     ),
+                    dispatchers,
+                    !no_reconciler,
+                    &stop,
+                    &counters,
+                ),
+                BrokerKind::Kafka => runtime::spawn_fleet(
+                    &cfg,
+                    &Arc::new(brokers::connect_kafka(&cfg, "dispatch").await.map_err(e)?),
                     dispatchers,
                     !no_reconciler,
                     &stop,
@@ -529,6 +563,11 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
                         .await
                         .map_err(e)?
                 }
+                BrokerKind::Kafka => {
+                    sealpost_cli::kafka_consumer::run(cfg, consumer, topic, stop, consumed)
+                        .await
+                        .map_err(e)?
+                }
             }
             Ok(0)
         }
@@ -543,10 +582,11 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
             json,
         } => {
             let pg = runtime::pg_connect(&cfg.database_url).await.map_err(e)?;
-            // A RabbitMQ queue cannot be scanned without taking its messages: no stream scan.
+            // A RabbitMQ queue cannot be scanned without taking its messages, and a Kafka
+            // partition is scanned per event by the reconciler's lookups: no stream scan.
             let nats = match BrokerKind::choose(broker.as_deref(), &cfg)? {
                 BrokerKind::Nats => Some(connect_nats(&cfg).await?),
-                BrokerKind::Rabbitmq => None,
+                BrokerKind::Rabbitmq | BrokerKind::Kafka => None,
             };
             let opts = sealpost_cli::ops::ReconcileOptions {
                 pending_age_s,

@@ -80,12 +80,27 @@ pub struct Config {
     /// `--consumer` flags add to these).
     pub required_consumers: Vec<String>,
     /// The broker the `sealpost` command's dispatch, consume, demo and reconcile use:
-    /// `nats` or `rabbitmq` (the `--broker` flag overrides it).
+    /// `nats`, `rabbitmq` or `kafka` (the `--broker` flag overrides it).
     pub broker: String,
     /// RabbitMQ AMQP URL (`RABBITMQ_URL` overrides it).
     pub rabbitmq_url: String,
     /// Cluster identity of the RabbitMQ connection (frozen into destinations).
     pub rabbitmq_cluster: String,
+    /// Kafka bootstrap servers, `host:port[,host:port]` (`KAFKA_BROKERS` overrides it).
+    pub kafka_brokers: String,
+    /// Cluster identity of the Kafka connection (frozen into destinations).
+    pub kafka_cluster: String,
+    /// Partitions of a Kafka topic Sealpost creates (the demo's); an existing topic keeps its
+    /// own count, and a route freezes the count the topic has.
+    pub kafka_partitions: u32,
+    /// How far before an event's mint time a Kafka lookup starts its scan (producer clock
+    /// skew).
+    pub kafka_lookup_clock_margin_ms: u64,
+    /// Records one Kafka lookup reads at most before answering "nothing learned".
+    pub kafka_lookup_scan_max: u64,
+    /// librdkafka properties for every Kafka client, `key=value[,key=value]`
+    /// (`KAFKA_CLIENT_PROPERTIES` overrides it).
+    pub kafka_client_properties: String,
 }
 
 impl Default for Config {
@@ -117,6 +132,12 @@ impl Default for Config {
             broker: "nats".to_string(),
             rabbitmq_url: "amqp://guest:guest@127.0.0.1:5672/%2f".to_string(),
             rabbitmq_cluster: "rabbitmq-local".to_string(),
+            kafka_brokers: "127.0.0.1:9092".to_string(),
+            kafka_cluster: "kafka-local".to_string(),
+            kafka_partitions: 6,
+            kafka_lookup_clock_margin_ms: 60_000,
+            kafka_lookup_scan_max: 1_000_000,
+            kafka_client_properties: String::new(),
         }
     }
 }
@@ -146,6 +167,12 @@ impl Config {
         }
         if let Ok(v) = std::env::var("RABBITMQ_URL") {
             self.rabbitmq_url = v;
+        }
+        if let Ok(v) = std::env::var("KAFKA_BROKERS") {
+            self.kafka_brokers = v;
+        }
+        if let Ok(v) = std::env::var("KAFKA_CLIENT_PROPERTIES") {
+            self.kafka_client_properties = v;
         }
     }
 
@@ -206,6 +233,18 @@ impl Config {
             return Err(ConfigError::Invalid {
                 key: "consumer_max_deliveries",
                 message: "must be at least 1 (one delivery, then the dead letter)".into(),
+            });
+        }
+        if self.kafka_partitions == 0 || self.kafka_partitions > 10_000 {
+            return Err(ConfigError::Invalid {
+                key: "kafka_partitions",
+                message: "must be 1..=10000".into(),
+            });
+        }
+        if self.kafka_lookup_scan_max == 0 {
+            return Err(ConfigError::Invalid {
+                key: "kafka_lookup_scan_max",
+                message: "must be at least 1".into(),
             });
         }
         if self.consumer_effect_timeout_ms == 0 {
