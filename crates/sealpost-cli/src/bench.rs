@@ -13,6 +13,9 @@
 //!   ([`naive_relay`]), as many relays as Sealpost has dispatchers, in its own table and
 //!   stream, with the same WAL and statement figures.
 //!
+//! `--per-broker` runs none of these: it drains the same backlog through NATS, RabbitMQ and
+//! Kafka in turn ([`per_broker`]), one line per broker with its ratio to NATS.
+//!
 //! The bench's tables and streams are named after the run (`BENCH<tag>`, `NAIVE<tag>`,
 //! `sealpost_bench_naive_<tag>`), so concurrent runs never see each other's rows; the naive
 //! table, the retained rows and both streams are removed at the end.
@@ -30,6 +33,7 @@ use std::time::{Duration, Instant};
 use async_nats::jetstream::message::PublishMessage;
 use sealpost::runtime::{self, Config, Counters, RunError};
 use sealpost::store::{self, StoreError};
+use sealpost_core::port::Broker;
 use sealpost_nats::Nats;
 use tokio::task::JoinHandle;
 
@@ -391,11 +395,14 @@ struct Fleet {
 
 impl Fleet {
     fn start(cfg: &Config, nats: &Nats, dispatchers: usize) -> Fleet {
+        Fleet::start_on(cfg, &Arc::new(nats.clone()), dispatchers)
+    }
+
+    fn start_on<B: Broker>(cfg: &Config, broker: &Arc<B>, dispatchers: usize) -> Fleet {
         let stop = Arc::new(AtomicBool::new(false));
         let counters = Arc::new(Counters::default());
         // As in production, a reconciler runs beside the dispatchers.
-        let broker = Arc::new(nats.clone());
-        let tasks = runtime::spawn_fleet(cfg, &broker, dispatchers, true, &stop, &counters);
+        let tasks = runtime::spawn_fleet(cfg, broker, dispatchers, true, &stop, &counters);
         Fleet { stop, tasks }
     }
 
@@ -903,4 +910,185 @@ async fn phases(
         latency_ms_p99_during_backlog: p99_during,
         consume_events_per_s: round(consume_rate, 1),
     })
+}
+
+/// One broker's line of `sealpost bench --per-broker`.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct BrokerDrain {
+    /// `nats`, `rabbitmq` or `kafka`.
+    pub broker: String,
+    /// Events drained.
+    pub events: u64,
+    /// Drain rate of a prefilled backlog (fleet start to the last `PUBLISHED`, database
+    /// clock), no producers running; `null` when the broker was not reachable.
+    pub events_per_s: f64,
+    /// This broker's rate / NATS's rate in the same run.
+    pub ratio_to_nats: f64,
+    /// Why there is no figure, if there is none.
+    pub skipped: Option<String>,
+}
+
+/// Drains a prefilled backlog of `events` on `broker` (a route of its own on a cluster name of
+/// its own, so the fleet claims only these rows); events/s.
+#[allow(clippy::too_many_arguments)]
+async fn drain_on<B: Broker>(
+    pg: &mut tokio_postgres::Client,
+    cfg: &Config,
+    broker: &Arc<B>,
+    route: &str,
+    topic: &str,
+    events: u64,
+    payload: &[u8],
+    dispatchers: usize,
+) -> Result<f64, RunError> {
+    let from_ms = store::db_now_ms(&*pg).await? as i64;
+    prefill(pg, route, "pb", events, payload).await?;
+    pg.batch_execute("VACUUM (ANALYZE) sealpost.work, sealpost.envelope")
+        .await
+        .map_err(db)?;
+    let start_ms = store::db_now_ms(&*pg).await? as i64;
+    let fleet = Fleet::start_on(cfg, broker, dispatchers);
+    if !wait_drained(pg, broker.cluster(), i64::MAX, &fleet).await? {
+        return Err(fleet_error(fleet).await);
+    }
+    fleet.stop().await?;
+    let end_ms = published_until_ms(pg, topic, from_ms, start_ms)
+        .await?
+        .unwrap_or(start_ms);
+    Ok(events as f64 / ((end_ms - start_ms).max(1) as f64 / 1000.0))
+}
+
+/// `sealpost bench --per-broker`: the same backlog drained through NATS, RabbitMQ and Kafka in
+/// turn, one line per broker with its ratio to NATS in the same run. Measures Sealpost's drain
+/// per broker only (the careful relay of the main bench is NATS-only). A broker that cannot be
+/// reached is reported as skipped, with the reason.
+pub async fn per_broker(
+    mut cfg: Config,
+    events: u64,
+    payload_bytes: usize,
+    dispatchers: usize,
+    json: bool,
+) -> Result<Vec<BrokerDrain>, RunError> {
+    cfg.idle_poll_ms = 2;
+    let mut pg = runtime::pg_connect(&cfg.database_url).await?;
+    store::migrate(&pg).await?;
+    let tag = runtime::owner_id() % 1_000_000;
+    let payload = vec![b'x'; payload_bytes];
+    let say = |s: String| {
+        if !json {
+            eprintln!("{s}");
+        }
+    };
+    let mut out: Vec<BrokerDrain> = Vec::new();
+    for name in ["nats", "rabbitmq", "kafka"] {
+        let topic = format!("PB{tag}{}", name.to_uppercase());
+        let route = format!("bench-{name}-{tag}");
+        let cluster = format!("bench{tag}{name}");
+        say(format!(
+            "{name}: prefilling {events} events and draining them ..."
+        ));
+        let r: Result<f64, RunError> = match name {
+            "nats" => {
+                cfg.nats_cluster = cluster.clone();
+                match crate::brokers::connect_nats(&cfg).await {
+                    Err(e) => Err(e),
+                    Ok(nats) => {
+                        store::set_route(&pg, &route, &cluster, &topic).await?;
+                        nats.ensure_stream(&topic).await.map_err(RunError::broker)?;
+                        let r = drain_on(
+                            &mut pg,
+                            &cfg,
+                            &Arc::new(nats.clone()),
+                            &route,
+                            &topic,
+                            events,
+                            &payload,
+                            dispatchers,
+                        )
+                        .await;
+                        let _ = nats.js.delete_stream(&topic).await;
+                        r
+                    }
+                }
+            }
+            "rabbitmq" => {
+                cfg.rabbitmq_cluster = cluster.clone();
+                match crate::brokers::connect_rabbitmq(&cfg, "bench").await {
+                    Err(e) => Err(e),
+                    Ok(rabbit) => {
+                        store::set_route(&pg, &route, &cluster, &topic).await?;
+                        let q = vec!["bench".to_string()];
+                        rabbit
+                            .ensure_destination(&topic, &q)
+                            .await
+                            .map_err(RunError::broker)?;
+                        let r = drain_on(
+                            &mut pg,
+                            &cfg,
+                            &Arc::new(rabbit.clone()),
+                            &route,
+                            &topic,
+                            events,
+                            &payload,
+                            dispatchers,
+                        )
+                        .await;
+                        let _ = rabbit.delete_destination(&topic, &q).await;
+                        r
+                    }
+                }
+            }
+            _ => {
+                cfg.kafka_cluster = cluster.clone();
+                match crate::brokers::connect_kafka(&cfg, "bench").await {
+                    Err(e) => Err(e),
+                    Ok(kafka) => {
+                        store::set_route(&pg, &route, &cluster, &topic).await?;
+                        let n = kafka
+                            .ensure_topic(&topic, cfg.kafka_partitions)
+                            .await
+                            .map_err(RunError::broker)?;
+                        store::set_route_partitions(
+                            &pg,
+                            &route,
+                            sealpost_core::envelope::PartitionAlgorithm::KafkaMurmur2 {
+                                partitions: n,
+                            },
+                        )
+                        .await?;
+                        let r = drain_on(
+                            &mut pg,
+                            &cfg,
+                            &Arc::new(kafka.clone()),
+                            &route,
+                            &topic,
+                            events,
+                            &payload,
+                            dispatchers,
+                        )
+                        .await;
+                        let _ = kafka.delete_topic(&topic).await;
+                        r
+                    }
+                }
+            }
+        };
+        let (rate, skipped) = match r {
+            Ok(x) => (x, None),
+            Err(e) => (f64::NAN, Some(e.to_string())),
+        };
+        let nats_rate = out.first().map_or(rate, |n| n.events_per_s);
+        say(match &skipped {
+            None => format!("{name}: {rate:.0} events/s ({:.2}x NATS)", rate / nats_rate),
+            Some(why) => format!("{name}: skipped: {why}"),
+        });
+        out.push(BrokerDrain {
+            broker: name.to_string(),
+            events,
+            events_per_s: round(rate, 0),
+            ratio_to_nats: round(rate / nats_rate, 3),
+            skipped,
+        });
+    }
+    Ok(out)
 }

@@ -140,6 +140,10 @@ enum Cmd {
         retained: u64,
         /// One JSON object.
         #[arg(long)]
+        /// Instead of the phases above: drain the same `--events` backlog through NATS,
+        /// RabbitMQ and Kafka in turn, one line per broker with its ratio to NATS.
+        #[arg(long)]
+        per_broker: bool,
         json: bool,
     },
     /// Capacity model (R27): database growth, WAL volume, index size and the time to drain
@@ -493,8 +497,32 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
             latency_s,
             load_backlog,
             retained,
+            per_broker,
             json,
         } => {
+            if per_broker {
+                let lines =
+                    sealpost_cli::bench::per_broker(cfg, events, payload_bytes, dispatchers, json)
+                        .await
+                        .map_err(e)?;
+                if json {
+                    println!(
+                        "{}",
+                        serde_json::to_string(&lines).map_err(|x| x.to_string())?
+                    );
+                } else {
+                    for l in &lines {
+                        match &l.skipped {
+                            None => println!(
+                                "{:<9} {} events  {:>8.0} events/s  {:.2}x NATS",
+                                l.broker, l.events, l.events_per_s, l.ratio_to_nats
+                            ),
+                            Some(why) => println!("{:<9} skipped: {why}", l.broker),
+                        }
+                    }
+                }
+                return Ok(0);
+            }
             let args = sealpost_cli::bench::BenchArgs {
                 events,
                 payload_bytes,
