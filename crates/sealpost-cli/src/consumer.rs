@@ -155,12 +155,7 @@ pub async fn run(
                     if matches!(outcome, BatchOutcome::Applied { .. }) {
                         consumed.fetch_add(1, Ordering::Relaxed);
                     }
-                    let label = match &outcome {
-                        BatchOutcome::Applied { .. } => "applied",
-                        BatchOutcome::Duplicate { .. } => "duplicate",
-                        BatchOutcome::Quarantined => "quarantined",
-                        BatchOutcome::Failed { .. } => "failed",
-                    };
+                    let label = outcome.name();
                     metrics::counter!(sealpost::observe::CONSUMER_MESSAGES,
                         "consumer" => consumer_label.clone(), "outcome" => label)
                     .increment(1);

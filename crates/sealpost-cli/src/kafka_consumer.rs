@@ -35,20 +35,14 @@ use sealpost_core::inbox::{
 };
 use sealpost_core::Digest;
 use sealpost_kafka::rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
-use sealpost_kafka::rdkafka::message::{Headers, Message, OwnedMessage};
+use sealpost_kafka::rdkafka::message::{Message, OwnedMessage};
 use sealpost_kafka::rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use sealpost_kafka::{H_EVENT_ID, H_MEMBER, H_PAYLOAD_DIGEST};
 
 /// Records applied in one inbox transaction at most.
 const BATCH_MAX: usize = 500;
 
-fn header<'a>(m: &'a OwnedMessage, name: &str) -> Option<&'a str> {
-    m.headers()?
-        .iter()
-        .find(|h| h.key == name)
-        .and_then(|h| h.value)
-        .and_then(|v| std::str::from_utf8(v).ok())
-}
+use sealpost_kafka::header_str as header;
 
 /// The record's position in the consumer's inbox: `<topic>/<partition>`, offset + 1.
 fn position(m: &OwnedMessage) -> (String, u64) {
@@ -236,12 +230,7 @@ pub async fn run(
             {
                 Ok(outcomes) => {
                     for (m, outcome) in held.into_iter().zip(outcomes) {
-                        let what = match &outcome {
-                            BatchOutcome::Applied { .. } => "applied",
-                            BatchOutcome::Duplicate { .. } => "duplicate",
-                            BatchOutcome::Quarantined => "quarantined",
-                            BatchOutcome::Failed { .. } => "failed",
-                        };
+                        let what = outcome.name();
                         metrics::counter!(sealpost::observe::CONSUMER_MESSAGES,
                             "consumer" => label.clone(), "outcome" => what)
                         .increment(1);

@@ -188,12 +188,7 @@ pub async fn run(
             Ok(outcomes) => {
                 let mut dead = Vec::new();
                 for (m, outcome) in held.into_iter().zip(outcomes) {
-                    let what = match &outcome {
-                        BatchOutcome::Applied { .. } => "applied",
-                        BatchOutcome::Duplicate { .. } => "duplicate",
-                        BatchOutcome::Quarantined => "quarantined",
-                        BatchOutcome::Failed { .. } => "failed",
-                    };
+                    let what = outcome.name();
                     metrics::counter!(sealpost::observe::CONSUMER_MESSAGES,
                         "consumer" => label.clone(), "outcome" => what)
                     .increment(1);

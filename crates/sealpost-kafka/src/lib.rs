@@ -461,13 +461,8 @@ impl Kafka {
                     }
                 }
             }
-            if let Some(h) = m.headers() {
-                let get = |name: &str| {
-                    h.iter()
-                        .find(|x| x.key == name)
-                        .and_then(|x| x.value)
-                        .and_then(|v| std::str::from_utf8(v).ok())
-                };
+            {
+                let get = |name: &str| header_str(&m, name);
                 if get(H_EVENT_ID) == Some(want_id.as_str())
                     && get(H_MEMBER) == Some(want_member.as_str())
                 {
@@ -499,6 +494,15 @@ impl Kafka {
             }
         }
     }
+}
+
+/// The text of header `name` of a record, if present and UTF-8.
+pub fn header_str<'a, M: Message>(m: &'a M, name: &str) -> Option<&'a str> {
+    m.headers()?
+        .iter()
+        .find(|h| h.key == name)
+        .and_then(|h| h.value)
+        .and_then(|v| std::str::from_utf8(v).ok())
 }
 
 /// The mint time of a UUIDv7 event id (unix ms), `None` for other versions.

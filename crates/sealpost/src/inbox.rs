@@ -136,6 +136,18 @@ pub enum BatchOutcome {
 }
 
 impl BatchOutcome {
+    /// The outcome's name, as the `outcome` label of the consumer metrics.
+    pub fn name(&self) -> &'static str {
+        match self {
+            BatchOutcome::Applied { .. } => "applied",
+            BatchOutcome::Duplicate { .. } => "duplicate",
+            BatchOutcome::Quarantined => "quarantined",
+            BatchOutcome::Failed { .. } => "failed",
+        }
+    }
+}
+
+impl BatchOutcome {
     /// Whether the broker message may be acked (after the commit): everything but `Failed`.
     pub fn ack(&self) -> bool {
         !matches!(self, BatchOutcome::Failed { .. })
