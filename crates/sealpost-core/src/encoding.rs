@@ -19,17 +19,24 @@ pub struct Digest(pub [u8; DIGEST_LEN]);
 impl Digest {
     /// Lower-case hex, prefixed `sha256:` as stored in headers and docs.
     pub fn to_prefixed_hex(&self) -> String {
-        format!("sha256:{}", self.to_hex())
+        let mut s = String::with_capacity(7 + DIGEST_LEN * 2);
+        s.push_str("sha256:");
+        self.push_hex(&mut s);
+        s
     }
 
     /// Lower-case hex without prefix.
     pub fn to_hex(&self) -> String {
         let mut s = String::with_capacity(DIGEST_LEN * 2);
+        self.push_hex(&mut s);
+        s
+    }
+
+    fn push_hex(&self, s: &mut String) {
         for b in self.0 {
             s.push(char::from_digit(u32::from(b >> 4), 16).unwrap_or('0'));
             s.push(char::from_digit(u32::from(b & 0xf), 16).unwrap_or('0'));
         }
-        s
     }
 
     /// Parses 64 hex characters, with or without the `sha256:` prefix.
