@@ -377,6 +377,9 @@ pub async fn enqueue_many(
         .iter()
         .map(|(_, ev, _)| ev.payload.to_vec())
         .collect();
+    // The work rows are inserted in the caller's order (`ORDER BY` the input's ordinality), so
+    // their commit positions follow it: without it the join's plan decided the order, and it
+    // changed once the tables' statistics had seen a large backlog.
     counted(1);
     tx.execute(
         "WITH e AS (INSERT INTO sealpost.envelope (event_id, member, envelope_generation, aggregate_type, aggregate_id,
@@ -396,7 +399,9 @@ pub async fn enqueue_many(
                                     ordering_key, aggregate_version)
          SELECT e.event_id, e.member, e.envelope_generation, e.dest_cluster, e.created_at_ms, 0, 'PENDING', v.ok,
                 e.aggregate_version
-         FROM e JOIN unnest($1::uuid[], $23::text[]) AS v(id, ok) ON v.id = e.event_id",
+         FROM unnest($1::uuid[], $23::text[]) WITH ORDINALITY AS v(id, ok, n)
+         JOIN e ON v.id = e.event_id
+         ORDER BY v.n",
         &[
             &ids,
             &col(&|e| e.aggregate_type.clone()),
