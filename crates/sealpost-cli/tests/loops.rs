@@ -653,6 +653,106 @@ async fn guarded_acceptance_falls_back_when_the_row_changed_and_never_accepts_tw
     );
 }
 
+/// The dispatcher's claim and guarded-acceptance statements are prepared once per connection
+/// and kept in `Held`. They belong to that connection: if it is replaced and `Held` is not
+/// told, the next claim fails with the database's own words, claims nothing and drops them,
+/// and the one after works; the same holds for a submission, which then accepts every
+/// receipt once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prepared_statements_are_dropped_with_their_connection() {
+    let (cfg, mut pg, _) = fresh("prepared").await;
+    let n = nats(&cfg).await;
+    let t = topic("prepared");
+    n.ensure_stream(&t).await.unwrap();
+    store::set_route(&pg, "orders", &cfg.nats_cluster, &t)
+        .await
+        .unwrap();
+    let ids = enqueue(&mut pg, "orders", b"{}", 4).await;
+    let cluster = cfg.nats_cluster.clone();
+    let mut held = store::Held::default();
+    let first = store::claim_batch_held(&mut pg, 1, Some(&cluster), 0, 2, 10_000, &mut held)
+        .await
+        .unwrap();
+    assert_eq!(first.outgoing.len(), 2);
+    let sending = async |pg: &tokio_postgres::Client| -> i64 {
+        pg.query_one(
+            "SELECT count(*) FROM sealpost.work WHERE state = 'SENDING'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0)
+    };
+    // The connection is replaced behind `held`'s back.
+    let mut pg = runtime::pg_connect(&cfg.database_url).await.unwrap();
+    let err = store::claim_batch_held(&mut pg, 1, Some(&cluster), 0, 2, 10_000, &mut held)
+        .await
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("prepared statement"),
+        "the database's own words: {err}"
+    );
+    assert_eq!(sending(&pg).await, 2, "the failed claim claimed nothing");
+    let second = store::claim_batch_held(&mut pg, 1, Some(&cluster), 0, 2, 10_000, &mut held)
+        .await
+        .unwrap();
+    assert_eq!(second.outgoing.len(), 2);
+    assert_eq!(sending(&pg).await, 4);
+    let submission = async |b: &store::ClaimBatch| -> Submission {
+        let reqs: Vec<_> = b
+            .outgoing
+            .iter()
+            .map(store::Outgoing::send_request)
+            .collect();
+        let receipts = n
+            .send_batch(reqs, Instant::now() + Duration::from_secs(5))
+            .await
+            .into_iter()
+            .map(|r| match r {
+                SendResult::Receipt(r) => r,
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        Submission {
+            receipts,
+            reports: vec![],
+        }
+    };
+    use sealpost_core::ReceiptVerdict;
+    let primary = vec![store::Accepted::Verdict(ReceiptVerdict::Primary); 2];
+    // The first batch's acceptance prepares the guarded write on this connection.
+    let sub = submission(&first).await;
+    let done = store::submit_held(&mut pg, &sub, 5, &mut held)
+        .await
+        .unwrap();
+    assert_eq!((done.accepted, done.guarded), (primary.clone(), 2));
+    // Replaced again, before the second batch's acceptance.
+    let mut pg = runtime::pg_connect(&cfg.database_url).await.unwrap();
+    let sub = submission(&second).await;
+    let err = store::submit_held(&mut pg, &sub, 5, &mut held)
+        .await
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("prepared statement"),
+        "the database's own words: {err}"
+    );
+    assert_eq!(
+        sending(&pg).await,
+        2,
+        "the failed submission accepted nothing"
+    );
+    let done = store::submit_held(&mut pg, &sub, 5, &mut held)
+        .await
+        .unwrap();
+    assert_eq!(
+        (done.accepted, done.guarded),
+        (primary, 2),
+        "both rows still as their claim wrote them, each accepted once"
+    );
+    assert!(all_published(&pg, &ids).await);
+    assert_eq!(stream_messages(&n, &t).await, 4);
+}
+
 /// Bug: the adapter never reported a permanent refusal, so the rejection limit did nothing
 /// and a quarantined row could never be released. Now a message over the stream's size limit
 /// is refused, counted, quarantined with its reason at the limit, shown by `status`, and

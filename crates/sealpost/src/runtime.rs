@@ -489,6 +489,7 @@ pub async fn dispatcher<B: Broker>(
                         tracing::warn!(error = %e, "claim failed; retrying after a pause");
                         if pg.is_closed() {
                             pg = reconnect(&cfg).await;
+                            held.forget_statements();
                         }
                         m.handle_claim_failed(ms_since(epoch));
                     }
@@ -543,6 +544,7 @@ pub async fn dispatcher<B: Broker>(
                         tracing::warn!(error = %e, "receipt transaction failed; the machine retries it");
                         if pg.is_closed() {
                             pg = reconnect(&cfg).await;
+                            held.forget_statements();
                         }
                         false
                     }

@@ -861,7 +861,129 @@ async fn lock_rows_created(
 /// row's columns the core may change (the latest attempt inline among them), and the earlier
 /// attempts in `sealpost.attempt` (new ones inserted, status changes updated).
 async fn persist(tx: &impl GenericClient, before: &[EventRow], after: &[EventRow]) -> Result<()> {
-    persist_guarded(tx, before, after, None).await.map(|_| ())
+    persist_guarded(tx, before, after, None, None)
+        .await
+        .map(|_| ())
+}
+
+/// A column of a batched write: one value per row, or the one value every row gets. A batch
+/// of claims or acceptances mostly writes the same state, owner, lease, cluster and stream
+/// to every row: those go as one parameter, not an array of a thousand copies to unnest.
+enum Bind<'a> {
+    Each(&'a (dyn tokio_postgres::types::ToSql + Sync)),
+    Same(&'a (dyn tokio_postgres::types::ToSql + Sync)),
+}
+
+impl<'a> Bind<'a> {
+    fn value(&self) -> &'a (dyn tokio_postgres::types::ToSql + Sync) {
+        match self {
+            Bind::Each(v) | Bind::Same(v) => *v,
+        }
+    }
+}
+
+// A `Vec`, not a slice: the array parameter is the `Vec` itself (`[T]` is unsized).
+#[allow(clippy::ptr_arg)]
+fn bind<T>(values: &Vec<T>) -> Bind<'_>
+where
+    T: tokio_postgres::types::ToSql + Sync + PartialEq,
+{
+    match values.split_first() {
+        Some((first, rest)) if rest.iter().all(|x| x == first) => Bind::Same(first),
+        _ => Bind::Each(values),
+    }
+}
+
+/// The batched `UPDATE` of work rows: `$1`/`$2` are the keys, then one parameter per column
+/// of `cols` in order (an array to unnest, or one value for every row), then the guard's
+/// `xmin`s if any.
+fn update_sql(cols: &[(&str, &str, Bind<'_>)], guard: Option<Bind<'_>>) -> String {
+    let mut set = Vec::new();
+    let mut arrays = vec!["$1::uuid[]".to_string(), "$2::int2[]".to_string()];
+    let mut names = vec!["id", "m"];
+    for (i, (c, t, b)) in cols.iter().enumerate() {
+        let n = i + 3;
+        match b {
+            Bind::Each(_) => {
+                set.push(format!("{c} = u.{c}"));
+                arrays.push(format!("${n}::{t}[]"));
+                names.push(c);
+            }
+            Bind::Same(_) => set.push(format!("{c} = ${n}::{t}")),
+        }
+    }
+    // The guard: `xmin` is the id of the transaction that wrote the row version, so it
+    // equals the caller's only if no one has written the row since.
+    let n = cols.len() + 3;
+    let (cas, returning) = match guard {
+        None => (String::new(), ""),
+        Some(Bind::Each(_)) => {
+            arrays.push(format!("${n}::int8[]"));
+            names.push("xmin_then");
+            (
+                " AND w.xmin = u.xmin_then::text::xid".to_string(),
+                " RETURNING w.event_id, w.member",
+            )
+        }
+        Some(Bind::Same(_)) => (
+            format!(" AND w.xmin = ${n}::int8::text::xid"),
+            " RETURNING w.event_id, w.member",
+        ),
+    };
+    format!(
+        "UPDATE sealpost.work w SET {}
+         FROM unnest({}) AS u({})
+         WHERE w.event_id = u.id AND w.member = u.m{cas}{returning}",
+        set.join(", "),
+        arrays.join(", "),
+        names.join(", ")
+    )
+}
+
+/// What identifies the inline (latest) attempt, its status aside.
+fn inline_identity(r: &EventRow) -> Option<(u64, u32, u64, u64, u32, u64)> {
+    r.attempts.last().map(|x| {
+        (
+            x.id,
+            x.attempt_generation,
+            x.claim_generation,
+            x.owner,
+            x.envelope_generation,
+            x.started_at_ms,
+        )
+    })
+}
+
+/// Prepared statements of one connection, by SQL text: the dispatcher's claim and acceptance
+/// statements are parsed once per connection, not once per batch (a round trip and the
+/// server's parse and analysis each time). Statements belong to the connection that prepared
+/// them: [`Held::forget_statements`] drops them when it is replaced.
+#[derive(Default)]
+pub struct Prepared {
+    by_sql: HashMap<String, tokio_postgres::Statement>,
+}
+
+impl std::fmt::Debug for Prepared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Prepared")
+            .field("statements", &self.by_sql.len())
+            .finish()
+    }
+}
+
+impl Prepared {
+    async fn get(
+        &mut self,
+        client: &impl GenericClient,
+        sql: &str,
+    ) -> Result<tokio_postgres::Statement> {
+        if let Some(s) = self.by_sql.get(sql) {
+            return Ok(s.clone());
+        }
+        let s = client.prepare(sql).await?;
+        self.by_sql.insert(sql.to_string(), s.clone());
+        Ok(s)
+    }
 }
 
 /// [`persist`], and with `guard` (each row's `xmin` as the caller last wrote it, parallel to
@@ -873,6 +995,7 @@ async fn persist_guarded(
     before: &[EventRow],
     after: &[EventRow],
     guard: Option<&[i64]>,
+    prepared: Option<&mut Prepared>,
 ) -> Result<Vec<(EventId, u16)>> {
     let mut u_xmin: Vec<i64> = Vec::new();
     let mut u_id = Vec::new();
@@ -1000,96 +1123,75 @@ async fn persist_guarded(
         let changed = |f: &dyn Fn(&EventRow, &EventRow) -> bool| {
             before.iter().zip(after).any(|(b, a)| f(b, a))
         };
-        type Col<'a> = (
-            &'static str,
-            &'static str,
-            &'a (dyn tokio_postgres::types::ToSql + Sync),
-        );
-        let mut cols: Vec<Col<'_>> = vec![("state", "text", &u_state), ("phase", "int2", &u_phase)];
+        let mut cols: Vec<(&'static str, &'static str, Bind<'_>)> = vec![
+            ("state", "text", bind(&u_state)),
+            ("phase", "int2", bind(&u_phase)),
+        ];
         if changed(&|b, a| b.claim != a.claim || b.claim_generation != a.claim_generation) {
-            cols.push(("claim_owner", "int8", &u_owner));
-            cols.push(("claim_generation", "int8", &u_cgen));
-            cols.push(("lease_until_ms", "int8", &u_lease));
+            cols.push(("claim_owner", "int8", bind(&u_owner)));
+            cols.push(("claim_generation", "int8", bind(&u_cgen)));
+            cols.push(("lease_until_ms", "int8", bind(&u_lease)));
         }
         if changed(&|b, a| b.attempt_generation != a.attempt_generation) {
-            cols.push(("attempt_generation", "int4", &u_agen));
+            cols.push(("attempt_generation", "int4", bind(&u_agen)));
         }
         if changed(&|b, a| b.rejections != a.rejections) {
-            cols.push(("rejections", "int4", &u_rej));
+            cols.push(("rejections", "int4", bind(&u_rej)));
         }
         if changed(&|b, a| b.unknown_since_ms != a.unknown_since_ms) {
-            cols.push(("unknown_since_ms", "int8", &u_unknown));
+            cols.push(("unknown_since_ms", "int8", bind(&u_unknown)));
         }
         if changed(&|b, a| b.published_at_ms != a.published_at_ms) {
-            cols.push(("published_at_ms", "int8", &u_pub));
+            cols.push(("published_at_ms", "int8", bind(&u_pub)));
         }
         if changed(&|b, a| b.primary != a.primary) {
-            cols.push(("primary_attempt_id", "int8", &u_pattempt));
-            cols.push(("primary_cluster", "text", &u_pcluster));
-            cols.push(("primary_stream", "text", &u_pstream));
-            cols.push(("primary_partition", "int4", &u_ppart));
-            cols.push(("primary_sequence", "int8", &u_pseq));
+            cols.push(("primary_attempt_id", "int8", bind(&u_pattempt)));
+            cols.push(("primary_cluster", "text", bind(&u_pcluster)));
+            cols.push(("primary_stream", "text", bind(&u_pstream)));
+            cols.push(("primary_partition", "int4", bind(&u_ppart)));
+            cols.push(("primary_sequence", "int8", bind(&u_pseq)));
         }
         if changed(&|b, a| b.pacing != a.pacing) {
-            cols.push(("not_before_ms", "int8", &u_nb));
-            cols.push(("never_sent", "int4", &u_ns));
-            cols.push(("next_lookup_at_ms", "int8", &u_nl));
-            cols.push(("lookups", "int4", &u_lk));
+            cols.push(("not_before_ms", "int8", bind(&u_nb)));
+            cols.push(("never_sent", "int4", bind(&u_ns)));
+            cols.push(("next_lookup_at_ms", "int8", bind(&u_nl)));
+            cols.push(("lookups", "int4", bind(&u_lk)));
         }
-        if changed(&|b, a| b.attempts != a.attempts) {
-            cols.push(("attempt_id", "int8", &i_id));
-            cols.push(("attempt_agen", "int4", &i_agen));
-            cols.push(("attempt_claim_generation", "int8", &i_cgen));
-            cols.push(("attempt_owner", "int8", &i_owner));
-            cols.push(("attempt_envelope_generation", "int4", &i_egen));
-            cols.push(("attempt_status", "text", &i_status));
-            cols.push(("attempt_started_ms", "int8", &i_started));
-            cols.push(("attempts_archived", "int4", &i_archived));
+        // The inline attempt: an acceptance changes its status only, a claim all of it.
+        if changed(&|b, a| {
+            inline_identity(b) != inline_identity(a) || b.attempts.len() != a.attempts.len()
+        }) {
+            cols.push(("attempt_id", "int8", bind(&i_id)));
+            cols.push(("attempt_agen", "int4", bind(&i_agen)));
+            cols.push(("attempt_claim_generation", "int8", bind(&i_cgen)));
+            cols.push(("attempt_owner", "int8", bind(&i_owner)));
+            cols.push(("attempt_envelope_generation", "int4", bind(&i_egen)));
+            cols.push(("attempt_started_ms", "int8", bind(&i_started)));
+            cols.push(("attempts_archived", "int4", bind(&i_archived)));
         }
-        if guard.is_some() {
-            cols.push(("xmin_then", "int8", &u_xmin));
+        if changed(&|b, a| b.attempts.last() != a.attempts.last()) {
+            cols.push(("attempt_status", "text", bind(&i_status)));
         }
-        let set: Vec<String> = cols
-            .iter()
-            .filter(|(c, _, _)| *c != "xmin_then")
-            .map(|(c, _, _)| format!("{c} = u.{c}"))
-            .collect();
-        let arrays: Vec<String> = cols
-            .iter()
-            .enumerate()
-            .map(|(i, (_, t, _))| format!("${}::{t}[]", i + 3))
-            .collect();
-        let names: Vec<&str> = cols.iter().map(|(c, _, _)| *c).collect();
-        // The guard: `xmin` is the id of the transaction that wrote the row version, so it
-        // equals the caller's only if no one has written the row since.
-        let (cas, returning) = if guard.is_some() {
-            (
-                " AND w.xmin = u.xmin_then::text::xid",
-                " RETURNING w.event_id, w.member",
-            )
-        } else {
-            ("", "")
-        };
-        let q = format!(
-            "UPDATE sealpost.work w SET {}
-             FROM unnest($1::uuid[], $2::int2[], {}) AS u(id, m, {})
-             WHERE w.event_id = u.id AND w.member = u.m{cas}{returning}",
-            set.join(", "),
-            arrays.join(", "),
-            names.join(", ")
-        );
+        let q = update_sql(&cols, guard.is_some().then(|| bind(&u_xmin)));
         let mut params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = vec![&u_id, &u_member];
-        params.extend(cols.iter().map(|(_, _, p)| *p));
+        params.extend(cols.iter().map(|(_, _, b)| b.value()));
+        if guard.is_some() {
+            params.push(bind(&u_xmin).value());
+        }
         counted(1);
+        let statement = match prepared {
+            Some(p) => p.get(tx, &q).await?,
+            None => tx.prepare(&q).await?,
+        };
         if guard.is_some() {
             written = tx
-                .query(q.as_str(), &params)
+                .query(&statement, &params)
                 .await?
                 .iter()
                 .map(|r| (event_of(r.get(0)), r.get::<_, i16>(1) as u16))
                 .collect();
         } else {
-            tx.execute(q.as_str(), &params).await?;
+            tx.execute(&statement, &params).await?;
         }
     }
     debug_assert!(
@@ -1289,6 +1391,8 @@ pub struct Held {
     rows: HashMap<(EventId, u16), HeldRow>,
     /// The database clock at the last claim and the local clock then.
     clock: Option<(u64, std::time::Instant)>,
+    /// The claim's and the guarded acceptance's statements, prepared on the connection.
+    statements: Prepared,
 }
 
 #[derive(Debug)]
@@ -1313,6 +1417,12 @@ impl Held {
         self.rows.is_empty()
     }
 
+    /// Drops the prepared statements: call it when the connection is replaced (they belong
+    /// to the old one). A failed claim or submission drops them too.
+    pub fn forget_statements(&mut self) {
+        self.statements = Prepared::default();
+    }
+
     /// The database clock now, as far as the last claim tells (its reading plus the local
     /// time since): the time `apply_receipt` stamps on a guarded acceptance.
     fn db_now_ms(&self) -> Option<u64> {
@@ -1332,16 +1442,20 @@ pub async fn claim_batch_held(
     lease_ms: u64,
     held: &mut Held,
 ) -> Result<ClaimBatch> {
-    claim_in(
+    let r = claim_in(
         client,
         owner,
         cluster,
         from_position,
         batch_size_max,
         lease_ms,
-        Some(held),
+        Some(&mut *held),
     )
-    .await
+    .await;
+    if r.is_err() {
+        held.forget_statements();
+    }
+    r
 }
 
 /// How long a held row is kept after its lease ended (its answer may still come late).
@@ -1354,7 +1468,7 @@ async fn claim_in(
     from_position: u64,
     batch_size_max: usize,
     lease_ms: u64,
-    held: Option<&mut Held>,
+    mut held: Option<&mut Held>,
 ) -> Result<ClaimBatch> {
     let claim_local_start = std::time::Instant::now();
     let tx = client.transaction().await?;
@@ -1362,11 +1476,16 @@ async fn claim_in(
     // statistics that have not seen the current backlog (a new cluster, positions past the
     // histogram, autovacuum behind) the planner estimates a few hundred rows and prefers a
     // bitmap scan of every claimable row and a sort: measured 100-180 ms instead of 3 ms per
-    // 1,000-row claim on a 50,000-row backlog, half of all claims. These settings end with
-    // the transaction.
+    // 1,000-row claim on a 50,000-row backlog, half of all claims. The claim's statements
+    // are prepared once per connection, but planned for their parameters every time (a
+    // generic plan could not use the cluster and position as index bounds). These settings
+    // end with the transaction.
     counted(1);
-    tx.batch_execute("SET LOCAL enable_bitmapscan = off; SET LOCAL enable_seqscan = off")
-        .await?;
+    tx.batch_execute(
+        "SET LOCAL enable_bitmapscan = off; SET LOCAL enable_seqscan = off;
+         SET LOCAL plan_cache_mode = force_custom_plan",
+    )
+    .await?;
     // One statement reads the clock, picks and locks the batch, joins the sealed envelope
     // (destination, digests, payload) and draws an attempt id per row.
     let q = locked_rows_sql(
@@ -1386,9 +1505,13 @@ async fn claim_in(
         "w.dest_cluster, w.committed_seq",
     );
     counted(3);
+    let statement = match held.as_deref_mut() {
+        Some(h) => h.statements.get(&tx, &q).await?,
+        None => tx.prepare(&q).await?,
+    };
     let found = tx
         .query(
-            q.as_str(),
+            &statement,
             &[&(batch_size_max as i64), &cluster, &(from_position as i64)],
         )
         .await?;
@@ -1459,7 +1582,14 @@ async fn claim_in(
         }
     }
     batch.ordered_from = ordered_from;
-    persist(&tx, &before, &after).await?;
+    persist_guarded(
+        &tx,
+        &before,
+        &after,
+        None,
+        held.as_deref_mut().map(|h| &mut h.statements),
+    )
+    .await?;
     tx.commit().await?;
     if let Some(held) = held {
         // The rows this claim wrote now carry its transaction id as their `xmin`.
@@ -1741,6 +1871,19 @@ pub async fn submit_held(
     rejection_limit: u32,
     held: &mut Held,
 ) -> Result<Submitted> {
+    let r = submit_held_in(client, submission, rejection_limit, held).await;
+    if r.is_err() {
+        held.forget_statements();
+    }
+    r
+}
+
+async fn submit_held_in(
+    client: &mut tokio_postgres::Client,
+    submission: &Submission,
+    rejection_limit: u32,
+    held: &mut Held,
+) -> Result<Submitted> {
     let receipts = &submission.receipts;
     let mut accepted: Vec<Option<Accepted>> = vec![None; receipts.len()];
     let mut seen: HashMap<(EventId, u16), usize> = HashMap::new();
@@ -1788,11 +1931,16 @@ pub async fn submit_held(
         }
     }
     if !fast.is_empty() {
-        let written: std::collections::HashSet<(EventId, u16)> =
-            persist_guarded(&*client, &before, &after, Some(&xmins))
-                .await?
-                .into_iter()
-                .collect();
+        let written: std::collections::HashSet<(EventId, u16)> = persist_guarded(
+            &*client,
+            &before,
+            &after,
+            Some(&xmins),
+            Some(&mut held.statements),
+        )
+        .await?
+        .into_iter()
+        .collect();
         for k in fast {
             let key = (receipts[k].event_id, receipts[k].member);
             if written.contains(&key) {
@@ -2572,4 +2720,56 @@ pub async fn snapshot(
     let rows = lock_rows(&tx, keys).await?;
     tx.rollback().await?;
     Ok(rows)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_column_every_row_shares_is_one_parameter_and_the_rest_are_unnested() {
+        let state = vec!["PUBLISHED".to_string(); 3];
+        let seq: Vec<i64> = vec![7, 8, 9];
+        let part: Vec<Option<i32>> = vec![None, None, None];
+        let cols = vec![
+            ("state", "text", bind(&state)),
+            ("primary_sequence", "int8", bind(&seq)),
+            ("primary_partition", "int4", bind(&part)),
+        ];
+        assert!(matches!(cols[0].2, Bind::Same(_)));
+        assert!(matches!(cols[1].2, Bind::Each(_)));
+        assert!(
+            matches!(cols[2].2, Bind::Same(_)),
+            "NULL for every row is one NULL"
+        );
+        let q = update_sql(&cols, None);
+        assert!(q.contains("state = $3::text"), "{q}");
+        assert!(q.contains("primary_sequence = u.primary_sequence"), "{q}");
+        assert!(q.contains("primary_partition = $5::int4"), "{q}");
+        assert!(
+            q.contains("unnest($1::uuid[], $2::int2[], $4::int8[]) AS u(id, m, primary_sequence)"),
+            "{q}"
+        );
+        assert!(!q.contains("RETURNING"), "{q}");
+    }
+
+    #[test]
+    fn the_guard_compares_xmin_as_one_value_or_per_row() {
+        let state = vec!["PUBLISHED".to_string(), "PUBLISHED".to_string()];
+        let cols = vec![("state", "text", bind(&state))];
+        let one: Vec<i64> = vec![41, 41];
+        let q = update_sql(&cols, Some(bind(&one)));
+        assert!(q.contains("AND w.xmin = $4::int8::text::xid"), "{q}");
+        assert!(q.ends_with("RETURNING w.event_id, w.member"), "{q}");
+        let two: Vec<i64> = vec![41, 42];
+        let q = update_sql(&cols, Some(bind(&two)));
+        assert!(q.contains("$4::int8[]) AS u(id, m, xmin_then)"), "{q}");
+        assert!(q.contains("AND w.xmin = u.xmin_then::text::xid"), "{q}");
+    }
+
+    #[test]
+    fn an_empty_batch_has_no_shared_value() {
+        let none: Vec<i64> = Vec::new();
+        assert!(matches!(bind(&none), Bind::Each(_)));
+    }
 }
