@@ -1,0 +1,153 @@
+//! Where the dispatcher's database time goes, without a broker: fills a fresh database
+//! (`sealpost_cycle`, dropped and recreated) with N pending events, then drains it on one
+//! connection as a dispatcher does (`claim_batch_held` of 1,000, then `submit_held` of one
+//! ACK receipt per row, made as the broker would make it) and prints wall time per event of
+//! the claim and the acceptance, and the CPU time per event of the PostgreSQL backend and of
+//! this process (read from `/proc`, so on Linux with the server on this machine).
+//!
+//! ```text
+//! cargo run --release -p sealpost --example store_cycle -- 50000
+//! ```
+//!
+//! `DATABASE_ADMIN_URL` (default `host=127.0.0.1 user=postgres dbname=test`) names a
+//! database to create `sealpost_cycle` from.
+
+use std::time::Instant;
+
+use sealpost::runtime;
+use sealpost::store;
+use sealpost_core::dispatcher::Submission;
+use sealpost_core::envelope::{EventId, NewEvent};
+use sealpost_core::receipt::{Receipt, ReceiptSource};
+
+const DB: &str = "sealpost_cycle";
+
+/// CPU seconds (user + system) of a process, if `/proc` tells.
+fn cpu_s(pid: &str) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    let ticks = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
+    Some(ticks / 100.0)
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let n: usize = match std::env::args().nth(1) {
+        Some(s) => s
+            .parse()
+            .map_err(|e| format!("events must be a number ({s:?}: {e})"))?,
+        None => 50_000,
+    };
+    let admin_url = std::env::var("DATABASE_ADMIN_URL")
+        .unwrap_or_else(|_| "host=127.0.0.1 user=postgres dbname=test".to_string());
+    let admin = runtime::pg_connect(&admin_url).await?;
+    admin
+        .batch_execute(&format!("DROP DATABASE IF EXISTS {DB} WITH (FORCE)"))
+        .await?;
+    admin
+        .batch_execute(&format!("CREATE DATABASE {DB}"))
+        .await?;
+    let url = format!("{admin_url} dbname={DB}");
+    let mut pg = runtime::pg_connect(&url).await?;
+    store::migrate(&pg).await?;
+    store::set_route(&pg, "orders", "cycle", "CYCLE").await?;
+    let payload = vec![b'x'; 200];
+    let mut filled = 0;
+    while filled < n {
+        let keys: Vec<String> = (filled..(filled + 2_000).min(n))
+            .map(|k| format!("o-{k}"))
+            .collect();
+        let events: Vec<_> = keys
+            .iter()
+            .map(|k| {
+                let event = NewEvent {
+                    aggregate_type: "order",
+                    aggregate_id: k,
+                    aggregate_version: 1,
+                    event_type: "order.created.v1",
+                    payload_schema: "order.created.v1",
+                    payload: &payload,
+                    tenant: "t",
+                    occurred_at_ms: 1,
+                    creating_txid: 0,
+                };
+                (EventId(*uuid::Uuid::now_v7().as_bytes()), event, k.clone())
+            })
+            .collect();
+        let tx = pg.transaction().await?;
+        store::enqueue_many(&tx, "orders", &events).await?;
+        tx.commit().await?;
+        filled += keys.len();
+    }
+    pg.batch_execute("VACUUM (ANALYZE) sealpost.work, sealpost.envelope")
+        .await?;
+    let backend: i32 = pg.query_one("SELECT pg_backend_pid()", &[]).await?.get(0);
+    let backend = backend.to_string();
+    let cpu0 = (cpu_s(&backend), cpu_s("self"));
+    let mut held = store::Held::default();
+    let (mut claim_s, mut accept_s, mut events, mut sequence) = (0f64, 0f64, 0usize, 0u64);
+    loop {
+        let t = Instant::now();
+        let batch =
+            store::claim_batch_held(&mut pg, 1, Some("cycle"), 0, 1_000, 60_000, &mut held).await?;
+        claim_s += t.elapsed().as_secs_f64();
+        if batch.outgoing.is_empty() {
+            break;
+        }
+        let receipts: Vec<Receipt> = batch
+            .outgoing
+            .iter()
+            .map(|o| {
+                sequence += 1;
+                Receipt {
+                    event_id: o.event_id,
+                    member: o.member,
+                    envelope_generation: o.envelope_generation,
+                    attempt_id: o.attempt_id,
+                    payload_digest: o.payload_digest,
+                    destination_digest: o.destination_digest,
+                    cluster: o.destination.cluster.clone(),
+                    stream: o.destination.topic.clone(),
+                    partition: None,
+                    sequence,
+                    broker_duplicate: false,
+                    source: ReceiptSource::Ack,
+                }
+            })
+            .collect();
+        events += receipts.len();
+        let submission = Submission {
+            receipts,
+            reports: vec![],
+        };
+        let t = Instant::now();
+        let done = store::submit_held(&mut pg, &submission, 5, &mut held).await?;
+        accept_s += t.elapsed().as_secs_f64();
+        if done.guarded != submission.receipts.len() {
+            return Err(format!(
+                "{} of {} receipts took the locked path: is another dispatcher draining {DB}?",
+                submission.receipts.len() - done.guarded,
+                submission.receipts.len()
+            )
+            .into());
+        }
+    }
+    let per_event = |s: f64| s * 1e6 / events.max(1) as f64;
+    println!(
+        "{events} events: claim {:.1} us/event, acceptance {:.1} us/event (wall)",
+        per_event(claim_s),
+        per_event(accept_s)
+    );
+    if let ((Some(b0), Some(s0)), Some(b1), Some(s1)) = (cpu0, cpu_s(&backend), cpu_s("self")) {
+        println!(
+            "cpu: postgres backend {:.1} us/event, this process {:.1} us/event",
+            per_event(b1 - b0),
+            per_event(s1 - s0)
+        );
+    }
+    drop(pg);
+    admin
+        .batch_execute(&format!("DROP DATABASE IF EXISTS {DB} WITH (FORCE)"))
+        .await?;
+    Ok(())
+}
