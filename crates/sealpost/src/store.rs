@@ -962,12 +962,15 @@ fn inline_identity(r: &EventRow) -> Option<(u64, u32, u64, u64, u32, u64)> {
     })
 }
 
+/// Statements kept per connection at most (see [`Prepared`]).
+const PREPARED_MAX: usize = 64;
+
 /// Prepared statements of one connection, by SQL text: the dispatcher's claim and acceptance
 /// statements are parsed once per connection, not once per batch (a round trip and the
 /// server's parse and analysis each time). Statements belong to the connection that prepared
 /// them: [`Held::forget_statements`] drops them when it is replaced.
 #[derive(Default)]
-pub struct Prepared {
+struct Prepared {
     by_sql: HashMap<String, tokio_postgres::Statement>,
 }
 
@@ -989,6 +992,11 @@ impl Prepared {
             return Ok(s.clone());
         }
         let s = client.prepare(sql).await?;
+        // A dispatcher uses a handful of shapes (which columns a batch shares); the bound
+        // only keeps an unusual mix of batches from holding statements without end.
+        if self.by_sql.len() >= PREPARED_MAX {
+            self.by_sql.clear();
+        }
         self.by_sql.insert(sql.to_string(), s.clone());
         Ok(s)
     }
