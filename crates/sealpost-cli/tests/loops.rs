@@ -16,6 +16,7 @@ use sealpost::store;
 use sealpost_core::dispatcher::{DispatchAction, DispatcherMachine, Submission};
 use sealpost_core::envelope::{EventId, NewEvent};
 use sealpost_core::port::{Broker, NeverSentReason, SendResult};
+use sealpost_core::receipt::Receipt;
 use sealpost_core::reconcile::{Lookup, ReconcileDecision};
 use sealpost_core::SendOutcome;
 use sealpost_nats::async_nats::jetstream;
@@ -110,6 +111,23 @@ async fn enqueue(
     }
     tx.commit().await.unwrap();
     ids
+}
+
+/// Sends a claimed batch; every send must come back with a receipt.
+async fn send_for_receipts(n: &Nats, b: &store::ClaimBatch) -> Vec<Receipt> {
+    let reqs: Vec<_> = b
+        .outgoing
+        .iter()
+        .map(store::Outgoing::send_request)
+        .collect();
+    n.send_batch(reqs, Instant::now() + Duration::from_secs(5))
+        .await
+        .into_iter()
+        .map(|r| match r {
+            SendResult::Receipt(r) => r,
+            other => panic!("{other:?}"),
+        })
+        .collect()
 }
 
 async fn state_of(pg: &tokio_postgres::Client, id: EventId) -> String {
@@ -546,20 +564,7 @@ async fn guarded_acceptance_falls_back_when_the_row_changed_and_never_accepts_tw
     .unwrap();
     assert_eq!(b.outgoing.len(), 3);
     assert_eq!(held.len(), 3, "every sent row is held");
-    let reqs: Vec<_> = b
-        .outgoing
-        .iter()
-        .map(store::Outgoing::send_request)
-        .collect();
-    let receipts: Vec<_> = n
-        .send_batch(reqs, Instant::now() + Duration::from_secs(5))
-        .await
-        .into_iter()
-        .map(|r| match r {
-            SendResult::Receipt(r) => r,
-            other => panic!("{other:?}"),
-        })
-        .collect();
+    let receipts = send_for_receipts(&n, &b).await;
     let pos = |id: EventId| b.outgoing.iter().position(|o| o.event_id == id).unwrap();
     let (i0, i1, i2) = (pos(ids[0]), pos(ids[1]), pos(ids[2]));
     // Row 2: its receipt was accepted meanwhile by the locked path (as a lookup would).
@@ -699,22 +704,8 @@ async fn prepared_statements_are_dropped_with_their_connection() {
     assert_eq!(second.outgoing.len(), 2);
     assert_eq!(sending(&pg).await, 4);
     let submission = async |b: &store::ClaimBatch| -> Submission {
-        let reqs: Vec<_> = b
-            .outgoing
-            .iter()
-            .map(store::Outgoing::send_request)
-            .collect();
-        let receipts = n
-            .send_batch(reqs, Instant::now() + Duration::from_secs(5))
-            .await
-            .into_iter()
-            .map(|r| match r {
-                SendResult::Receipt(r) => r,
-                other => panic!("{other:?}"),
-            })
-            .collect();
         Submission {
-            receipts,
+            receipts: send_for_receipts(&n, b).await,
             reports: vec![],
         }
     };
@@ -929,21 +920,7 @@ async fn a_restore_older_than_the_duplicate_window_adopts_the_copies_at_the_brok
     pg_tool("pg_dump", &["-d", &db, "-Fc", "-f", dump.to_str().unwrap()]);
 
     // Everything is published after the backup.
-    let reqs: Vec<_> = b
-        .outgoing
-        .iter()
-        .map(store::Outgoing::send_request)
-        .collect();
-    let res = n
-        .send_batch(reqs, Instant::now() + Duration::from_secs(5))
-        .await;
-    let receipts: Vec<_> = res
-        .into_iter()
-        .map(|r| match r {
-            SendResult::Receipt(r) => r,
-            other => panic!("{other:?}"),
-        })
-        .collect();
+    let receipts = send_for_receipts(&n, &b).await;
     store::accept_receipts(&mut pg, &receipts).await.unwrap();
     let f = fleet(&cfg, &n, 1, true);
     wait_for("publication", Duration::from_secs(20), async || {

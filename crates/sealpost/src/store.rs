@@ -877,6 +877,7 @@ async fn persist(tx: &impl GenericClient, before: &[EventRow], after: &[EventRow
 /// A column of a batched write: one value per row, or the one value every row gets. A batch
 /// of claims or acceptances mostly writes the same state, owner, lease, cluster and stream
 /// to every row: those go as one parameter, not an array of a thousand copies to unnest.
+#[derive(Clone, Copy)]
 enum Bind<'a> {
     Each(&'a (dyn tokio_postgres::types::ToSql + Sync)),
     Same(&'a (dyn tokio_postgres::types::ToSql + Sync)),
@@ -979,6 +980,18 @@ impl std::fmt::Debug for Prepared {
         f.debug_struct("Prepared")
             .field("statements", &self.by_sql.len())
             .finish()
+    }
+}
+
+/// `sql` prepared on `client`, from `cache` if the caller keeps one.
+async fn prepare(
+    cache: Option<&mut Prepared>,
+    client: &impl GenericClient,
+    sql: &str,
+) -> Result<tokio_postgres::Statement> {
+    match cache {
+        Some(c) => c.get(client, sql).await,
+        None => Ok(client.prepare(sql).await?),
     }
 }
 
@@ -1188,17 +1201,13 @@ async fn persist_guarded(
         if changed(&|b, a| b.attempts.last() != a.attempts.last()) {
             cols.push(("attempt_status", "text", bind(&i_status)));
         }
-        let q = update_sql(&cols, guard.is_some().then(|| bind(&u_xmin)));
+        let xmin_then = guard.map(|_| bind(&u_xmin));
+        let q = update_sql(&cols, xmin_then);
         let mut params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = vec![&u_id, &u_member];
         params.extend(cols.iter().map(|(_, _, b)| b.value()));
-        if guard.is_some() {
-            params.push(bind(&u_xmin).value());
-        }
+        params.extend(xmin_then.map(|b| b.value()));
         counted(1);
-        let statement = match prepared {
-            Some(p) => p.get(tx, &q).await?,
-            None => tx.prepare(&q).await?,
-        };
+        let statement = prepare(prepared, tx, &q).await?;
         if guard.is_some() {
             written = tx
                 .query(&statement, &params)
@@ -1521,10 +1530,7 @@ async fn claim_in(
         "",
     );
     counted(3);
-    let statement = match held.as_deref_mut() {
-        Some(h) => h.statements.get(&tx, &q).await?,
-        None => tx.prepare(&q).await?,
-    };
+    let statement = prepare(held.as_deref_mut().map(|h| &mut h.statements), &tx, &q).await?;
     let found = tx
         .query(
             &statement,
