@@ -9,6 +9,7 @@ pub mod capacity;
 pub mod config;
 pub mod consume_bench;
 pub mod consumer;
+pub mod cpu;
 pub mod demo;
 pub mod kafka_consumer;
 pub mod metrics;

@@ -6,7 +6,7 @@
 //! this process (read from `/proc`, so on Linux with the server on this machine).
 //!
 //! ```text
-//! cargo run --release -p sealpost --example store_cycle -- 50000
+//! cargo run --release -p sealpost-cli --example store_cycle -- 50000
 //! ```
 //!
 //! `DATABASE_ADMIN_URL` (default `host=127.0.0.1 user=postgres dbname=test`) names a
@@ -16,19 +16,16 @@ use std::time::Instant;
 
 use sealpost::runtime;
 use sealpost::store;
+use sealpost_cli::cpu::process_cpu_s;
 use sealpost_core::dispatcher::Submission;
 use sealpost_core::envelope::{EventId, NewEvent};
 use sealpost_core::receipt::{Receipt, ReceiptSource};
 
-const DB: &str = "sealpost_cycle";
+/// The `sealpost` binary's allocator, so that the process CPU is what a dispatcher spends.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-/// CPU seconds (user + system) of a process, if `/proc` tells.
-fn cpu_s(pid: &str) -> Option<f64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
-    let ticks = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
-    Some(ticks / 100.0)
-}
+const DB: &str = "sealpost_cycle";
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -83,7 +80,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .await?;
     let backend: i32 = pg.query_one("SELECT pg_backend_pid()", &[]).await?.get(0);
     let backend = backend.to_string();
-    let cpu0 = (cpu_s(&backend), cpu_s("self"));
+    let cpu0 = (process_cpu_s(&backend), process_cpu_s("self"));
     let mut held = store::Held::default();
     let (mut claim_s, mut accept_s, mut events, mut sequence) = (0f64, 0f64, 0usize, 0u64);
     loop {
@@ -138,7 +135,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         per_event(claim_s),
         per_event(accept_s)
     );
-    if let ((Some(b0), Some(s0)), Some(b1), Some(s1)) = (cpu0, cpu_s(&backend), cpu_s("self")) {
+    if let ((Some(b0), Some(s0)), Some(b1), Some(s1)) =
+        (cpu0, process_cpu_s(&backend), process_cpu_s("self"))
+    {
         println!(
             "cpu: postgres backend {:.1} us/event, this process {:.1} us/event",
             per_event(b1 - b0),

@@ -1,0 +1,218 @@
+//! Where a message's JetStream cost goes: publishes N messages of 200 bytes three ways, in
+//! batches of 1,000 with every acknowledgement awaited together (as a dispatcher and the
+//! careful relay do), each into a fresh stream, and prints per message the wall time, the
+//! CPU of the `nats-server` process and of this process (from `/proc`, so on Linux with
+//! the server on this machine):
+//!
+//! - `relay`: one subject per stream, `Nats-Msg-Id` only (the careful relay's message);
+//! - `subject per event`: a subject per event with `Nats-Msg-Id` and
+//!   `Nats-Expected-Last-Subject-Sequence: 0` (create-if-absent), no other header;
+//! - `adapter`: [`Nats::send_batch`] as the dispatcher calls it (the same subject per event,
+//!   and Sealpost's headers).
+//!
+//! ```text
+//! cargo run --release -p sealpost-cli --example nats_cost -- 100000
+//! ```
+//!
+//! `NATS_URL` (default `nats://127.0.0.1:4222`) names the server; streams `COST<tag><n>`
+//! are created and deleted.
+
+use std::time::{Duration, Instant};
+
+use async_nats::header::{NATS_EXPECTED_LAST_SUBJECT_SEQUENCE, NATS_MESSAGE_ID};
+use async_nats::jetstream;
+use async_nats::HeaderMap;
+use sealpost_cli::cpu;
+use sealpost_core::envelope::{Destination, EventId, PartitionAlgorithm, PAYLOAD_DOMAIN};
+use sealpost_core::port::{Broker, SendRequest, SendResult, WireEnvelope};
+use sealpost_core::Digest;
+use sealpost_nats::{subject, Nats};
+
+/// The `sealpost` binary's allocator, so that the process CPU is what a dispatcher spends.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+const BATCH: usize = 1_000;
+const PAYLOAD: [u8; 200] = [b'x'; 200];
+
+fn event_id(n: usize) -> EventId {
+    let mut id = *uuid::Uuid::now_v7().as_bytes();
+    id[8..16].copy_from_slice(&(n as u64).to_be_bytes());
+    EventId(id)
+}
+
+fn destination(topic: &str) -> Destination {
+    Destination {
+        cluster: "nats-local".into(),
+        topic: topic.into(),
+        routing_key: "order-1".into(),
+        partition_algorithm: PartitionAlgorithm::None,
+        route_policy_generation: 1,
+        serializer: "json.v1".into(),
+        durability: "file".into(),
+        required_ack: "stream".into(),
+        ordering: sealpost_core::envelope::EventOrdering::Unordered,
+    }
+}
+
+/// A dispatcher's request for one event, with an envelope shaped like the bench's.
+fn request(d: &Destination, n: usize) -> SendRequest {
+    SendRequest {
+        event_id: event_id(n),
+        member: 0,
+        envelope_generation: 1,
+        attempt_id: n as u64 + 1,
+        payload_digest: Digest::of_bytes(PAYLOAD_DOMAIN, &PAYLOAD),
+        destination: d.clone(),
+        destination_digest: d.digest(),
+        payload: PAYLOAD.to_vec(),
+        envelope: WireEnvelope {
+            event_type: "order.created.v1".into(),
+            aggregate_type: "order".into(),
+            aggregate_id: format!("o-{n}"),
+            aggregate_version: 1,
+            occurred_at_ms: 1_764_547_200_000 + n as u64,
+            tenant: "t-1".into(),
+            payload_schema_digest: Digest::of_bytes(PAYLOAD_DOMAIN, b"order.v1"),
+        },
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Way {
+    Relay,
+    PerEventSubject,
+    Adapter,
+}
+
+impl Way {
+    fn name(self) -> &'static str {
+        match self {
+            Way::Relay => "relay",
+            Way::PerEventSubject => "subject per event",
+            Way::Adapter => "adapter",
+        }
+    }
+}
+
+/// Publishes `n` messages `way` into a fresh stream; returns the wall time and the CPU per
+/// message.
+async fn run(nats: &Nats, way: Way, n: usize, tag: &str) -> Result<(f64, cpu::PerEvent), String> {
+    let topic = format!("COST{tag}{}", std::process::id());
+    let _ = nats.js.delete_stream(&topic).await;
+    nats.ensure_stream(&topic)
+        .await
+        .map_err(|e| e.to_string())?;
+    let d = destination(&topic);
+    // The adapter's requests are built before the clock starts: a dispatcher builds them
+    // from its claim, and this measures the send.
+    let mut requests: Vec<Vec<SendRequest>> = match way {
+        Way::Adapter => (0..n)
+            .step_by(BATCH)
+            .map(|from| {
+                (from..(from + BATCH).min(n))
+                    .map(|i| request(&d, i))
+                    .collect()
+            })
+            .collect(),
+        _ => Vec::new(),
+    };
+    requests.reverse();
+    let (cpu0, t0) = (cpu::sample(), Instant::now());
+    let mut sent = 0;
+    while sent < n {
+        let upto = (sent + BATCH).min(n);
+        match way {
+            Way::Adapter => {
+                let batch = requests.pop().ok_or("fewer batches than messages")?;
+                let later = Instant::now() + Duration::from_secs(30);
+                for r in nats.send_batch(batch, later).await {
+                    if !matches!(r, SendResult::Receipt(_)) {
+                        return Err(format!("the adapter answered {r:?}"));
+                    }
+                }
+            }
+            Way::Relay | Way::PerEventSubject => {
+                let mut acks = Vec::with_capacity(upto - sent);
+                for i in sent..upto {
+                    let id = event_id(i);
+                    let mut headers = HeaderMap::new();
+                    headers.insert(NATS_MESSAGE_ID, id.to_string().as_str());
+                    let subj = match way {
+                        Way::Relay => format!("sp.{topic}.all"),
+                        _ => {
+                            headers.insert(NATS_EXPECTED_LAST_SUBJECT_SEQUENCE, "0");
+                            subject(&topic, id, 0)
+                        }
+                    };
+                    let publish = jetstream::message::PublishMessage::build()
+                        .payload(PAYLOAD.to_vec().into())
+                        .headers(headers);
+                    acks.push(
+                        nats.js
+                            .send_publish(subj, publish)
+                            .await
+                            .map_err(|e| e.to_string())?,
+                    );
+                }
+                for a in futures::future::join_all(acks.into_iter().map(|a| async move { a.await }))
+                    .await
+                {
+                    a.map_err(|e| e.to_string())?;
+                }
+            }
+        }
+        sent = upto;
+    }
+    let out = (
+        t0.elapsed().as_secs_f64(),
+        cpu0.per_event_until(&cpu::sample(), n as u64),
+    );
+    let _ = nats.js.delete_stream(&topic).await;
+    Ok(out)
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let n: usize = match std::env::args().nth(1) {
+        Some(s) => s
+            .parse()
+            .map_err(|e| format!("messages must be a number ({s:?}: {e})"))?,
+        None => 100_000,
+    };
+    let url = std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into());
+    let nats = Nats::connect(&url, "nats-local", Duration::from_secs(10))
+        .await
+        .map_err(|e| format!("{e} (is nats-server running with -js at {url}?)"))?;
+    if cpu::sample().nats_s.is_none() {
+        eprintln!("no nats-server process on this machine: its CPU is not shown");
+    }
+    // An optional second argument runs one way only (for a profiler): relay, subject, adapter.
+    let only = std::env::args().nth(2);
+    println!(
+        "{n} messages of {} bytes, batches of {BATCH}",
+        PAYLOAD.len()
+    );
+    // Twice each, interleaved, so a warming server or page cache does not favour one way.
+    for round in 0..2 {
+        for (k, way) in [Way::Relay, Way::PerEventSubject, Way::Adapter]
+            .into_iter()
+            .enumerate()
+        {
+            if only.as_deref().is_some_and(|o| !way.name().starts_with(o)) {
+                continue;
+            }
+            let (wall, cpu) = run(&nats, way, n, &format!("{round}{k}")).await?;
+            let us = |v: Option<f64>| v.map_or("?".into(), |v| format!("{v:.1}"));
+            println!(
+                "{:<18} {:>7.0} msg/s   wall {:>5.1} us/msg   nats-server cpu {:>5} us/msg   this process cpu {:>5} us/msg",
+                way.name(),
+                n as f64 / wall,
+                wall * 1e6 / n as f64,
+                us(cpu.nats_us),
+                us(cpu.process_us)
+            );
+        }
+    }
+    Ok(())
+}
