@@ -33,9 +33,15 @@ use std::time::{Duration, Instant};
 use async_nats::jetstream::message::PublishMessage;
 use sealpost::runtime::{self, Config, Counters, RunError};
 use sealpost::store::{self, StoreError};
-use sealpost_core::port::Broker;
+use sealpost_core::envelope::{
+    EventId, EventOrdering, PartitionAlgorithm, RoutePolicy, PAYLOAD_DOMAIN, SCHEMA_DOMAIN,
+};
+use sealpost_core::port::{Broker, SendRequest, SendResult, WireEnvelope};
+use sealpost_core::Digest;
 use sealpost_nats::Nats;
 use tokio::task::JoinHandle;
+
+use crate::cpu::{self, PerEvent};
 
 /// Bench parameters.
 #[derive(Clone, Copy, Debug)]
@@ -129,9 +135,32 @@ pub struct BenchReport {
     pub latency_events_during_backlog: u64,
     /// 99th percentile latency of those events.
     pub latency_ms_p99_during_backlog: f64,
+    /// PostgreSQL checkpoints started during the load phase (`pg_stat_bgwriter`): a
+    /// checkpoint's writes and the full-page images after it are the usual cause of a
+    /// latency tail there.
+    pub checkpoints_during_load: Option<i64>,
     /// One `sealpost consume` consumer applying the topic's events through the batched inbox
     /// (one transaction and one effect statement per fetched batch, acks after the commit).
     pub consume_events_per_s: f64,
+    /// Where the drain's CPU went, per event: PostgreSQL's processes, the NATS servers and
+    /// this process (the dispatchers), from the fleet's start until the backlog was gone
+    /// ([`crate::cpu`]; a group not on this machine is `null`). On a machine the servers
+    /// share, total CPU per event is what bounds the drain rate.
+    pub cpu_per_event: PerEvent,
+    /// The same for the careful relay's drain.
+    pub naive_cpu_per_event: PerEvent,
+    /// The careful relay again, over a backlog of the same size, but sending Sealpost's
+    /// message through the adapter a dispatcher uses: a subject per event published
+    /// create-if-absent (what lets the reconciler ask the broker, R13) and the envelope's
+    /// headers (R30) with Sealpost's digests. `naive_events_per_s` minus this is what the
+    /// message costs; this minus `sealpost_events_per_s` is what the store's fencing costs.
+    pub wire_relay_events_per_s: f64,
+    /// `sealpost_events_per_s / wire_relay_events_per_s`.
+    pub ratio_to_wire_relay: f64,
+    /// Publishes of that relay that failed (each rolled back and sent again).
+    pub wire_relay_publish_failures: u64,
+    /// Where that relay's drain CPU went, per event.
+    pub wire_relay_cpu_per_event: PerEvent,
 }
 
 fn db(e: tokio_postgres::Error) -> RunError {
@@ -200,6 +229,18 @@ async fn wal_bytes_since(pg: &tokio_postgres::Client, lsn: &str) -> Result<f64, 
 
 /// Heap (with TOAST) and index bytes of the outbox tables (`sealpost.envelope`,
 /// `sealpost.work`).
+/// Checkpoints PostgreSQL has started so far (timed and requested); `None` where the
+/// statistics view cannot be read.
+async fn checkpoints(pg: &tokio_postgres::Client) -> Option<i64> {
+    pg.query_one(
+        "SELECT checkpoints_timed + checkpoints_req FROM pg_stat_bgwriter",
+        &[],
+    )
+    .await
+    .ok()
+    .map(|r| r.get(0))
+}
+
 async fn outbox_sizes(pg: &tokio_postgres::Client) -> Result<(i64, i64), RunError> {
     let r = pg
         .query_one(
@@ -494,6 +535,19 @@ struct NaiveStats {
     failures: AtomicU64,
 }
 
+/// What a naive relay's messages look like on the wire.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum RelayWire {
+    /// The careful relay's: one subject per stream, `Nats-Msg-Id` only.
+    MsgId,
+    /// Sealpost's, sent through the same adapter call a dispatcher makes
+    /// ([`Broker::send_batch`]): a subject per event published create-if-absent, and the
+    /// R30 envelope and Sealpost's digests as headers. Everything else is the careful
+    /// relay's (its claim, its transaction held across the send, its marking), so the
+    /// difference between the two relays is what Sealpost's message costs.
+    Sealpost,
+}
+
 /// Consecutive failed batches after which a naive relay gives up.
 const NAIVE_FAILED_BATCHES_MAX: u32 = 50;
 
@@ -508,9 +562,26 @@ async fn naive_relay(
     cfg: Config,
     nats: Nats,
     table: String,
-    subject: String,
+    topic: String,
+    wire: RelayWire,
     stats: Arc<NaiveStats>,
 ) -> Result<(), RunError> {
+    let subject = format!("sp.{topic}.naive");
+    // For Sealpost's wire: what a dispatcher reads from the sealed envelope (the frozen
+    // destination and its digest, the schema digest) is the same for every row here.
+    let destination = RoutePolicy {
+        generation: 1,
+        cluster: nats.cluster.clone(),
+        topic: topic.clone(),
+        partition_algorithm: PartitionAlgorithm::None,
+        serializer: "json.v1".into(),
+        durability: "file".into(),
+        required_ack: "stream".into(),
+        ordering: EventOrdering::Unordered,
+    }
+    .resolve("");
+    let destination_digest = destination.digest();
+    let schema_digest = Digest::of_bytes(SCHEMA_DOMAIN, b"order.created.v1");
     let mut pg = runtime::pg_connect(&cfg.database_url).await?;
     let count = |n: u64| stats.statements.fetch_add(n, Ordering::Relaxed);
     let claim = pg
@@ -551,23 +622,64 @@ async fn naive_relay(
         }
         // The transaction stays open across the sends: what hand-written relays do.
         let mut failed = 0u64;
-        let mut acks = Vec::with_capacity(rows.len());
-        for r in &rows {
-            let event_id: uuid::Uuid = r.get(1);
-            let payload: Vec<u8> = r.get(2);
-            let msg = PublishMessage::build()
-                .payload(payload.into())
-                .message_id(event_id.to_string());
-            match nats.js.send_publish(subject.clone(), msg).await {
-                Ok(ack) => acks.push(async move { ack.await }),
-                Err(_) => failed += 1,
+        match wire {
+            RelayWire::MsgId => {
+                let mut acks = Vec::with_capacity(rows.len());
+                for r in &rows {
+                    let event_id: uuid::Uuid = r.get(1);
+                    let payload: Vec<u8> = r.get(2);
+                    let msg = PublishMessage::build()
+                        .payload(payload.into())
+                        .message_id(event_id.to_string());
+                    match nats.js.send_publish(subject.clone(), msg).await {
+                        Ok(ack) => acks.push(async move { ack.await }),
+                        Err(_) => failed += 1,
+                    }
+                }
+                failed += futures::future::join_all(acks)
+                    .await
+                    .iter()
+                    .filter(|a| a.is_err())
+                    .count() as u64;
+            }
+            RelayWire::Sealpost => {
+                let batch: Vec<SendRequest> = rows
+                    .iter()
+                    .map(|r| {
+                        let id: i64 = r.get(0);
+                        let event_id: uuid::Uuid = r.get(1);
+                        let payload: Vec<u8> = r.get(2);
+                        SendRequest {
+                            event_id: EventId(event_id.into_bytes()),
+                            member: 0,
+                            envelope_generation: 1,
+                            attempt_id: 1,
+                            payload_digest: Digest::of_bytes(PAYLOAD_DOMAIN, &payload),
+                            destination: destination.clone(),
+                            destination_digest,
+                            payload,
+                            envelope: WireEnvelope {
+                                event_type: "order.created.v1".into(),
+                                aggregate_type: "order".into(),
+                                aggregate_id: format!("o-{id}"),
+                                aggregate_version: 1,
+                                occurred_at_ms: 0,
+                                tenant: "tenant-1".into(),
+                                payload_schema_digest: schema_digest,
+                            },
+                        }
+                    })
+                    .collect();
+                let deadline = Instant::now() + Duration::from_millis(cfg.lease_ms);
+                failed += nats
+                    .send_batch(batch, deadline)
+                    .await
+                    .iter()
+                    // A copy a rolled-back batch left behind is stored: that is sent.
+                    .filter(|r| !matches!(r, SendResult::Receipt(_) | SendResult::AlreadyStored))
+                    .count() as u64;
             }
         }
-        failed += futures::future::join_all(acks)
-            .await
-            .iter()
-            .filter(|a| a.is_err())
-            .count() as u64;
         if failed > 0 {
             stats.failures.fetch_add(failed, Ordering::Relaxed);
             tx.rollback().await.map_err(db)?;
@@ -595,6 +707,14 @@ struct NaiveRun {
     wal_bytes_per_event: f64,
     statements_per_event: f64,
     failures: u64,
+    cpu: PerEvent,
+}
+
+/// One naive relay's table, stream and wire.
+struct Relay {
+    table: String,
+    topic: String,
+    wire: RelayWire,
 }
 
 /// Fills the naive relay's table with `events` rows (a fresh UUID each) and drains it with
@@ -603,12 +723,12 @@ async fn naive_phase(
     pg: &tokio_postgres::Client,
     cfg: &Config,
     nats: &Nats,
-    names: &Names,
+    relay: &Relay,
     events: u64,
     relays: usize,
     payload: &[u8],
 ) -> Result<NaiveRun, RunError> {
-    let table = names.naive_table.as_str();
+    let table = relay.table.as_str();
     pg.batch_execute(&format!(
         "CREATE TABLE {table} (id bigserial PRIMARY KEY, event_id uuid NOT NULL,
              payload bytea NOT NULL, sent boolean NOT NULL DEFAULT false);
@@ -630,6 +750,7 @@ async fn naive_phase(
         .map_err(db)?;
     let stats = Arc::new(NaiveStats::default());
     let lsn = wal_lsn(pg).await?;
+    let cpu0 = cpu::sample();
     let started = Instant::now();
     let tasks: Vec<_> = (0..relays)
         .map(|_| {
@@ -637,7 +758,8 @@ async fn naive_phase(
                 cfg.clone(),
                 nats.clone(),
                 table.to_string(),
-                format!("sp.{}.naive", names.naive_topic),
+                relay.topic.clone(),
+                relay.wire,
                 stats.clone(),
             ))
         })
@@ -646,8 +768,10 @@ async fn naive_phase(
         t.await.expect("relay panicked")?;
     }
     let secs = started.elapsed().as_secs_f64();
+    let cpu = cpu0.per_event_until(&cpu::sample(), events);
     let wal = wal_bytes_since(pg, &lsn).await?;
     Ok(NaiveRun {
+        cpu,
         events_per_s: events as f64 / secs,
         wal_bytes_per_event: wal / events as f64,
         statements_per_event: stats.statements.load(Ordering::Relaxed) as f64 / events as f64,
@@ -663,8 +787,16 @@ pub async fn run(mut cfg: Config, args: BenchArgs, json: bool) -> Result<BenchRe
     let tag = runtime::owner_id() % 1_000_000;
     let names = Names {
         topic: format!("BENCH{tag}"),
-        naive_topic: format!("NAIVE{tag}"),
-        naive_table: format!("sealpost_bench_naive_{tag}"),
+        naive: Relay {
+            table: format!("sealpost_bench_naive_{tag}"),
+            topic: format!("NAIVE{tag}"),
+            wire: RelayWire::MsgId,
+        },
+        wire_relay: Relay {
+            table: format!("sealpost_bench_naive_wire_{tag}"),
+            topic: format!("NAIVEW{tag}"),
+            wire: RelayWire::Sealpost,
+        },
         route: format!("bench-{tag}"),
     };
     // A cluster name of its own: the dispatchers claim only this run's rows, and "is the
@@ -683,22 +815,24 @@ pub async fn run(mut cfg: Config, args: BenchArgs, json: bool) -> Result<BenchRe
     if !json {
         eprintln!("cleaning up ...");
     }
-    let _ = pg
-        .batch_execute(&format!("DROP TABLE IF EXISTS {}", names.naive_table))
-        .await;
+    for relay in [&names.naive, &names.wire_relay] {
+        let _ = pg
+            .batch_execute(&format!("DROP TABLE IF EXISTS {}", relay.table))
+            .await;
+        let _ = nats.js.delete_stream(&relay.topic).await;
+    }
     if args.retained > 0 {
         let _ = drop_retained(&pg, &names.topic).await;
     }
     let _ = nats.js.delete_stream(&names.topic).await;
-    let _ = nats.js.delete_stream(&names.naive_topic).await;
     r
 }
 
 /// The run's names.
 struct Names {
     topic: String,
-    naive_topic: String,
-    naive_table: String,
+    naive: Relay,
+    wire_relay: Relay,
     route: String,
 }
 
@@ -712,9 +846,11 @@ async fn phases(
 ) -> Result<BenchReport, RunError> {
     let topic = names.topic.as_str();
     nats.ensure_stream(topic).await.map_err(RunError::broker)?;
-    nats.ensure_stream(&names.naive_topic)
-        .await
-        .map_err(RunError::broker)?;
+    for relay in [&names.naive, &names.wire_relay] {
+        nats.ensure_stream(&relay.topic)
+            .await
+            .map_err(RunError::broker)?;
+    }
     let payload = vec![b'x'; args.payload_bytes];
     let say = |s: String| {
         if !json {
@@ -746,10 +882,12 @@ async fn phases(
     let statements0 = store::statements_issued();
     let lsn = wal_lsn(pg).await?;
     let a_start_ms = store::db_now_ms(&*pg).await? as i64;
+    let cpu0 = cpu::sample();
     let fleet = Fleet::start(cfg, nats, args.dispatchers);
     if !wait_drained(pg, &cfg.nats_cluster, i64::MAX, &fleet).await? {
         return Err(fleet_error(fleet).await);
     }
+    let cpu = cpu0.per_event_until(&cpu::sample(), args.events);
     let wal = wal_bytes_since(pg, &lsn).await?;
     let statements = store::statements_issued() - statements0;
     fleet.stop().await?;
@@ -776,6 +914,7 @@ async fn phases(
             format!("{statements_per_event:.2}")
         }
     ));
+    say(format!("sealpost: {cpu}"));
 
     // B. A second backlog drains while producers commit at the offered rate.
     say(format!(
@@ -785,6 +924,7 @@ async fn phases(
     let b_from_ms = store::db_now_ms(&*pg).await? as i64;
     prefill(pg, &names.route, "b", args.load_backlog, &payload).await?;
     let b_start_ms = store::db_now_ms(&*pg).await? as i64;
+    let checkpoints0 = checkpoints(pg).await;
     // Every producer row is created after `b_start_ms`, every backlog row at or before it.
     tokio::time::sleep(Duration::from_millis(2)).await;
     let fleet = Fleet::start(cfg, nats, args.dispatchers);
@@ -808,6 +948,10 @@ async fn phases(
         return Err(fleet_error(fleet).await);
     }
     fleet.stop().await?;
+    let checkpoints_during_load = match (checkpoints0, checkpoints(pg).await) {
+        (Some(a), Some(b)) => Some(b - a),
+        _ => None,
+    };
     let drained_at_ms = if args.load_backlog == 0 {
         b_start_ms
     } else {
@@ -850,10 +994,12 @@ async fn phases(
     ));
     say(format!(
         "latency at {} events/s offered, producers running: p50 {p50} ms, p99 {p99} ms ({} events); \
-         events committed while the backlog drained: p99 {p99_during} ms ({} events)",
+         events committed while the backlog drained: p99 {p99_during} ms ({} events); \
+         {} PostgreSQL checkpoint(s) started meanwhile",
         args.rate_per_s,
         after.len(),
-        during.len()
+        during.len(),
+        checkpoints_during_load.map_or("?".to_string(), |n| n.to_string())
     ));
 
     // One consumer applies everything the topic holds (phase A, the load phase's backlog and
@@ -869,7 +1015,7 @@ async fn phases(
         pg,
         cfg,
         nats,
-        names,
+        &names.naive,
         args.events,
         args.dispatchers,
         &payload,
@@ -879,6 +1025,26 @@ async fn phases(
         "naive relay: {:.0} events/s; {:.0} WAL bytes/event, {:.2} statements/event, \
          {} failed publishes",
         naive.events_per_s, naive.wal_bytes_per_event, naive.statements_per_event, naive.failures
+    ));
+    say(format!("naive relay: {}", naive.cpu));
+    say(format!(
+        "naive relay with Sealpost's message (a subject per event, create-if-absent, the \
+         envelope's headers): {} events ...",
+        args.events
+    ));
+    let wire = naive_phase(
+        pg,
+        cfg,
+        nats,
+        &names.wire_relay,
+        args.events,
+        args.dispatchers,
+        &payload,
+    )
+    .await?;
+    say(format!(
+        "naive relay with Sealpost's message: {:.0} events/s, {} failed publishes; {}",
+        wire.events_per_s, wire.failures, wire.cpu
     ));
 
     Ok(BenchReport {
@@ -908,7 +1074,14 @@ async fn phases(
         latency_ms_p99: p99,
         latency_events_during_backlog: during.len() as u64,
         latency_ms_p99_during_backlog: p99_during,
+        checkpoints_during_load,
         consume_events_per_s: round(consume_rate, 1),
+        cpu_per_event: cpu,
+        naive_cpu_per_event: naive.cpu,
+        wire_relay_events_per_s: round(wire.events_per_s, 1),
+        ratio_to_wire_relay: round(sealpost_rate / wire.events_per_s, 3),
+        wire_relay_publish_failures: wire.failures,
+        wire_relay_cpu_per_event: wire.cpu,
     })
 }
 

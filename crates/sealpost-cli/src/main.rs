@@ -120,7 +120,8 @@ enum Cmd {
     },
     /// Drain a prefilled backlog, then a second backlog while producers commit at a fixed
     /// rate (net drain, latency under load), then the same backlog through a careful naive
-    /// relay; WAL bytes and statements per event of both drains.
+    /// relay, and through that relay again sending Sealpost's message; WAL bytes,
+    /// statements and CPU per event of the drains.
     Bench {
         /// Backlog size of the drain (and of the naive relay's drain).
         #[arg(long, default_value_t = 200_000)]
@@ -558,6 +559,18 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
                     r.latency_events_during_backlog
                 );
                 println!("consumer: {:.0} events/s applied", r.consume_events_per_s);
+                println!(
+                    "naive relay with Sealpost's message {:.0}/s  sealpost/that {:.3}  (the message alone: {:.3} of the careful relay)",
+                    r.wire_relay_events_per_s,
+                    r.ratio_to_wire_relay,
+                    r.wire_relay_events_per_s / r.naive_events_per_s
+                );
+                println!("CPU per event: sealpost {}", r.cpu_per_event);
+                println!("               naive relay {}", r.naive_cpu_per_event);
+                println!(
+                    "               naive relay with Sealpost's message {}",
+                    r.wire_relay_cpu_per_event
+                );
             }
             Ok(0)
         }

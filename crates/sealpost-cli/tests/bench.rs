@@ -1,0 +1,85 @@
+//! `sealpost bench` end to end on a small backlog against the real PostgreSQL and NATS
+//! JetStream: every phase runs, both naive relays publish every event (none failed), and the
+//! figures the JSON reports are the ones its ratios are made of. No figure is compared with
+//! a speed: this checks that the bench measures, not how fast this machine is.
+
+use sealpost::runtime::{self, Config};
+use sealpost_cli::bench::{self, BenchArgs};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_small_bench_runs_every_phase_and_both_relays_publish_everything() {
+    let db = format!("sealpost_bench_{}", runtime::owner_id() % 1_000_000);
+    let admin = runtime::pg_connect("host=127.0.0.1 user=postgres dbname=postgres")
+        .await
+        .expect("PostgreSQL must be running");
+    admin
+        .batch_execute(&format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))
+        .await
+        .unwrap();
+    admin
+        .batch_execute(&format!("CREATE DATABASE {db}"))
+        .await
+        .unwrap();
+    let mut cfg = Config::from_env().expect("default config");
+    cfg.database_url = format!("host=127.0.0.1 user=postgres dbname={db}");
+    let args = BenchArgs {
+        events: 3_000,
+        payload_bytes: 200,
+        dispatchers: 2,
+        rate_per_s: 500,
+        latency_s: 3,
+        load_backlog: 500,
+        retained: 0,
+    };
+    let r = bench::run(cfg, args, true).await.expect("bench runs");
+
+    assert_eq!(r.events, 3_000);
+    assert!(r.sealpost_events_per_s > 0.0, "{r:?}");
+    assert!(r.naive_events_per_s > 0.0, "{r:?}");
+    assert!(r.wire_relay_events_per_s > 0.0, "{r:?}");
+    assert_eq!(r.naive_publish_failures, 0, "{r:?}");
+    assert_eq!(r.wire_relay_publish_failures, 0, "{r:?}");
+    let close = |a: f64, b: f64| (a - b).abs() <= 0.0015;
+    assert!(
+        close(r.ratio, r.sealpost_events_per_s / r.naive_events_per_s),
+        "{r:?}"
+    );
+    assert!(
+        close(
+            r.ratio_to_wire_relay,
+            r.sealpost_events_per_s / r.wire_relay_events_per_s
+        ),
+        "{r:?}"
+    );
+    assert!(r.latency_events > 0, "{r:?}");
+    // The drain's own process read its CPU (Linux): the dispatchers ran in it.
+    assert!(r.cpu_per_event.process_us.is_some_and(|us| us > 0.0), "{r:?}");
+    assert!(
+        r.naive_cpu_per_event.process_us.is_some_and(|us| us > 0.0),
+        "{r:?}"
+    );
+    assert!(r.wal_bytes_per_event > 0.0, "{r:?}");
+    let json = serde_json::to_value(&r).unwrap();
+    for key in [
+        "ratio",
+        "naive_msg_id",
+        "wal_bytes_per_event",
+        "statements_per_event",
+        "net_drain_events_per_s",
+        "consume_events_per_s",
+        "ratio_to_wire_relay",
+        "cpu_per_event",
+        "checkpoints_during_load",
+    ] {
+        assert!(json.get(key).is_some(), "{key} missing from {json}");
+    }
+
+    drop(admin);
+    let admin = runtime::pg_connect("host=127.0.0.1 user=postgres dbname=postgres")
+        .await
+        .unwrap();
+    admin
+        .batch_execute(&format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))
+        .await
+        .unwrap();
+}
