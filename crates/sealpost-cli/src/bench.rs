@@ -149,6 +149,13 @@ pub struct BenchReport {
     pub cpu_per_event: PerEvent,
     /// The same for the careful relay's drain.
     pub naive_cpu_per_event: PerEvent,
+    /// PostgreSQL checkpoints started during Sealpost's drain (their writes, and the
+    /// full-page images after them, are part of `cpu_per_event.postgres_us`).
+    pub checkpoints_during_drain: Option<i64>,
+    /// The same during the careful relay's drain.
+    pub naive_checkpoints_during_drain: Option<i64>,
+    /// The same during the drain of the relay sending Sealpost's message.
+    pub wire_relay_checkpoints_during_drain: Option<i64>,
     /// The careful relay again, over a backlog of the same size, but sending Sealpost's
     /// message through the adapter a dispatcher uses: a subject per event published
     /// create-if-absent (what lets the reconciler ask the broker, R13) and the envelope's
@@ -239,6 +246,11 @@ async fn checkpoints(pg: &tokio_postgres::Client) -> Option<i64> {
     .await
     .ok()
     .map(|r| r.get(0))
+}
+
+/// Checkpoints started since `before` was read.
+async fn checkpoints_since(pg: &tokio_postgres::Client, before: Option<i64>) -> Option<i64> {
+    Some(checkpoints(pg).await? - before?)
 }
 
 async fn outbox_sizes(pg: &tokio_postgres::Client) -> Result<(i64, i64), RunError> {
@@ -708,6 +720,7 @@ struct NaiveRun {
     statements_per_event: f64,
     failures: u64,
     cpu: PerEvent,
+    checkpoints: Option<i64>,
 }
 
 /// One naive relay's table, stream and wire.
@@ -751,6 +764,7 @@ async fn naive_phase(
     let stats = Arc::new(NaiveStats::default());
     let lsn = wal_lsn(pg).await?;
     let cpu0 = cpu::sample();
+    let checkpoints0 = checkpoints(pg).await;
     let started = Instant::now();
     let tasks: Vec<_> = (0..relays)
         .map(|_| {
@@ -769,9 +783,11 @@ async fn naive_phase(
     }
     let secs = started.elapsed().as_secs_f64();
     let cpu = cpu0.per_event_until(&cpu::sample(), events);
+    let checkpoints = checkpoints_since(pg, checkpoints0).await;
     let wal = wal_bytes_since(pg, &lsn).await?;
     Ok(NaiveRun {
         cpu,
+        checkpoints,
         events_per_s: events as f64 / secs,
         wal_bytes_per_event: wal / events as f64,
         statements_per_event: stats.statements.load(Ordering::Relaxed) as f64 / events as f64,
@@ -883,11 +899,13 @@ async fn phases(
     let lsn = wal_lsn(pg).await?;
     let a_start_ms = store::db_now_ms(&*pg).await? as i64;
     let cpu0 = cpu::sample();
+    let a_checkpoints0 = checkpoints(pg).await;
     let fleet = Fleet::start(cfg, nats, args.dispatchers);
     if !wait_drained(pg, &cfg.nats_cluster, i64::MAX, &fleet).await? {
         return Err(fleet_error(fleet).await);
     }
     let cpu = cpu0.per_event_until(&cpu::sample(), args.events);
+    let checkpoints_during_drain = checkpoints_since(pg, a_checkpoints0).await;
     let wal = wal_bytes_since(pg, &lsn).await?;
     let statements = store::statements_issued() - statements0;
     fleet.stop().await?;
@@ -948,10 +966,7 @@ async fn phases(
         return Err(fleet_error(fleet).await);
     }
     fleet.stop().await?;
-    let checkpoints_during_load = match (checkpoints0, checkpoints(pg).await) {
-        (Some(a), Some(b)) => Some(b - a),
-        _ => None,
-    };
+    let checkpoints_during_load = checkpoints_since(pg, checkpoints0).await;
     let drained_at_ms = if args.load_backlog == 0 {
         b_start_ms
     } else {
@@ -1078,6 +1093,9 @@ async fn phases(
         consume_events_per_s: round(consume_rate, 1),
         cpu_per_event: cpu,
         naive_cpu_per_event: naive.cpu,
+        checkpoints_during_drain,
+        naive_checkpoints_during_drain: naive.checkpoints,
+        wire_relay_checkpoints_during_drain: wire.checkpoints,
         wire_relay_events_per_s: round(wire.events_per_s, 1),
         ratio_to_wire_relay: round(sealpost_rate / wire.events_per_s, 3),
         wire_relay_publish_failures: wire.failures,

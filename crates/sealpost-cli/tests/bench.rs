@@ -53,7 +53,10 @@ async fn a_small_bench_runs_every_phase_and_both_relays_publish_everything() {
     );
     assert!(r.latency_events > 0, "{r:?}");
     // The drain's own process read its CPU (Linux): the dispatchers ran in it.
-    assert!(r.cpu_per_event.process_us.is_some_and(|us| us > 0.0), "{r:?}");
+    assert!(
+        r.cpu_per_event.process_us.is_some_and(|us| us > 0.0),
+        "{r:?}"
+    );
     assert!(
         r.naive_cpu_per_event.process_us.is_some_and(|us| us > 0.0),
         "{r:?}"
@@ -70,6 +73,7 @@ async fn a_small_bench_runs_every_phase_and_both_relays_publish_everything() {
         "ratio_to_wire_relay",
         "cpu_per_event",
         "checkpoints_during_load",
+        "checkpoints_during_drain",
     ] {
         assert!(json.get(key).is_some(), "{key} missing from {json}");
     }
