@@ -22,10 +22,10 @@ use std::time::{Duration, Instant};
 use async_nats::header::{NATS_EXPECTED_LAST_SUBJECT_SEQUENCE, NATS_MESSAGE_ID};
 use async_nats::jetstream;
 use async_nats::HeaderMap;
+use sealpost_cli::bench::OrderMessages;
 use sealpost_cli::cpu;
-use sealpost_core::envelope::{Destination, EventId, PartitionAlgorithm, PAYLOAD_DOMAIN};
-use sealpost_core::port::{Broker, SendRequest, SendResult, WireEnvelope};
-use sealpost_core::Digest;
+use sealpost_core::envelope::EventId;
+use sealpost_core::port::{Broker, SendRequest, SendResult};
 use sealpost_nats::{subject, Nats};
 
 /// The `sealpost` binary's allocator, so that the process CPU is what a dispatcher spends.
@@ -39,43 +39,6 @@ fn event_id(n: usize) -> EventId {
     let mut id = *uuid::Uuid::now_v7().as_bytes();
     id[8..16].copy_from_slice(&(n as u64).to_be_bytes());
     EventId(id)
-}
-
-fn destination(topic: &str) -> Destination {
-    Destination {
-        cluster: "nats-local".into(),
-        topic: topic.into(),
-        routing_key: "order-1".into(),
-        partition_algorithm: PartitionAlgorithm::None,
-        route_policy_generation: 1,
-        serializer: "json.v1".into(),
-        durability: "file".into(),
-        required_ack: "stream".into(),
-        ordering: sealpost_core::envelope::EventOrdering::Unordered,
-    }
-}
-
-/// A dispatcher's request for one event, with an envelope shaped like the bench's.
-fn request(d: &Destination, n: usize) -> SendRequest {
-    SendRequest {
-        event_id: event_id(n),
-        member: 0,
-        envelope_generation: 1,
-        attempt_id: n as u64 + 1,
-        payload_digest: Digest::of_bytes(PAYLOAD_DOMAIN, &PAYLOAD),
-        destination: d.clone(),
-        destination_digest: d.digest(),
-        payload: PAYLOAD.to_vec(),
-        envelope: WireEnvelope {
-            event_type: "order.created.v1".into(),
-            aggregate_type: "order".into(),
-            aggregate_id: format!("o-{n}"),
-            aggregate_version: 1,
-            occurred_at_ms: 1_764_547_200_000 + n as u64,
-            tenant: "t-1".into(),
-            payload_schema_digest: Digest::of_bytes(PAYLOAD_DOMAIN, b"order.v1"),
-        },
-    }
 }
 
 #[derive(Clone, Copy)]
@@ -95,23 +58,42 @@ impl Way {
     }
 }
 
-/// Publishes `n` messages `way` into a fresh stream; returns the wall time and the CPU per
-/// message.
+/// Publishes `n` messages `way` into a fresh stream, deleted afterwards (also when a publish
+/// failed); returns the wall time and the CPU per message.
 async fn run(nats: &Nats, way: Way, n: usize, tag: &str) -> Result<(f64, cpu::PerEvent), String> {
     let topic = format!("COST{tag}{}", std::process::id());
     let _ = nats.js.delete_stream(&topic).await;
     nats.ensure_stream(&topic)
         .await
         .map_err(|e| e.to_string())?;
-    let d = destination(&topic);
-    // The adapter's requests are built before the clock starts: a dispatcher builds them
-    // from its claim, and this measures the send.
+    let out = publish(nats, way, n, &topic).await;
+    let _ = nats.js.delete_stream(&topic).await;
+    out
+}
+
+async fn publish(
+    nats: &Nats,
+    way: Way,
+    n: usize,
+    topic: &str,
+) -> Result<(f64, cpu::PerEvent), String> {
+    // The adapter's requests (the structs a dispatcher builds from its claim) are built
+    // before the clock starts; building each message's headers is the adapter's, inside it,
+    // as the other two ways build theirs inside it.
+    let messages = OrderMessages::new(&nats.cluster, topic, &PAYLOAD);
     let mut requests: Vec<Vec<SendRequest>> = match way {
         Way::Adapter => (0..n)
             .step_by(BATCH)
             .map(|from| {
                 (from..(from + BATCH).min(n))
-                    .map(|i| request(&d, i))
+                    .map(|i| {
+                        messages.request(
+                            event_id(i),
+                            i as u64 + 1,
+                            format!("o-{i}"),
+                            PAYLOAD.to_vec(),
+                        )
+                    })
                     .collect()
             })
             .collect(),
@@ -142,7 +124,7 @@ async fn run(nats: &Nats, way: Way, n: usize, tag: &str) -> Result<(f64, cpu::Pe
                         Way::Relay => format!("sp.{topic}.all"),
                         _ => {
                             headers.insert(NATS_EXPECTED_LAST_SUBJECT_SEQUENCE, "0");
-                            subject(&topic, id, 0)
+                            subject(topic, id, 0)
                         }
                     };
                     let publish = jetstream::message::PublishMessage::build()
@@ -164,12 +146,10 @@ async fn run(nats: &Nats, way: Way, n: usize, tag: &str) -> Result<(f64, cpu::Pe
         }
         sent = upto;
     }
-    let out = (
+    Ok((
         t0.elapsed().as_secs_f64(),
         cpu0.per_event_until(&cpu::sample(), n as u64),
-    );
-    let _ = nats.js.delete_stream(&topic).await;
-    Ok(out)
+    ))
 }
 
 #[tokio::main]
@@ -180,6 +160,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             .map_err(|e| format!("messages must be a number ({s:?}: {e})"))?,
         None => 100_000,
     };
+    if n == 0 {
+        return Err("messages must be at least 1".into());
+    }
     let url = std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into());
     let nats = Nats::connect(&url, "nats-local", Duration::from_secs(10))
         .await

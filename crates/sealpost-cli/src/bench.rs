@@ -1,4 +1,5 @@
-//! `sealpost bench`: three phases in one run, every figure printed, none asserted.
+//! `sealpost bench`: four phases in one run (and a consumer's), every figure printed, none
+//! asserted.
 //!
 //! * **A, drain.** Optionally `--retained N` rows that are already `PUBLISHED` are put in the
 //!   outbox first (the table of a system that has run for a while). Then a backlog of
@@ -12,13 +13,19 @@
 //! * **Naive relay.** The same `--events` drained by the careful relay users write by hand
 //!   ([`naive_relay`]), as many relays as Sealpost has dispatchers, in its own table and
 //!   stream, with the same WAL and statement figures.
+//! * **Naive relay, Sealpost's message.** The same relay once more, sending what a
+//!   dispatcher sends ([`RelayWire::Sealpost`]): the message's cost, apart from the store's.
+//!
+//! Every drain reports its CPU per event by process group ([`crate::cpu`]) and the
+//! PostgreSQL checkpoints started during it.
 //!
 //! `--per-broker` runs none of these: it drains the same backlog through NATS, RabbitMQ and
 //! Kafka in turn ([`per_broker`]), one line per broker with its ratio to NATS.
 //!
 //! The bench's tables and streams are named after the run (`BENCH<tag>`, `NAIVE<tag>`,
-//! `sealpost_bench_naive_<tag>`), so concurrent runs never see each other's rows; the naive
-//! table, the retained rows and both streams are removed at the end.
+//! `NAIVEW<tag>`, `sealpost_bench_naive_<tag>`, `sealpost_bench_naive_wire_<tag>`), so
+//! concurrent runs never see each other's rows; the relays' tables, the retained rows and
+//! the three streams are removed at the end.
 //!
 //! **Schema-dependent SQL.** Every statement that reads or writes the Sealpost schema
 //! (`sealpost.envelope` and friends) directly, rather than through `sealpost::store`, is in
@@ -34,7 +41,8 @@ use async_nats::jetstream::message::PublishMessage;
 use sealpost::runtime::{self, Config, Counters, RunError};
 use sealpost::store::{self, StoreError};
 use sealpost_core::envelope::{
-    EventId, EventOrdering, PartitionAlgorithm, RoutePolicy, PAYLOAD_DOMAIN, SCHEMA_DOMAIN,
+    Destination, EventId, EventOrdering, PartitionAlgorithm, RoutePolicy, PAYLOAD_DOMAIN,
+    SCHEMA_DOMAIN,
 };
 use sealpost_core::port::{Broker, SendRequest, SendResult, WireEnvelope};
 use sealpost_core::Digest;
@@ -143,9 +151,11 @@ pub struct BenchReport {
     /// (one transaction and one effect statement per fetched batch, acks after the commit).
     pub consume_events_per_s: f64,
     /// Where the drain's CPU went, per event: PostgreSQL's processes, the NATS servers and
-    /// this process (the dispatchers), from the fleet's start until the backlog was gone
-    /// ([`crate::cpu`]; a group not on this machine is `null`). On a machine the servers
-    /// share, total CPU per event is what bounds the drain rate.
+    /// this process (the dispatchers and the reconciler), from the fleet's start until the
+    /// bench saw the backlog gone (it looks every 100 ms, so up to that much idle polling
+    /// is included; the rate ends at the last `published_at_ms`) ([`crate::cpu`]; a group
+    /// not on this machine is `null`). On a machine the servers share, total CPU per event
+    /// is what bounds the drain rate.
     pub cpu_per_event: PerEvent,
     /// The same for the careful relay's drain.
     pub naive_cpu_per_event: PerEvent,
@@ -164,6 +174,9 @@ pub struct BenchReport {
     pub wire_relay_events_per_s: f64,
     /// `sealpost_events_per_s / wire_relay_events_per_s`.
     pub ratio_to_wire_relay: f64,
+    /// `wire_relay_events_per_s / naive_events_per_s`: what Sealpost's message leaves of the
+    /// careful relay's rate.
+    pub wire_relay_ratio_to_naive: f64,
     /// Publishes of that relay that failed (each rolled back and sent again).
     pub wire_relay_publish_failures: u64,
     /// Where that relay's drain CPU went, per event.
@@ -229,23 +242,18 @@ async fn wal_bytes_since(pg: &tokio_postgres::Client, lsn: &str) -> Result<f64, 
         .get(0))
 }
 
-// ---------------------------------------------------------------------------------------
-// SCHEMA-DEPENDENT: the only SQL in this file that names Sealpost's tables. Port these when
-// the schema changes (v2 layout); everything else goes through `sealpost::store`.
-// ---------------------------------------------------------------------------------------
-
-/// Heap (with TOAST) and index bytes of the outbox tables (`sealpost.envelope`,
-/// `sealpost.work`).
-/// Checkpoints PostgreSQL has started so far (timed and requested); `None` where the
-/// statistics view cannot be read.
+/// Checkpoints PostgreSQL has started so far (timed and requested): `pg_stat_bgwriter` up to
+/// PostgreSQL 16, `pg_stat_checkpointer` from 17; `None` where neither can be read.
 async fn checkpoints(pg: &tokio_postgres::Client) -> Option<i64> {
-    pg.query_one(
+    for sql in [
         "SELECT checkpoints_timed + checkpoints_req FROM pg_stat_bgwriter",
-        &[],
-    )
-    .await
-    .ok()
-    .map(|r| r.get(0))
+        "SELECT num_timed + num_requested FROM pg_stat_checkpointer",
+    ] {
+        if let Ok(r) = pg.query_one(sql, &[]).await {
+            return r.try_get(0).ok();
+        }
+    }
+    None
 }
 
 /// Checkpoints started since `before` was read.
@@ -253,6 +261,13 @@ async fn checkpoints_since(pg: &tokio_postgres::Client, before: Option<i64>) -> 
     Some(checkpoints(pg).await? - before?)
 }
 
+// ---------------------------------------------------------------------------------------
+// SCHEMA-DEPENDENT: the only SQL in this file that names Sealpost's tables. Port these when
+// the schema changes (v2 layout); everything else goes through `sealpost::store`.
+// ---------------------------------------------------------------------------------------
+
+/// Heap (with TOAST) and index bytes of the outbox tables (`sealpost.envelope`,
+/// `sealpost.work`).
 async fn outbox_sizes(pg: &tokio_postgres::Client) -> Result<(i64, i64), RunError> {
     let r = pg
         .query_one(
@@ -547,6 +562,72 @@ struct NaiveStats {
     failures: AtomicU64,
 }
 
+/// Sealpost's message for an `order.created.v1` event on one NATS topic, as a dispatcher
+/// hands it to [`Broker::send_batch`]: what the Sealpost-wire relay and
+/// `examples/nats_cost` send. What a dispatcher reads from the sealed envelope rather than
+/// computes, and what is the same for every event here (the frozen destination and its
+/// digest, the schema's digest, the digest of the one payload every event carries), is
+/// computed once.
+pub struct OrderMessages {
+    destination: Destination,
+    destination_digest: Digest,
+    schema_digest: Digest,
+    payload_digest: Digest,
+}
+
+impl OrderMessages {
+    /// Messages to `topic` on `cluster`, every one carrying `payload`.
+    pub fn new(cluster: &str, topic: &str, payload: &[u8]) -> OrderMessages {
+        let destination = RoutePolicy {
+            generation: 1,
+            cluster: cluster.to_string(),
+            topic: topic.to_string(),
+            partition_algorithm: PartitionAlgorithm::None,
+            serializer: "json.v1".into(),
+            durability: "file".into(),
+            required_ack: "stream".into(),
+            ordering: EventOrdering::Unordered,
+        }
+        .resolve("");
+        OrderMessages {
+            destination_digest: destination.digest(),
+            destination,
+            schema_digest: Digest::of_bytes(SCHEMA_DOMAIN, b"order.created.v1"),
+            payload_digest: Digest::of_bytes(PAYLOAD_DOMAIN, payload),
+        }
+    }
+
+    /// One event's message (member 0, envelope generation 1); `payload` is the payload
+    /// given to [`OrderMessages::new`].
+    pub fn request(
+        &self,
+        event_id: EventId,
+        attempt_id: u64,
+        aggregate_id: String,
+        payload: Vec<u8>,
+    ) -> SendRequest {
+        SendRequest {
+            event_id,
+            member: 0,
+            envelope_generation: 1,
+            attempt_id,
+            payload_digest: self.payload_digest,
+            destination: self.destination.clone(),
+            destination_digest: self.destination_digest,
+            payload,
+            envelope: WireEnvelope {
+                event_type: "order.created.v1".into(),
+                aggregate_type: "order".into(),
+                aggregate_id,
+                aggregate_version: 1,
+                occurred_at_ms: 0,
+                tenant: "tenant-1".into(),
+                payload_schema_digest: self.schema_digest,
+            },
+        }
+    }
+}
+
 /// What a naive relay's messages look like on the wire.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum RelayWire {
@@ -576,24 +657,11 @@ async fn naive_relay(
     table: String,
     topic: String,
     wire: RelayWire,
+    payload: Vec<u8>,
     stats: Arc<NaiveStats>,
 ) -> Result<(), RunError> {
     let subject = format!("sp.{topic}.naive");
-    // For Sealpost's wire: what a dispatcher reads from the sealed envelope (the frozen
-    // destination and its digest, the schema digest) is the same for every row here.
-    let destination = RoutePolicy {
-        generation: 1,
-        cluster: nats.cluster.clone(),
-        topic: topic.clone(),
-        partition_algorithm: PartitionAlgorithm::None,
-        serializer: "json.v1".into(),
-        durability: "file".into(),
-        required_ack: "stream".into(),
-        ordering: EventOrdering::Unordered,
-    }
-    .resolve("");
-    let destination_digest = destination.digest();
-    let schema_digest = Digest::of_bytes(SCHEMA_DOMAIN, b"order.created.v1");
+    let messages = OrderMessages::new(&nats.cluster, &topic, &payload);
     let mut pg = runtime::pg_connect(&cfg.database_url).await?;
     let count = |n: u64| stats.statements.fetch_add(n, Ordering::Relaxed);
     let claim = pg
@@ -660,26 +728,12 @@ async fn naive_relay(
                     .map(|r| {
                         let id: i64 = r.get(0);
                         let event_id: uuid::Uuid = r.get(1);
-                        let payload: Vec<u8> = r.get(2);
-                        SendRequest {
-                            event_id: EventId(event_id.into_bytes()),
-                            member: 0,
-                            envelope_generation: 1,
-                            attempt_id: 1,
-                            payload_digest: Digest::of_bytes(PAYLOAD_DOMAIN, &payload),
-                            destination: destination.clone(),
-                            destination_digest,
-                            payload,
-                            envelope: WireEnvelope {
-                                event_type: "order.created.v1".into(),
-                                aggregate_type: "order".into(),
-                                aggregate_id: format!("o-{id}"),
-                                aggregate_version: 1,
-                                occurred_at_ms: 0,
-                                tenant: "tenant-1".into(),
-                                payload_schema_digest: schema_digest,
-                            },
-                        }
+                        messages.request(
+                            EventId(event_id.into_bytes()),
+                            1,
+                            format!("o-{id}"),
+                            r.get(2),
+                        )
                     })
                     .collect();
                 let deadline = Instant::now() + Duration::from_millis(cfg.lease_ms);
@@ -774,6 +828,7 @@ async fn naive_phase(
                 table.to_string(),
                 relay.topic.clone(),
                 relay.wire,
+                payload.to_vec(),
                 stats.clone(),
             ))
         })
@@ -1097,6 +1152,7 @@ async fn phases(
         naive_checkpoints_during_drain: naive.checkpoints,
         wire_relay_checkpoints_during_drain: wire.checkpoints,
         wire_relay_events_per_s: round(wire.events_per_s, 1),
+        wire_relay_ratio_to_naive: round(wire.events_per_s / naive.events_per_s, 3),
         ratio_to_wire_relay: round(sealpost_rate / wire.events_per_s, 3),
         wire_relay_publish_failures: wire.failures,
         wire_relay_cpu_per_event: wire.cpu,

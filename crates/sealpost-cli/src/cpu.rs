@@ -3,6 +3,11 @@
 //! The bench and the measuring examples take a [`Sample`] before and after a drain and
 //! divide the difference by the events drained; on a machine where the servers run
 //! elsewhere (or without `/proc`) their share is absent, not zero.
+//!
+//! A server group's time includes its exited children's (`cutime` and `cstime` of the
+//! process that reaped them): a PostgreSQL backend whose connection closes inside the window
+//! moves its CPU to the postmaster, so the group's sum only grows and the backend's work
+//! still counts.
 
 use serde::Serialize;
 
@@ -12,7 +17,8 @@ const TICKS_PER_S: f64 = 100.0;
 /// CPU seconds so far, per process group.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Sample {
-    /// Every process named `postgres` (the postmaster, backends, WAL writer, checkpointer).
+    /// Every process named `postgres` (the postmaster, backends, WAL writer, checkpointer),
+    /// with the exited backends the postmaster reaped.
     pub postgres_s: Option<f64>,
     /// Every process named `nats-server`.
     pub nats_s: Option<f64>,
@@ -35,16 +41,29 @@ pub struct PerEvent {
 
 /// User + system CPU seconds of one process, from `/proc/<pid>/stat` (`pid` may be `self`).
 pub fn process_cpu_s(pid: &str) -> Option<f64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // The command name (field 2) may hold spaces; the fields after its `)` are fixed.
-    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
-    let utime: f64 = fields.get(11)?.parse().ok()?;
-    let stime: f64 = fields.get(12)?.parse().ok()?;
-    Some((utime + stime) / TICKS_PER_S)
+    stat_ticks(pid, false)
 }
 
-/// Summed CPU seconds of every process whose name (`/proc/<pid>/comm`) is `name`; `None`
-/// when none runs here.
+/// The same plus the CPU of the children it has reaped (`cutime`, `cstime`).
+fn with_reaped_children_cpu_s(pid: &str) -> Option<f64> {
+    stat_ticks(pid, true)
+}
+
+fn stat_ticks(pid: &str, reaped_children: bool) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) may hold spaces; the fields after its `)` are fixed:
+    // utime, stime, cutime, cstime are fields 14-17 of proc(5), 11-14 here.
+    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    let field = |i: usize| fields.get(i)?.parse::<f64>().ok();
+    let mut ticks = field(11)? + field(12)?;
+    if reaped_children {
+        ticks += field(13)? + field(14)?;
+    }
+    Some(ticks / TICKS_PER_S)
+}
+
+/// Summed CPU seconds of every process whose name (`/proc/<pid>/comm`) is `name`, with
+/// the children each has reaped; `None` when none runs here.
 fn named_cpu_s(name: &str) -> Option<f64> {
     let mut total = None;
     for entry in std::fs::read_dir("/proc").ok()?.flatten() {
@@ -59,8 +78,9 @@ fn named_cpu_s(name: &str) -> Option<f64> {
             continue;
         };
         if comm.trim_end() == name {
-            // A process that exits between the two reads counts as nothing.
-            *total.get_or_insert(0.0) += process_cpu_s(pid).unwrap_or(0.0);
+            // A process that exits between the two reads counts as nothing here; its parent
+            // (the postmaster, for a backend) counts it once it has reaped it.
+            *total.get_or_insert(0.0) += with_reaped_children_cpu_s(pid).unwrap_or(0.0);
         }
     }
     total
@@ -125,16 +145,36 @@ mod tests {
     #[test]
     fn this_process_burns_cpu_it_can_read() {
         let before = sample();
+        let start = before.process_s.expect("Linux has /proc/self/stat");
+        // Spin until the kernel has charged 30 ms to this process (a loaded machine may
+        // take longer than 30 ms of wall time), for at most 10 s.
         let t = std::time::Instant::now();
         let mut x = 0u64;
-        while t.elapsed() < std::time::Duration::from_millis(100) {
-            x = x.wrapping_mul(6364136223846793005).wrapping_add(1);
+        while process_cpu_s("self").is_some_and(|now| now - start < 0.03)
+            && t.elapsed() < std::time::Duration::from_secs(10)
+        {
+            for _ in 0..10_000 {
+                x = x.wrapping_mul(6364136223846793005).wrapping_add(1);
+            }
         }
         std::hint::black_box(x);
-        let after = sample();
-        let p = before.per_event_until(&after, 1);
-        // 100 ms of spinning is at least a few ticks of 10 ms on any scheduler.
+        let p = before.per_event_until(&sample(), 1);
         assert!(p.process_us.is_some_and(|us| us >= 30_000.0), "{p:?}");
+    }
+
+    #[test]
+    fn a_reaped_childs_cpu_moves_to_its_parent() {
+        // A child that burns CPU and exits: once waited for, its time is in our cutime.
+        let before = with_reaped_children_cpu_s("self").expect("/proc/self/stat");
+        let status = std::process::Command::new("sh")
+            .args(["-c", "i=0; while [ $i -lt 300000 ]; do i=$((i+1)); done"])
+            .status()
+            .expect("sh runs");
+        assert!(status.success());
+        let after = with_reaped_children_cpu_s("self").unwrap();
+        let own = process_cpu_s("self").unwrap();
+        assert!(after - before >= 0.01, "{before} -> {after}");
+        assert!(after > own, "own {own}, with children {after}");
     }
 
     #[test]

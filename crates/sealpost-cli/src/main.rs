@@ -561,9 +561,15 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
                 println!("consumer: {:.0} events/s applied", r.consume_events_per_s);
                 println!(
                     "naive relay with Sealpost's message {:.0}/s  sealpost/that {:.3}  (the message alone: {:.3} of the careful relay)",
-                    r.wire_relay_events_per_s,
-                    r.ratio_to_wire_relay,
-                    r.wire_relay_events_per_s / r.naive_events_per_s
+                    r.wire_relay_events_per_s, r.ratio_to_wire_relay, r.wire_relay_ratio_to_naive
+                );
+                let n = |c: Option<i64>| c.map_or("?".to_string(), |c| c.to_string());
+                println!(
+                    "PostgreSQL checkpoints started during the drains: sealpost {}  naive relay {}  naive relay with Sealpost's message {}  (load phase {})",
+                    n(r.checkpoints_during_drain),
+                    n(r.naive_checkpoints_during_drain),
+                    n(r.wire_relay_checkpoints_during_drain),
+                    n(r.checkpoints_during_load)
                 );
                 println!("CPU per event: sealpost {}", r.cpu_per_event);
                 println!("               naive relay {}", r.naive_cpu_per_event);
