@@ -31,7 +31,13 @@ async fn a_small_bench_runs_every_phase_and_both_relays_publish_everything() {
         load_backlog: 500,
         retained: 0,
     };
-    let r = bench::run(cfg, args, true).await.expect("bench runs");
+    let r = bench::run(cfg, args, true).await;
+    // The database goes before any assertion, so a failing run leaves nothing behind.
+    admin
+        .batch_execute(&format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))
+        .await
+        .unwrap();
+    let r = r.expect("bench runs");
 
     assert_eq!(r.events, 3_000);
     assert!(r.sealpost_events_per_s > 0.0, "{r:?}");
@@ -101,13 +107,4 @@ async fn a_small_bench_runs_every_phase_and_both_relays_publish_everything() {
     }
     assert!(json["cpu_per_event"]["total_us"].is_number(), "{json}");
     assert_eq!(json["naive_msg_id"], true, "{json}");
-
-    drop(admin);
-    let admin = runtime::pg_connect("host=127.0.0.1 user=postgres dbname=postgres")
-        .await
-        .unwrap();
-    admin
-        .batch_execute(&format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))
-        .await
-        .unwrap();
 }
