@@ -562,17 +562,40 @@ struct NaiveStats {
     failures: AtomicU64,
 }
 
-/// Sealpost's message for an `order.created.v1` event on one NATS topic, as a dispatcher
-/// hands it to [`Broker::send_batch`]: what the Sealpost-wire relay and
-/// `examples/nats_cost` send. What a dispatcher reads from the sealed envelope rather than
-/// computes, and what is the same for every event here (the frozen destination and its
-/// digest, the schema's digest, the digest of the one payload every event carries), is
-/// computed once.
+/// What a drain's start left to compare its end with: the CPU sample and PostgreSQL's
+/// checkpoint count.
+struct DrainWindow {
+    cpu: cpu::Sample,
+    checkpoints: Option<i64>,
+}
+
+impl DrainWindow {
+    async fn open(pg: &tokio_postgres::Client) -> DrainWindow {
+        DrainWindow {
+            cpu: cpu::sample(),
+            checkpoints: checkpoints(pg).await,
+        }
+    }
+
+    /// CPU per event over `events`, and the checkpoints started, since [`DrainWindow::open`].
+    async fn close(self, pg: &tokio_postgres::Client, events: u64) -> (PerEvent, Option<i64>) {
+        let cpu = self.cpu.per_event_until(&cpu::sample(), events);
+        (cpu, checkpoints_since(pg, self.checkpoints).await)
+    }
+}
+
+/// Sealpost's message for the bench's event ([`crate::demo::order_created`], what the
+/// prefill enqueues) on one NATS topic, as a dispatcher hands it to [`Broker::send_batch`]:
+/// what the Sealpost-wire relay and `examples/nats_cost` send. What a dispatcher reads from
+/// the sealed envelope rather than computes, and what is the same for every event here (the
+/// frozen destination and its digest, the envelope's description and schema digest, the
+/// digest of the one payload every event carries), is computed once.
 pub struct OrderMessages {
     destination: Destination,
     destination_digest: Digest,
-    schema_digest: Digest,
     payload_digest: Digest,
+    /// Every field but the aggregate id, which is each event's own.
+    envelope: WireEnvelope,
 }
 
 impl OrderMessages {
@@ -589,11 +612,23 @@ impl OrderMessages {
             ordering: EventOrdering::Unordered,
         }
         .resolve("");
+        let ev = crate::demo::order_created("", payload);
         OrderMessages {
             destination_digest: destination.digest(),
             destination,
-            schema_digest: Digest::of_bytes(SCHEMA_DOMAIN, b"order.created.v1"),
-            payload_digest: Digest::of_bytes(PAYLOAD_DOMAIN, payload),
+            payload_digest: Digest::of_bytes(PAYLOAD_DOMAIN, ev.payload),
+            envelope: WireEnvelope {
+                event_type: ev.event_type.into(),
+                aggregate_type: ev.aggregate_type.into(),
+                aggregate_id: String::new(),
+                aggregate_version: ev.aggregate_version,
+                occurred_at_ms: ev.occurred_at_ms,
+                tenant: ev.tenant.into(),
+                payload_schema_digest: Digest::of_bytes(
+                    SCHEMA_DOMAIN,
+                    ev.payload_schema.as_bytes(),
+                ),
+            },
         }
     }
 
@@ -616,13 +651,8 @@ impl OrderMessages {
             destination_digest: self.destination_digest,
             payload,
             envelope: WireEnvelope {
-                event_type: "order.created.v1".into(),
-                aggregate_type: "order".into(),
                 aggregate_id,
-                aggregate_version: 1,
-                occurred_at_ms: 0,
-                tenant: "tenant-1".into(),
-                payload_schema_digest: self.schema_digest,
+                ..self.envelope.clone()
             },
         }
     }
@@ -817,8 +847,7 @@ async fn naive_phase(
         .map_err(db)?;
     let stats = Arc::new(NaiveStats::default());
     let lsn = wal_lsn(pg).await?;
-    let cpu0 = cpu::sample();
-    let checkpoints0 = checkpoints(pg).await;
+    let window = DrainWindow::open(pg).await;
     let started = Instant::now();
     let tasks: Vec<_> = (0..relays)
         .map(|_| {
@@ -837,8 +866,7 @@ async fn naive_phase(
         t.await.expect("relay panicked")?;
     }
     let secs = started.elapsed().as_secs_f64();
-    let cpu = cpu0.per_event_until(&cpu::sample(), events);
-    let checkpoints = checkpoints_since(pg, checkpoints0).await;
+    let (cpu, checkpoints) = window.close(pg, events).await;
     let wal = wal_bytes_since(pg, &lsn).await?;
     Ok(NaiveRun {
         cpu,
@@ -953,14 +981,12 @@ async fn phases(
     let statements0 = store::statements_issued();
     let lsn = wal_lsn(pg).await?;
     let a_start_ms = store::db_now_ms(&*pg).await? as i64;
-    let cpu0 = cpu::sample();
-    let a_checkpoints0 = checkpoints(pg).await;
+    let window = DrainWindow::open(pg).await;
     let fleet = Fleet::start(cfg, nats, args.dispatchers);
     if !wait_drained(pg, &cfg.nats_cluster, i64::MAX, &fleet).await? {
         return Err(fleet_error(fleet).await);
     }
-    let cpu = cpu0.per_event_until(&cpu::sample(), args.events);
-    let checkpoints_during_drain = checkpoints_since(pg, a_checkpoints0).await;
+    let (cpu, checkpoints_during_drain) = window.close(pg, args.events).await;
     let wal = wal_bytes_since(pg, &lsn).await?;
     let statements = store::statements_issued() - statements0;
     fleet.stop().await?;
