@@ -24,13 +24,14 @@
 //!
 //! The bench's tables and streams are named after the run (`BENCH<tag>`, `NAIVE<tag>`,
 //! `NAIVEW<tag>`, `sealpost_bench_naive_<tag>`, `sealpost_bench_naive_wire_<tag>`), so
-//! concurrent runs never see each other's rows; the relays' tables, the retained rows and
-//! the three streams are removed at the end.
+//! concurrent runs never see each other's rows; the relays' tables, every event the run put
+//! in the outbox (drained, produced or retained), its route and the three streams are removed
+//! at the end.
 //!
 //! **Schema-dependent SQL.** Every statement that reads or writes the Sealpost schema
 //! (`sealpost.envelope` and friends) directly, rather than through `sealpost::store`, is in
 //! the functions of the section marked `SCHEMA-DEPENDENT` below ([`count_left`],
-//! [`fill_retained`], [`drop_retained`], [`published_until_ms`], [`latencies`]); a schema
+//! [`fill_retained`], [`drop_run`], [`published_until_ms`], [`latencies`]); a schema
 //! change ports those and nothing else here.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -280,8 +281,8 @@ async fn outbox_sizes(pg: &tokio_postgres::Client) -> Result<(i64, i64), RunErro
     Ok((r.get(0), r.get(1)))
 }
 
-/// Marks the rows [`fill_retained`] writes (their `aggregate_type`), so [`drop_retained`]
-/// finds them.
+/// Marks the rows [`fill_retained`] writes (their `aggregate_type`), so they can be told from
+/// the drained events.
 const RETAINED_AGGREGATE: &str = "bench.retained";
 
 /// 1 while a row of the bench's own `cluster` (a name no other run uses) created at or before `created_before_ms` (`i64::MAX`: all) is not
@@ -386,31 +387,46 @@ async fn fill_retained(
     Ok(())
 }
 
-/// Deletes the rows [`fill_retained`] put on `topic`, and the verification pass's findings
-/// about them (it looks them up at the broker and finds nothing: they were never sent).
-async fn drop_retained(pg: &tokio_postgres::Client, topic: &str) -> Result<u64, RunError> {
+/// Deletes everything the run put in the outbox: every event on the run's own `topic` (the
+/// drained backlogs, the producers' events and the rows [`fill_retained`] put there) with its
+/// history rows and the verification pass's findings (it looks the retained rows up at the
+/// broker and finds nothing: they were never sent), then the run's `route`. A user's outbox
+/// is not left holding a benchmark's quarter of a million `PUBLISHED` rows per run; the dead
+/// rows are left to (auto)vacuum. Returns the number of events removed.
+async fn drop_run(pg: &tokio_postgres::Client, topic: &str, route: &str) -> Result<u64, RunError> {
+    for history in [
+        "audit",
+        "attempt",
+        "receipt",
+        "quarantine",
+        "finding",
+        "migration",
+        "work",
+    ] {
+        pg.execute(
+            &format!(
+                "DELETE FROM sealpost.{history} h USING sealpost.envelope e
+                 WHERE h.event_id = e.event_id AND h.member = e.member AND e.dest_topic = $1"
+            ),
+            &[&topic],
+        )
+        .await
+        .map_err(db)?;
+    }
+    let events = pg
+        .execute(
+            "DELETE FROM sealpost.envelope WHERE dest_topic = $1",
+            &[&topic],
+        )
+        .await
+        .map_err(db)?;
     pg.execute(
-        "DELETE FROM sealpost.finding f USING sealpost.envelope e
-         WHERE f.event_id = e.event_id AND f.member = e.member
-           AND e.dest_topic = $1 AND e.aggregate_type = $2",
-        &[&topic, &RETAINED_AGGREGATE],
+        "DELETE FROM sealpost.route_policy WHERE name = $1",
+        &[&route],
     )
     .await
     .map_err(db)?;
-    pg.execute(
-        "DELETE FROM sealpost.work w USING sealpost.envelope e
-         WHERE w.event_id = e.event_id AND w.member = e.member
-           AND e.dest_topic = $1 AND e.aggregate_type = $2",
-        &[&topic, &RETAINED_AGGREGATE],
-    )
-    .await
-    .map_err(db)?;
-    pg.execute(
-        "DELETE FROM sealpost.envelope WHERE dest_topic = $1 AND aggregate_type = $2",
-        &[&topic, &RETAINED_AGGREGATE],
-    )
-    .await
-    .map_err(db)
+    Ok(events)
 }
 
 /// When the last row of `topic` created in `[from_ms, to_ms]` was `PUBLISHED` (database
@@ -920,8 +936,15 @@ pub async fn run(mut cfg: Config, args: BenchArgs, json: bool) -> Result<BenchRe
             .await;
         let _ = nats.js.delete_stream(&relay.topic).await;
     }
-    if args.retained > 0 {
-        let _ = drop_retained(&pg, &names.topic).await;
+    if !json {
+        eprintln!("removing the run's events from the outbox ...");
+    }
+    if let Err(e) = drop_run(&pg, &names.topic, &names.route).await {
+        eprintln!(
+            "could not remove the bench's events (topic {}, route {}) from the outbox: {e}; \
+             they are PUBLISHED rows and the retention cleanup will remove them",
+            names.topic, names.route
+        );
     }
     let _ = nats.js.delete_stream(&names.topic).await;
     r

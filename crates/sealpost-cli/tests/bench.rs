@@ -1,6 +1,7 @@
 //! `sealpost bench` end to end on a small backlog against the real PostgreSQL and NATS
 //! JetStream: every phase runs, both naive relays publish every event (none failed), and the
-//! figures the JSON reports are the ones its ratios are made of. No figure is compared with
+//! figures the JSON reports are the ones its ratios are made of, and the run leaves none of
+//! its events (drained, produced or retained) in the outbox. No figure is compared with
 //! a speed: this checks that the bench measures, not how fast this machine is.
 
 use sealpost::runtime::{self, Config};
@@ -29,15 +30,32 @@ async fn a_small_bench_runs_every_phase_and_both_relays_publish_everything() {
         rate_per_s: 500,
         latency_s: 3,
         load_backlog: 500,
-        retained: 0,
+        retained: 1_000,
     };
-    let r = bench::run(cfg, args, true).await;
+    let r = bench::run(cfg.clone(), args, true).await;
+    // What the run leaves in the outbox (the test database is the bench's alone).
+    let left = async {
+        let pg = runtime::pg_connect(&cfg.database_url).await.ok()?;
+        let n = pg
+            .query_one(
+                "SELECT (SELECT count(*) FROM sealpost.envelope)
+                      + (SELECT count(*) FROM sealpost.work)
+                      + (SELECT count(*) FROM sealpost.route_policy WHERE name LIKE 'bench-%')",
+                &[],
+            )
+            .await
+            .ok()?;
+        Some(n.get::<_, i64>(0))
+    }
+    .await;
     // The database goes before any assertion, so a failing run leaves nothing behind.
     admin
         .batch_execute(&format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))
         .await
         .unwrap();
     let r = r.expect("bench runs");
+    // Every event it drained, produced or retained, and its route, are gone.
+    assert_eq!(left, Some(0), "{r:?}");
 
     assert_eq!(r.events, 3_000);
     assert!(r.sealpost_events_per_s > 0.0, "{r:?}");
