@@ -878,6 +878,50 @@ async fn an_acknowledged_message_lost_at_the_broker_is_a_finding() {
     assert_eq!(f.count, 3);
 }
 
+/// Bug: a verification batch read as many rows as it took to find its published ones, and
+/// with statistics taken while a backlog was `PENDING` PostgreSQL chose a sequential scan of
+/// the whole `work` table for it (0.5 s and 410,000 blocks per batch after a 5M-row cleanup,
+/// every few seconds while the backlog drained). Now a batch examines a window of rows after
+/// the cursor (`verify_window_rows`): a window of a backlog not yet published answers an
+/// empty batch and the cursor moves past it, not back to the start; the published rows
+/// behind the backlog are reached a window at a time, then the pass wraps around.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_verification_pass_walks_a_backlog_a_window_at_a_time() {
+    let (cfg, mut pg, _) = fresh("verifywindow").await;
+    let n = nats(&cfg).await;
+    let t = topic("verifywindow");
+    n.ensure_stream(&t).await.unwrap();
+    // A backlog no dispatcher of this fleet serves (another cluster), committed first, so
+    // it lies before the published rows in primary-key (UUIDv7) order.
+    store::set_route(&pg, "parked", "nobody-serves-this", &t)
+        .await
+        .unwrap();
+    let window = sealpost_core::reconciler::verify_window_rows(100);
+    let backlog = enqueue(&mut pg, "parked", b"{}", 2 * window + window / 2).await;
+    store::set_route(&pg, "orders", &cfg.nats_cluster, &t)
+        .await
+        .unwrap();
+    let ids = enqueue(&mut pg, "orders", b"{}", 3).await;
+    let f = fleet(&cfg, &n, 1, false);
+    wait_for("publication", Duration::from_secs(20), async || {
+        all_published(&pg, &ids).await
+    })
+    .await;
+    f.stop().await;
+    assert_eq!(state_of(&pg, backlog[0]).await, "PENDING");
+
+    let mut batches = Vec::new();
+    for _ in 0..5 {
+        let items = store::published_after_cursor(&mut pg, 100).await.unwrap();
+        batches.push(items.iter().map(|i| i.event_id).collect::<Vec<_>>());
+    }
+    let sizes: Vec<usize> = batches.iter().map(Vec::len).collect();
+    // Two windows of backlog, the last half window with the three published rows, the
+    // wrap-around, and the first window of backlog again.
+    assert_eq!(sizes, [0, 0, 3, 0, 0], "{batches:?}");
+    assert_eq!(batches[2], ids);
+}
+
 async fn receipt_rows(pg: &tokio_postgres::Client) -> i64 {
     pg.query_one("SELECT count(*) FROM sealpost.receipts", &[])
         .await

@@ -77,6 +77,20 @@ pub struct VerifyItem {
     pub sequence: u64,
 }
 
+/// How many rows, in primary-key order from the pass's cursor, one verification batch of
+/// at most `max` items examines (R31). The batch is the `PUBLISHED` rows among them, the
+/// first `max` of them; the cursor moves past the last row returned when `max` were found,
+/// else past the whole window, and back to the start when the window was empty (the pass
+/// wrapped around). Bounding the rows examined, not only the rows returned, bounds a
+/// batch's cost by the window: a pass over a backlog of rows not yet published walks it a
+/// window per batch instead of reading the whole backlog to find `max` published rows (or
+/// the whole table, the plan PostgreSQL picked when its statistics said no row was
+/// `PUBLISHED`). A window without a published row answers an empty batch, so the pass
+/// rests until its next turn, as after a wrap.
+pub fn verify_window_rows(max: usize) -> usize {
+    max.saturating_mul(10).max(1_000)
+}
+
 /// What the shell must do next.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ReconcileAction {

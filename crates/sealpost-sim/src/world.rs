@@ -33,7 +33,8 @@ use sealpost_core::reconcile::{
     apply_reconcile, decide_reconcile_missing, Lookup, ReconcileDecision, ReconcilePolicy,
 };
 use sealpost_core::reconciler::{
-    ReconcileAction, ReconcileItem, ReconcilerConfig, ReconcilerMachine, VerifyItem,
+    verify_window_rows, ReconcileAction, ReconcileItem, ReconcilerConfig, ReconcilerMachine,
+    VerifyItem,
 };
 use sealpost_core::row::{AttemptStatus, EventRow};
 use sealpost_core::state::{transition, State};
@@ -1862,13 +1863,18 @@ impl World {
             }
             ReconcileAction::Alert { .. } => self.stats.unknown_alerts += 1,
             ReconcileAction::LoadPublished { max } => {
+                // The store's window (`store::published_after_cursor`): the published rows
+                // among the next `verify_window_rows(max)` rows after the cursor, at most `max`.
                 let start = self.reconciler.verify_after;
-                let items: Vec<VerifyItem> = self
+                let window = verify_window_rows(max);
+                let examined = self.db.rows.len().saturating_sub(start).min(window);
+                let found: Vec<(usize, VerifyItem)> = self
                     .db
                     .rows
                     .iter()
                     .enumerate()
                     .skip(start)
+                    .take(window)
                     .filter(|(_, r)| r.state == State::Published)
                     .take(max)
                     .filter_map(|(i, r)| {
@@ -1883,14 +1889,15 @@ impl World {
                             },
                         ))
                     })
-                    .map(|(i, v)| {
-                        self.reconciler.verify_after = i + 1;
-                        v
-                    })
                     .collect();
-                if items.is_empty() {
-                    self.reconciler.verify_after = 0;
-                }
+                self.reconciler.verify_after = if examined == 0 {
+                    0
+                } else if found.len() == max {
+                    found.last().map_or(0, |(i, _)| i + 1)
+                } else {
+                    start + examined
+                };
+                let items: Vec<VerifyItem> = found.into_iter().map(|(_, v)| v).collect();
                 let now = self.now;
                 self.reconciler.machine.handle_verify_batch(now, items);
             }

@@ -25,7 +25,7 @@ use sealpost_core::reconcile::{
     apply_reconcile, decide_reconcile, decide_reconcile_missing, Lookup, ReconcileDecision,
     ReconcilePolicy,
 };
-use sealpost_core::reconciler::VerifyItem;
+use sealpost_core::reconciler::{verify_window_rows, VerifyItem};
 use sealpost_core::row::{Attempt, AttemptStatus, Claim, EventRow, Pacing, Superseded};
 use sealpost_core::state::State;
 use tokio_postgres::{GenericClient, Transaction};
@@ -2496,19 +2496,28 @@ pub async fn release_quarantine(
     Ok(released)
 }
 
-/// The next published rows of the rolling verification pass (R31), after the pass's cursor,
-/// in primary-key order (UUIDv7 event ids: roughly commit order); the cursor moves past
-/// them. An empty answer means the pass wrapped
-/// around (the cursor starts again at the beginning).
+/// The next published rows of the rolling verification pass (R31): the `PUBLISHED` rows
+/// among the next [`verify_window_rows`]`(max)` rows after the pass's cursor in primary-key
+/// order (UUIDv7 event ids: roughly commit order), at most `max`; the cursor moves past the
+/// last row returned when `max` were found, else past the window. An empty window means the
+/// pass wrapped around (the cursor starts again at the beginning); an empty answer also comes
+/// from a window with no published row (a backlog being drained), and the pass moves on from
+/// after it at its next turn.
 ///
 /// # Transactions and locks
-/// One short transaction; an ordered scan of the primary key from the cursor, and an update
-/// of the one cursor row. No row lock on the envelopes.
+/// One short transaction; two ordered scans of the primary key from the cursor, each stopped
+/// after the window (forced, as the claim's is: with statistics taken while every row was
+/// `PENDING` the planner chose a parallel sequential scan of the whole table, measured at 0.5 s
+/// and 410,000 blocks per batch on a 3 GB `work` heap), and an update of the one cursor row.
+/// No row lock on the envelopes.
 pub async fn published_after_cursor(
     client: &mut tokio_postgres::Client,
     max: usize,
 ) -> Result<Vec<VerifyItem>> {
+    let window = verify_window_rows(max) as i64;
     let tx = client.transaction().await?;
+    tx.batch_execute("SET LOCAL enable_bitmapscan = off; SET LOCAL enable_seqscan = off")
+        .await?;
     let after: (Uuid, i16) = tx
         .query_opt(
             "SELECT after_event_id, after_member FROM sealpost.verify_cursor
@@ -2518,14 +2527,14 @@ pub async fn published_after_cursor(
         .await?
         .map_or((Uuid::nil(), -1), |r| (r.get(0), r.get(1)));
     let q = locked_rows_sql(
-        "FROM sealpost.work w
-         WHERE (w.event_id, w.member) > ($1, $2) AND w.state = 'PUBLISHED'
-         ORDER BY w.event_id, w.member LIMIT $3",
+        "FROM (SELECT * FROM sealpost.work x WHERE (x.event_id, x.member) > ($1, $2)
+               ORDER BY x.event_id, x.member LIMIT $3) w
+         WHERE w.state = 'PUBLISHED' ORDER BY w.event_id, w.member LIMIT $4",
         "",
         "w.event_id, w.member",
     );
     let rows = tx
-        .query(q.as_str(), &[&after.0, &after.1, &(max as i64)])
+        .query(q.as_str(), &[&after.0, &after.1, &window, &(max as i64)])
         .await?;
     let mut items = Vec::with_capacity(rows.len());
     let mut last = (Uuid::nil(), -1i16);
@@ -2540,6 +2549,20 @@ pub async fn published_after_cursor(
                 sequence: p.sequence,
             });
         }
+    }
+    if rows.len() < max {
+        // Fewer than `max` published rows in the window: the cursor moves past all of it
+        // (to the start if it was empty: the pass wrapped around).
+        last = tx
+            .query_opt(
+                "SELECT event_id, member FROM (
+                   SELECT event_id, member FROM sealpost.work WHERE (event_id, member) > ($1, $2)
+                   ORDER BY event_id, member LIMIT $3) x
+                 ORDER BY event_id DESC, member DESC LIMIT 1",
+                &[&after.0, &after.1, &window],
+            )
+            .await?
+            .map_or((Uuid::nil(), -1), |r| (r.get(0), r.get(1)));
     }
     tx.execute(
         "INSERT INTO sealpost.verify_cursor (name, after_event_id, after_member)
