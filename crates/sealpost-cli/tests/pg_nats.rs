@@ -1,8 +1,11 @@
-//! Against the real PostgreSQL (127.0.0.1:5432, database `test`) and NATS JetStream
+//! Against the real PostgreSQL (127.0.0.1:5432, a database of its own per test, `sealpost_pgnats_<tag>`) and NATS JetStream
 //! (127.0.0.1:4222): the producer's transaction, the acceptance point, late ACKs, receipt
 //! rollbacks, quarantine and reconciliation (process-level drills are in `processes.rs`). Tests
 //! share the `sealpost` schema, so they run one at a time under a lock and each uses its own
 //! stream.
+
+#[path = "../../sealpost/tests/common/mod.rs"]
+mod common;
 
 use std::time::Duration;
 
@@ -33,16 +36,11 @@ struct Env {
 }
 
 async fn env(tag: &str) -> Env {
-    let cfg = Config::from_env().expect("default config");
+    let cfg = common::fresh_database(&format!("sealpost_pgnats_{tag}")).await;
     let pg = runtime::pg_connect(&cfg.database_url)
         .await
         .expect("PostgreSQL must be running");
     store::migrate(&pg).await.expect("migrate");
-    pg.batch_execute(
-        "TRUNCATE sealpost.envelope, sealpost.work, sealpost.attempt, sealpost.receipt, sealpost.quarantine, sealpost.audit, sealpost.migration",
-    )
-    .await
-    .expect("truncate");
     let topic = format!("T{}{}", tag.to_uppercase(), runtime::owner_id() % 1_000_000);
     store::set_route(&pg, "orders", &cfg.nats_cluster, &topic)
         .await

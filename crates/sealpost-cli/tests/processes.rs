@@ -7,7 +7,10 @@
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use sealpost::runtime::{self, Config};
+#[path = "../../sealpost/tests/common/mod.rs"]
+mod common;
+
+use sealpost::runtime;
 use sealpost::store;
 use sealpost_core::envelope::EventId;
 use sealpost_core::reconcile::Lookup;
@@ -35,6 +38,8 @@ const NATS_START: &[&str] = &[
 
 struct Drill {
     pg: tokio_postgres::Client,
+    /// The drill's own database, written into every dispatcher process's config.
+    database_url: String,
     nats: Nats,
     topic: String,
     dir: std::path::PathBuf,
@@ -52,15 +57,15 @@ impl Drop for Drill {
     }
 }
 
+/// A drill on a database of its own (`sealpost_drill_<tag>`, made afresh), which the
+/// dispatcher processes are pointed at too: the machine's shared `test` database is never
+/// touched (it used to be truncated here).
 async fn drill(tag: &str, n: usize) -> Drill {
-    let cfg = Config::from_env().expect("default config");
+    let cfg = common::fresh_database(&format!("sealpost_drill_{tag}")).await;
     let mut pg = runtime::pg_connect(&cfg.database_url)
         .await
         .expect("PostgreSQL must be running");
     store::migrate(&pg).await.expect("migrate");
-    pg.batch_execute("TRUNCATE sealpost.envelope, sealpost.work, sealpost.attempt, sealpost.receipt, sealpost.quarantine, sealpost.audit")
-        .await
-        .expect("truncate");
     let topic = format!("P{}{}", tag.to_uppercase(), runtime::owner_id() % 1_000_000);
     store::set_route(&pg, "orders", &cfg.nats_cluster, &topic)
         .await
@@ -84,6 +89,7 @@ async fn drill(tag: &str, n: usize) -> Drill {
     std::fs::create_dir_all(&dir).unwrap();
     Drill {
         pg,
+        database_url: cfg.database_url,
         nats,
         topic,
         dir,
@@ -94,7 +100,11 @@ async fn drill(tag: &str, n: usize) -> Drill {
 impl Drill {
     fn spawn(&mut self, config: &str, args: &[&str]) -> usize {
         let path = self.dir.join(format!("c{}.toml", self.children.len()));
-        std::fs::write(&path, config).unwrap();
+        std::fs::write(
+            &path,
+            format!("database_url = \"{}\"\n{config}", self.database_url),
+        )
+        .unwrap();
         let child = Command::new(env!("CARGO_BIN_EXE_sealpost"))
             .arg("--config")
             .arg(&path)

@@ -4,7 +4,9 @@
 //! and to an in-memory copy of the rows (through `sealpost-core`'s `apply_*`). After every
 //! step each row must be identical in both: the SQL persists exactly what the core decided.
 
-use sealpost::runtime::{self, Config};
+mod common;
+
+use sealpost::runtime;
 use sealpost::store::{self, Accepted, OutcomeReport};
 use sealpost_core::claim::{
     apply_begin_send, apply_claim, apply_send_outcome, decide_begin_send, decide_dispatch_claim,
@@ -105,7 +107,7 @@ fn order_batch<'a>(keys: &'a [String], payload: &'a [u8]) -> Vec<(EventId, NewEv
 
 #[tokio::test]
 async fn random_fault_sequences_persist_exactly_what_the_core_decides() {
-    let cfg = Config::from_env().unwrap();
+    let cfg = common::fresh_database("sealpost_differential").await;
     let mut pg = runtime::pg_connect(&cfg.database_url).await.unwrap();
     store::migrate(&pg).await.unwrap();
     let mut steps = 0;

@@ -1,9 +1,11 @@
-//! The sqlx flavour of `enqueue` against the real PostgreSQL (127.0.0.1:5432, database
-//! `test`): it commits and rolls back with the caller's transaction and seals exactly what
+//! The sqlx flavour of `enqueue` against the real PostgreSQL (127.0.0.1:5432, a database of
+//! its own, `sealpost_sqlx`): it commits and rolls back with the caller's transaction and seals exactly what
 //! the tokio-postgres flavour seals. Needs no broker.
 #![cfg(feature = "sqlx")]
 
-use sealpost::runtime::{self, Config};
+mod common;
+
+use sealpost::runtime;
 use sealpost::store;
 use sealpost_core::envelope::{EventId, NewEvent};
 use sqlx::Connection;
@@ -24,20 +26,15 @@ fn new_event<'a>(id: &'a str, payload: &'a [u8]) -> NewEvent<'a> {
 
 #[tokio::test]
 async fn sqlx_enqueue_commits_with_the_callers_transaction() {
-    let cfg = Config::from_env().expect("default config");
+    let cfg = common::fresh_database("sealpost_sqlx").await;
     let pg = runtime::pg_connect(&cfg.database_url)
         .await
         .expect("PostgreSQL must be running");
     store::migrate(&pg).await.expect("migrate");
-    pg.batch_execute(
-        "TRUNCATE sealpost.envelope, sealpost.work, sealpost.attempt, sealpost.receipt, sealpost.quarantine, sealpost.audit, sealpost.migration",
-    )
-    .await
-    .expect("truncate");
     store::set_route(&pg, "orders", &cfg.nats_cluster, "TSQLX")
         .await
         .expect("route");
-    let mut conn = sqlx::PgConnection::connect("postgres://postgres@127.0.0.1:5432/test")
+    let mut conn = sqlx::PgConnection::connect("postgres://postgres@127.0.0.1:5432/sealpost_sqlx")
         .await
         .unwrap();
     let id = EventId(*uuid::Uuid::now_v7().as_bytes());
