@@ -3,6 +3,9 @@
 //! different payload under a known event id. Each asserts zero duplicate effects and zero
 //! lost events.
 
+#[path = "../../sealpost/tests/common/mod.rs"]
+mod common;
+
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -25,8 +28,10 @@ async fn send(nats: &Nats, outgoing: &[store::Outgoing]) -> Vec<SendResult> {
         .await
 }
 
-async fn pg() -> (tokio_postgres::Client, Config) {
-    let cfg = Config::from_env().expect("config");
+/// A database of the test's own (`sealpost_consumers_<tag>`), migrated, with the demo's
+/// consumer tables.
+async fn pg(tag: &str) -> (tokio_postgres::Client, Config) {
+    let cfg = common::fresh_database(&format!("sealpost_consumers_{tag}")).await;
     let pg = runtime::pg_connect(&cfg.database_url)
         .await
         .expect("PostgreSQL must be running");
@@ -76,7 +81,7 @@ async fn effects(pg: &tokio_postgres::Client, consumer: &str) -> (i64, i64) {
 #[tokio::test]
 async fn reordered_and_duplicated_deliveries_apply_once() {
     let _g = LOCK.lock().await;
-    let (mut pg, _) = pg().await;
+    let (mut pg, _) = pg("reorder").await;
     let consumer = format!("f8-{}", runtime::owner_id());
     let ids: Vec<EventId> = (0..50)
         .map(|_| EventId(*uuid::Uuid::now_v7().as_bytes()))
@@ -121,7 +126,7 @@ async fn reordered_and_duplicated_deliveries_apply_once() {
 #[tokio::test]
 async fn different_payload_under_a_known_event_id_is_quarantined() {
     let _g = LOCK.lock().await;
-    let (mut pg, _) = pg().await;
+    let (mut pg, _) = pg("quarantine").await;
     let consumer = format!("q-{}", runtime::owner_id());
     let id = EventId(*uuid::Uuid::now_v7().as_bytes());
     let ok = inbox::process(
@@ -167,7 +172,7 @@ async fn different_payload_under_a_known_event_id_is_quarantined() {
 #[tokio::test]
 async fn consumer_commits_then_loses_its_ack_and_redelivery_has_no_second_effect() {
     let _g = LOCK.lock().await;
-    let (mut pg, cfg) = pg().await;
+    let (mut pg, cfg) = pg("lostack").await;
     let topic = format!("C{}", runtime::owner_id() % 1_000_000);
     let route = format!("r-{topic}");
     store::set_route(&pg, &route, &cfg.nats_cluster, &topic)
