@@ -4,6 +4,9 @@
 //! of a consumed event in a batch applies once, and a batch quarantines exactly what
 //! `process` quarantines. Every test has its own database and its own stream.
 
+#[path = "../../sealpost/tests/common/mod.rs"]
+mod common;
+
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -17,25 +20,10 @@ use sealpost_core::Digest;
 use sealpost_nats::async_nats::jetstream;
 use sealpost_nats::Nats;
 
-const ADMIN_URL: &str = "host=127.0.0.1 user=postgres dbname=postgres";
-
 /// A fresh database `sealpost_consume_<tag>` with the schema and the demo tables, and a
 /// config pointing at it.
 async fn fresh(tag: &str) -> (Config, tokio_postgres::Client) {
-    let db = format!("sealpost_consume_{tag}");
-    let admin = runtime::pg_connect(ADMIN_URL)
-        .await
-        .expect("PostgreSQL must be running");
-    admin
-        .batch_execute(&format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))
-        .await
-        .expect("drop the test database");
-    admin
-        .batch_execute(&format!("CREATE DATABASE {db}"))
-        .await
-        .expect("create the test database");
-    let mut cfg = Config::from_env().expect("default config");
-    cfg.database_url = format!("host=127.0.0.1 user=postgres dbname={db}");
+    let cfg = common::fresh_database(&format!("sealpost_consume_{tag}")).await;
     let pg = runtime::pg_connect(&cfg.database_url).await.unwrap();
     store::migrate(&pg).await.expect("migrate");
     sealpost_cli::demo::prepare(&pg).await.unwrap();

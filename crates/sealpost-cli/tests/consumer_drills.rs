@@ -6,6 +6,9 @@
 //! `sealpost.inbox_quarantine`), nothing applied twice (the effect rows are counted) and the
 //! evidence queryable in SQL. Every test has its own database and its own stream.
 
+#[path = "../../sealpost/tests/common/mod.rs"]
+mod common;
+
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -22,15 +25,7 @@ const ADMIN_URL: &str = "host=127.0.0.1 user=postgres dbname=postgres";
 async fn fresh(tag: &str) -> (Config, tokio_postgres::Client, String, String) {
     let n = runtime::owner_id() % 1_000_000;
     let db = format!("sealpost_drill_{tag}_{n}");
-    let admin = runtime::pg_connect(ADMIN_URL)
-        .await
-        .expect("PostgreSQL must be running");
-    admin
-        .batch_execute(&format!("CREATE DATABASE {db}"))
-        .await
-        .expect("create the test database");
-    let mut cfg = Config::from_env().expect("default config");
-    cfg.database_url = format!("host=127.0.0.1 user=postgres dbname={db}");
+    let cfg = common::fresh_database(&db).await;
     let pg = runtime::pg_connect(&cfg.database_url).await.unwrap();
     store::migrate(&pg).await.expect("migrate");
     sealpost_cli::demo::prepare(&pg).await.unwrap();

@@ -17,6 +17,9 @@
 //! The drill uses a database of its own (`sealpost_failover_<tag>`, dropped at the end) and
 //! a stream of its own; the servers and their directories are removed even when it fails.
 
+#[path = "../../sealpost/tests/common/mod.rs"]
+mod common;
+
 use std::collections::{HashMap, HashSet};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -227,19 +230,7 @@ async fn fresh_database(tag: &str) -> (Database, Config, tokio_postgres::Client)
         "sealpost_failover_{tag}_{}",
         runtime::owner_id() % 1_000_000
     );
-    let admin = runtime::pg_connect(ADMIN_URL)
-        .await
-        .expect("PostgreSQL must be running on 127.0.0.1:5432");
-    admin
-        .batch_execute(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
-        .await
-        .expect("drop the drill database");
-    admin
-        .batch_execute(&format!("CREATE DATABASE {name}"))
-        .await
-        .expect("create the drill database");
-    let mut cfg = Config::from_env().expect("default config");
-    cfg.database_url = format!("host=127.0.0.1 user=postgres dbname={name}");
+    let cfg = common::fresh_database(&name).await;
     let pg = runtime::pg_connect(&cfg.database_url).await.unwrap();
     store::migrate(&pg).await.expect("migrate");
     (Database { name }, cfg, pg)

@@ -6,6 +6,9 @@
 //! with each aggregate's versions in one partition in order, and four dispatcher processes
 //! over 10,000 events. Every test has its own database and topic, removed at the end.
 
+#[path = "../../sealpost/tests/common/mod.rs"]
+mod common;
+
 use std::collections::HashMap;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -66,15 +69,7 @@ impl Drop for Drill {
 async fn drill(tag: &str, consumers: &[&str], ordering: EventOrdering) -> Drill {
     let r = runtime::owner_id() % 1_000_000_000;
     let db = format!("sealpost_kafka_{tag}_{r}");
-    let admin = runtime::pg_connect(ADMIN_URL)
-        .await
-        .expect("PostgreSQL must be running");
-    admin
-        .batch_execute(&format!("CREATE DATABASE {db}"))
-        .await
-        .expect("create the test database");
-    let mut cfg = Config::from_env().expect("default config");
-    cfg.database_url = format!("host=127.0.0.1 user=postgres dbname={db}");
+    let cfg = common::fresh_database(&db).await;
     let pg = runtime::pg_connect(&cfg.database_url).await.unwrap();
     store::migrate(&pg).await.expect("migrate");
     sealpost_cli::demo::prepare(&pg).await.unwrap();

@@ -6,6 +6,9 @@
 //! database and its own streams, so they run in parallel with each other and with the
 //! other test binaries.
 
+#[path = "../../sealpost/tests/common/mod.rs"]
+mod common;
+
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -27,20 +30,7 @@ const ADMIN_URL: &str = "host=127.0.0.1 user=postgres dbname=test";
 /// A fresh database `sealpost_loops_<tag>` with the schema, and a config pointing at it.
 async fn fresh(tag: &str) -> (Config, tokio_postgres::Client, String) {
     let db = format!("sealpost_loops_{tag}");
-    let admin = runtime::pg_connect(ADMIN_URL)
-        .await
-        .expect("PostgreSQL must be running");
-    // Two statements: neither may run inside an (implicit) transaction block.
-    admin
-        .batch_execute(&format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))
-        .await
-        .expect("drop the test database");
-    admin
-        .batch_execute(&format!("CREATE DATABASE {db}"))
-        .await
-        .expect("create the test database");
-    let mut cfg = Config::from_env().expect("default config");
-    cfg.database_url = format!("host=127.0.0.1 user=postgres dbname={db}");
+    let cfg = common::fresh_database(&db).await;
     let pg = runtime::pg_connect(&cfg.database_url).await.unwrap();
     store::migrate(&pg).await.expect("migrate");
     (cfg, pg, db)
@@ -168,6 +158,16 @@ struct Fleet {
     stop: Arc<AtomicBool>,
     counters: Arc<Counters>,
     tasks: Vec<tokio::task::JoinHandle<Result<(), runtime::RunError>>>,
+}
+
+/// Runs one dispatcher (no reconciler) until every one of `ids` is `PUBLISHED`.
+async fn publish(cfg: &Config, n: &Nats, pg: &tokio_postgres::Client, ids: &[EventId]) {
+    let f = fleet(cfg, n, 1, false);
+    wait_for("publication", Duration::from_secs(20), async || {
+        all_published(pg, ids).await
+    })
+    .await;
+    f.stop().await;
 }
 
 fn fleet(cfg: &Config, n: &Nats, dispatchers: usize, reconciler: bool) -> Fleet {
@@ -840,12 +840,7 @@ async fn an_acknowledged_message_lost_at_the_broker_is_a_finding() {
         .await
         .unwrap();
     let ids = enqueue(&mut pg, "orders", b"{}", 3).await;
-    let f = fleet(&cfg, &n, 1, false);
-    wait_for("publication", Duration::from_secs(20), async || {
-        all_published(&pg, &ids).await
-    })
-    .await;
-    f.stop().await;
+    publish(&cfg, &n, &pg, &ids).await;
     // Lost behind Sealpost's back.
     n.js.get_stream(&t).await.unwrap().purge().await.unwrap();
 
@@ -902,12 +897,7 @@ async fn the_verification_pass_walks_a_backlog_a_window_at_a_time() {
         .await
         .unwrap();
     let ids = enqueue(&mut pg, "orders", b"{}", 3).await;
-    let f = fleet(&cfg, &n, 1, false);
-    wait_for("publication", Duration::from_secs(20), async || {
-        all_published(&pg, &ids).await
-    })
-    .await;
-    f.stop().await;
+    publish(&cfg, &n, &pg, &ids).await;
     assert_eq!(state_of(&pg, backlog[0]).await, "PENDING");
 
     let mut batches = Vec::new();

@@ -4,6 +4,9 @@
 //! became unknown holds its successor back until the reconciler resolves it. Each test has
 //! its own database and stream.
 
+#[path = "../../sealpost/tests/common/mod.rs"]
+mod common;
+
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -24,19 +27,7 @@ async fn fresh(tag: &str) -> (Config, tokio_postgres::Client, String) {
         "sealpost_ordering_{tag}_{}",
         runtime::owner_id() % 1_000_000
     );
-    let admin = runtime::pg_connect(ADMIN_URL)
-        .await
-        .expect("PostgreSQL must be running");
-    admin
-        .batch_execute(&format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))
-        .await
-        .expect("drop the test database");
-    admin
-        .batch_execute(&format!("CREATE DATABASE {db}"))
-        .await
-        .expect("create the test database");
-    let mut cfg = Config::from_env().expect("default config");
-    cfg.database_url = format!("host=127.0.0.1 user=postgres dbname={db}");
+    let cfg = common::fresh_database(&db).await;
     let pg = runtime::pg_connect(&cfg.database_url).await.unwrap();
     store::migrate(&pg).await.expect("migrate");
     (cfg, pg, db)

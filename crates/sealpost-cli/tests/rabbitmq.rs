@@ -6,6 +6,9 @@
 //! with the dispatchers' broker connections closed by the broker mid-run. Every test has its
 //! own database, exchange and queues, removed at the end.
 
+#[path = "../../sealpost/tests/common/mod.rs"]
+mod common;
+
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -56,15 +59,7 @@ impl Drop for Drill {
 async fn drill(tag: &str, n: usize, consumers: &[&str], bind: bool) -> Drill {
     let r = runtime::owner_id() % 1_000_000_000;
     let db = format!("sealpost_rabbitmq_{tag}_{r}");
-    let admin = runtime::pg_connect(ADMIN_URL)
-        .await
-        .expect("PostgreSQL must be running");
-    admin
-        .batch_execute(&format!("CREATE DATABASE {db}"))
-        .await
-        .expect("create the test database");
-    let mut cfg = Config::from_env().expect("default config");
-    cfg.database_url = format!("host=127.0.0.1 user=postgres dbname={db}");
+    let cfg = common::fresh_database(&db).await;
     let mut pg = runtime::pg_connect(&cfg.database_url).await.unwrap();
     store::migrate(&pg).await.expect("migrate");
     sealpost_cli::demo::prepare(&pg).await.unwrap();
