@@ -20,6 +20,7 @@ pub mod reconcile;
 pub mod reconciler;
 pub mod row;
 pub mod state;
+pub mod wire;
 
 pub use claim::{ClaimDecision, ClaimToken, SendOutcome, SendOutcomeDecision};
 pub use encoding::{Digest, DIGEST_LEN};

@@ -158,6 +158,10 @@ pub enum RefusalKind {
     NotPermitted,
     /// Any other definite, repeatable "no" (an unroutable message, a rejected schema).
     Rejected,
+    /// The adapter could not put the message on the wire (a header value the broker's
+    /// protocol cannot carry, an encoder that failed or panicked); nothing left the process.
+    /// Refused alone: the rest of its batch is sent ([`encode_request`]).
+    Unencodable,
 }
 
 /// The outcome of one message of a batch.
@@ -180,6 +184,55 @@ pub enum SendResult {
     AlreadyStored,
     /// No answer in time: the message may or may not be stored.
     NoAnswer,
+}
+
+/// Encodes one message of a batch on its own, so that a message that cannot be put on the
+/// wire is refused alone (counted toward the rejection limit, then quarantined with the
+/// reason) and never turns its batch into unknown outcomes: the strings it carries are
+/// checked first ([`crate::wire::check_request`]), then the adapter's `encode` runs with a
+/// panic contained. Every adapter builds each message through this before it leaves.
+pub fn encode_request<T>(
+    r: &mut SendRequest,
+    encode: impl FnOnce(&mut SendRequest) -> Result<T, String>,
+) -> Result<T, Unencodable> {
+    if let Err(e) = crate::wire::check_request(r) {
+        return Err(Unencodable(e.to_string()));
+    }
+    contain(|| encode(r))
+}
+
+/// A message the adapter could not put on the wire, and why. It becomes that message's
+/// [`SendResult::Refused`] with [`RefusalKind::Unencodable`] (`SendResult::from`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Unencodable(pub String);
+
+impl From<Unencodable> for SendResult {
+    fn from(u: Unencodable) -> SendResult {
+        SendResult::Refused {
+            kind: RefusalKind::Unencodable,
+            detail: format!("{}; nothing was sent (the rest of the batch was)", u.0),
+        }
+    }
+}
+
+/// Runs an adapter's encoder with a panic contained: a panic or an error becomes a refusal of
+/// that message ([`RefusalKind::Unencodable`]). The simulator's adapter encodes through it
+/// too.
+pub fn contain<T>(encode: impl FnOnce() -> Result<T, String>) -> Result<T, Unencodable> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(encode)) {
+        Ok(Ok(t)) => Ok(t),
+        Ok(Err(why)) => Err(Unencodable(why)),
+        Err(panic) => {
+            let why = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a panic without a message".to_string());
+            Err(Unencodable(format!(
+                "the adapter's encoder panicked: {why}"
+            )))
+        }
+    }
 }
 
 /// A broker adapter. Implementations know the broker's wire format and nothing of SQL.
@@ -205,4 +258,86 @@ pub trait Broker: Send + Sync + 'static {
         event_id: EventId,
         member: u16,
     ) -> impl Future<Output = Lookup> + Send;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::envelope::{EventOrdering, PartitionAlgorithm, RoutePolicy};
+
+    fn request(aggregate_id: &str) -> SendRequest {
+        let destination = RoutePolicy {
+            generation: 1,
+            cluster: "c".into(),
+            topic: "T".into(),
+            partition_algorithm: PartitionAlgorithm::None,
+            serializer: "json.v1".into(),
+            durability: "file".into(),
+            required_ack: "stream".into(),
+            ordering: EventOrdering::Unordered,
+        }
+        .resolve("k");
+        SendRequest {
+            event_id: EventId([1; 16]),
+            member: 0,
+            envelope_generation: 1,
+            attempt_id: 1,
+            payload_digest: Digest([1; 32]),
+            destination_digest: destination.digest(),
+            destination,
+            payload: b"{}".to_vec(),
+            envelope: WireEnvelope {
+                event_type: "order.created.v1".into(),
+                aggregate_type: "order".into(),
+                aggregate_id: aggregate_id.into(),
+                ..Default::default()
+            },
+        }
+    }
+
+    fn refusal(r: Result<(), Unencodable>) -> String {
+        match r.map_err(SendResult::from) {
+            Err(SendResult::Refused {
+                kind: RefusalKind::Unencodable,
+                detail,
+            }) => detail,
+            other => panic!("expected an Unencodable refusal, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_string_the_wire_cannot_carry_is_refused_before_the_encoder_runs() {
+        let mut ran = false;
+        let d = refusal(encode_request(&mut request("o-1\r\n"), |_| {
+            ran = true;
+            Ok(())
+        }));
+        assert!(!ran, "the encoder must not see the message");
+        assert!(
+            d.contains("`aggregate_id` contains the control character U+000D"),
+            "{d}"
+        );
+        assert!(d.contains("the rest of the batch was"), "{d}");
+    }
+
+    #[test]
+    fn an_encoder_that_fails_or_panics_refuses_its_message_and_nothing_else() {
+        let d = refusal(encode_request(&mut request("o-1"), |_| {
+            Err::<(), _>("header too large".to_string())
+        }));
+        assert!(d.starts_with("header too large"), "{d}");
+        let d = refusal(encode_request(
+            &mut request("o-1"),
+            |_| -> Result<(), String> { panic!("invalid header value") },
+        ));
+        assert!(
+            d.contains("the adapter's encoder panicked: invalid header value"),
+            "{d}"
+        );
+        // An ordinary message is encoded and handed back.
+        assert_eq!(
+            encode_request(&mut request("o-1"), |r| Ok(r.envelope.aggregate_id.clone())),
+            Ok::<_, Unencodable>("o-1".to_string())
+        );
+    }
 }

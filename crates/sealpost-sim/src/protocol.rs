@@ -57,11 +57,15 @@ pub enum Mutant {
     /// The claim ignores "an earlier event of this aggregate is unresolved" (R29): an
     /// ordered aggregate's later event is sent while an earlier one is pending or unknown.
     OrderingIgnoresEarlierEvent,
+    /// The adapter encodes a batch as a whole: one message it cannot encode (a panic in
+    /// the header encoder) fails the whole batch as "no answer" (issue 20's measurement: the
+    /// bad row is never counted toward its rejection limit and keeps its neighbours unknown).
+    RefusalFailsBatch,
 }
 
 impl Mutant {
     /// Every mutant, in `--list-mutants` order.
-    pub const ALL: [Mutant; 17] = [
+    pub const ALL: [Mutant; 18] = [
         Mutant::AcceptWithoutDigestCheck,
         Mutant::RetryToOtherDestination,
         Mutant::AcceptUnregisteredAttempt,
@@ -79,6 +83,7 @@ impl Mutant {
         Mutant::HighWaterCursor,
         Mutant::PurgeIgnoresRestorePoint,
         Mutant::OrderingIgnoresEarlierEvent,
+        Mutant::RefusalFailsBatch,
     ];
 
     /// The CLI name.
@@ -101,6 +106,7 @@ impl Mutant {
             Mutant::HighWaterCursor => "high-water-cursor",
             Mutant::PurgeIgnoresRestorePoint => "purge-ignores-restore-point",
             Mutant::OrderingIgnoresEarlierEvent => "ordering-ignores-earlier-event",
+            Mutant::RefusalFailsBatch => "refusal-fails-batch",
         }
     }
 
@@ -334,6 +340,11 @@ impl Protocol {
             row.pacing.next_lookup_at_ms = now_ms;
         }
         Ok(())
+    }
+
+    /// Does one message the adapter cannot encode fail its whole batch?
+    pub fn refusal_fails_batch(&self) -> bool {
+        self.is(Mutant::RefusalFailsBatch)
     }
 
     /// Does the adapter report a broker's permanent refusal as a refusal?

@@ -146,11 +146,14 @@ pub enum Fault {
     CopyRefused,
     /// A send refused at its deadline (it would have left after the lease).
     DeadlineRefused,
+    /// A message the adapter cannot encode (a header value its wire cannot carry): refused
+    /// alone, the rest of its batch sent.
+    Unencodable,
 }
 
 impl Fault {
     /// Every fault, in report order.
-    pub const ALL: [Fault; 26] = [
+    pub const ALL: [Fault; 27] = [
         Fault::CrashBeforeCommit,
         Fault::CrashAfterCommit,
         Fault::AckLate,
@@ -177,6 +180,7 @@ impl Fault {
         Fault::StreamDeleted,
         Fault::CopyRefused,
         Fault::DeadlineRefused,
+        Fault::Unencodable,
     ];
 
     /// Label for the report, with the SPEC number where there is one.
@@ -208,13 +212,14 @@ impl Fault {
             Fault::StreamDeleted => "destination stream deleted",
             Fault::CopyRefused => "second copy refused (create-if-absent)",
             Fault::DeadlineRefused => "send refused at its deadline",
+            Fault::Unencodable => "message the adapter cannot encode",
         }
     }
 }
 
 /// Counts per fault.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Faults(pub [u64; 26]);
+pub struct Faults(pub [u64; 27]);
 
 impl Faults {
     /// Adds one.

@@ -132,6 +132,9 @@ struct Batch {
     reqs: Vec<PubReq>,
     results: Vec<Option<SendResult>>,
     deadline_ms: u64,
+    /// The mutant `refusal-fails-batch` unwound the adapter's send: every message of the
+    /// batch ends as "no answer".
+    unwound: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -212,6 +215,10 @@ struct Fact {
     event_id: EventId,
     members: u16,
     poison: bool,
+    /// The adapter cannot encode it (a header value its wire cannot carry, written before
+    /// `enqueue` checked producer strings) while faults are on; afterwards the operator
+    /// has repaired it (e.g. a limit raised) and releases it from quarantine.
+    unencodable: bool,
     /// Committed at least once (a client got "ok").
     committed: bool,
     /// The aggregate it belongs to, and its version there (1, 2, ... without holes).
@@ -594,6 +601,8 @@ impl World {
             let poison = chance(&mut self.rng, 40);
             let mut random = [0u8; 10];
             self.rng.fill_bytes(&mut random);
+            // From bytes already drawn (no new draw: every other trace stays as it was).
+            let unencodable = !poison && random[9] % 64 == 0;
             let t = range(&mut self.rng, 0, end * 3 / 4);
             // R3: the id is minted once, when the command is first accepted; every retry
             // of the command carries it.
@@ -601,6 +610,7 @@ impl World {
                 event_id: EventId::mint(1_700_000_000_000 + t, random),
                 members,
                 poison,
+                unencodable,
                 committed: false,
                 aggregate: f as u32 % self.cfg.aggregates,
                 version: (f as u32 / self.cfg.aggregates) as u64 + 1,
@@ -1277,6 +1287,7 @@ impl World {
             reqs,
             results: vec![None; n],
             deadline_ms,
+            unwound: false,
         });
         let stall = if self.faults_on && chance(&mut self.rng, self.cfg.p_stall) {
             self.fault(Fault::StallBeforeSend);
@@ -1317,7 +1328,35 @@ impl World {
                 }
                 let s = req.stream as usize;
                 let cluster = self.streams[s].cluster as usize;
-                if self.broker_down_until[cluster] > self.now {
+                let fact = self.db.row_fact.get(req.row as usize).copied();
+                let unencodable =
+                    self.faults_on && fact.is_some_and(|f| self.facts[f as usize].unencodable);
+                // The adapter encodes each message through the core's containment, as the
+                // production adapters do.
+                let encoded = sealpost_core::port::contain(|| {
+                    if unencodable {
+                        Err("NATS cannot carry header `Sealpost-Aggregate-Id`".to_string())
+                    } else {
+                        Ok(())
+                    }
+                });
+                if unencodable {
+                    self.fault(Fault::Unencodable);
+                    let r = req.row as usize;
+                    if self.refusals.len() <= r {
+                        self.refusals.resize(r + 1, (0, false));
+                    }
+                    self.refusals[r].0 += 1;
+                }
+                if let Err(refused) = encoded {
+                    if self.proto.refusal_fails_batch() {
+                        if let Some(bb) = self.dispatchers[di].batch.as_mut() {
+                            bb.unwound = true;
+                        }
+                        break; // the panic unwinds the rest of the batch
+                    }
+                    Some(SendResult::from(refused))
+                } else if self.broker_down_until[cluster] > self.now {
                     Some(SendResult::NeverSent(NeverSentReason::NotConnected(
                         "connection refused".into(),
                     )))
@@ -1371,10 +1410,14 @@ impl World {
         let Some(b) = self.dispatchers[di].batch.take() else {
             return;
         };
+        let unwound = b.unwound;
         let results: Vec<SendResult> = b
             .results
             .into_iter()
-            .map(|r| r.unwrap_or(SendResult::NoAnswer))
+            .map(|r| match r {
+                Some(r) if !unwound => r,
+                _ => SendResult::NoAnswer,
+            })
             .collect();
         let now = self.now;
         if let Some(action) = self.dispatchers[di].machine.handle_sent(now, results) {

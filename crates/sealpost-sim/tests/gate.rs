@@ -81,6 +81,7 @@ fn expected_class(m: Mutant) -> Option<Violation> {
         Mutant::HighWaterCursor => Some(Violation::Liveness),
         Mutant::PurgeIgnoresRestorePoint => Some(Violation::EarlyPurges),
         Mutant::OrderingIgnoresEarlierEvent => Some(Violation::Ordering),
+        Mutant::RefusalFailsBatch => Some(Violation::Liveness),
     }
 }
 
