@@ -12,8 +12,9 @@
 //! The adapter's limits are [`Capabilities`], read by the dispatcher and reconciler machines
 //! and by the core's decisions; a caller never guesses them from behaviour.
 //!
-//! *Invariant:* an adapter never sends a message once its batch deadline has passed: it
-//! answers [`SendResult::NeverSent`] with [`NeverSentReason::DeadlinePassed`] instead. The
+//! *Invariant:* an adapter never sends a message once its batch deadline has passed (less
+//! its declared handover margin, [`may_leave`]): it answers [`SendResult::NeverSent`] with
+//! [`NeverSentReason::DeadlinePassed`] instead. The
 //! deadline is derived from the claim's lease on the database clock
 //! ([`crate::dispatcher::send_deadline_ms`]), so a send can never leave after another
 //! dispatcher or the reconciler may have taken the row over (R9).
@@ -40,6 +41,20 @@ pub struct Capabilities {
     pub create_if_absent: bool,
     /// Messages with the same routing key keep their order (Kafka partitions).
     pub per_key_ordering: bool,
+    /// A message is handed to the broker client only while the batch deadline is more than
+    /// this far away: the time the client may still spend transmitting it after the handover
+    /// (librdkafka retries a record inside the client and enforces its timeout about once a
+    /// second: Kafka declares 1,500 ms; a client that sends at once declares 0). See
+    /// [`may_leave`].
+    pub handover_margin_ms: u64,
+}
+
+/// The deadline rule, the one copy every adapter and the simulator call: may a message be
+/// handed to the broker client with `time_left` until its batch deadline? Only while more
+/// than the adapter's declared [`Capabilities::handover_margin_ms`] is left, so that no
+/// transmission of it can happen after the claim's lease (R9).
+pub fn may_leave(time_left: std::time::Duration, caps: &Capabilities) -> bool {
+    time_left > std::time::Duration::from_millis(caps.handover_margin_ms)
 }
 
 /// The sealed envelope's description of the event, carried on the wire as headers by every
@@ -293,6 +308,26 @@ mod tests {
                 ..Default::default()
             },
         }
+    }
+
+    #[test]
+    fn a_message_leaves_only_while_more_than_the_declared_margin_is_left() {
+        use std::time::Duration;
+        let caps = |handover_margin_ms| Capabilities {
+            lookup_by_event_id: true,
+            duplicate_window_ms: None,
+            create_if_absent: false,
+            per_key_ordering: true,
+            handover_margin_ms,
+        };
+        assert!(may_leave(Duration::from_millis(1), &caps(0)));
+        assert!(
+            !may_leave(Duration::ZERO, &caps(0)),
+            "at the deadline: never"
+        );
+        assert!(may_leave(Duration::from_millis(1_501), &caps(1_500)));
+        assert!(!may_leave(Duration::from_millis(1_500), &caps(1_500)));
+        assert!(!may_leave(Duration::from_millis(200), &caps(1_500)));
     }
 
     fn refusal(r: Result<(), Unencodable>) -> String {

@@ -465,6 +465,7 @@ mod tests {
             duplicate_window_ms: Some(120_000),
             create_if_absent: lookup,
             per_key_ordering: false,
+            handover_margin_ms: 0,
         }
     }
 

@@ -144,12 +144,14 @@ pub fn check_new_event(
 }
 
 /// Checks the strings a message carries to the wire (what an adapter runs before it encodes
-/// a message): the envelope's headers, the routing key and the topic.
+/// a message): the envelope's headers, the routing key and the topic. An empty header is
+/// carried as it is (emptiness is a producer rule, checked at enqueue); what no wire can
+/// carry is refused.
 pub fn check_request(r: &crate::port::SendRequest) -> Result<(), FieldError> {
     let e = &r.envelope;
-    check_field("event_type", &e.event_type, FieldKind::Required)?;
-    check_field("aggregate_type", &e.aggregate_type, FieldKind::Required)?;
-    check_field("aggregate_id", &e.aggregate_id, FieldKind::Required)?;
+    check_field("event_type", &e.event_type, FieldKind::Optional)?;
+    check_field("aggregate_type", &e.aggregate_type, FieldKind::Optional)?;
+    check_field("aggregate_id", &e.aggregate_id, FieldKind::Optional)?;
     check_field("tenant", &e.tenant, FieldKind::Optional)?;
     check_field("routing_key", &r.destination.routing_key, FieldKind::Key)?;
     check_field("topic", &r.destination.topic, FieldKind::Required)

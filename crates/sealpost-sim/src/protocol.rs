@@ -298,10 +298,17 @@ impl Protocol {
         inbox::decide_inbox(existing, payload_digest)
     }
 
-    /// May a request leave at `now_ms` under a batch deadline? (The adapter's rule; the
-    /// real adapters compare the same deadline against their monotonic clock.)
-    pub fn may_leave(&self, now_ms: u64, deadline_ms: u64) -> bool {
-        self.is(Mutant::SendPastDeadline) || now_ms < deadline_ms
+    /// May a request leave at `now_ms` under a batch deadline? The core's rule
+    /// ([`sealpost_core::port::may_leave`], the one every adapter calls with its monotonic
+    /// clock), with the adapter's declared handover margin.
+    pub fn may_leave(
+        &self,
+        now_ms: u64,
+        deadline_ms: u64,
+        caps: &sealpost_core::port::Capabilities,
+    ) -> bool {
+        let left = std::time::Duration::from_millis(deadline_ms.saturating_sub(now_ms));
+        self.is(Mutant::SendPastDeadline) || sealpost_core::port::may_leave(left, caps)
     }
 
     /// Does a request to a broker that declares create-if-absent carry the condition?

@@ -447,13 +447,16 @@ impl World {
                     duplicate_window_ms: Some(DEDUP_WINDOW_MS),
                     create_if_absent: true,
                     per_key_ordering: false,
+                    handover_margin_ms: 0,
                 },
-                // A broker that can be asked but does not refuse second copies.
+                // A broker that can be asked but does not refuse second copies, with a client
+                // that may still transmit after the handover (Kafka: 1.5 s).
                 4..=6 => Capabilities {
                     lookup_by_event_id: true,
                     duplicate_window_ms: Some(DEDUP_WINDOW_MS),
                     create_if_absent: false,
                     per_key_ordering: false,
+                    handover_margin_ms: 1_500,
                 },
                 // A broker that cannot be asked (RabbitMQ): retries, inboxes dedupe.
                 _ => Capabilities {
@@ -461,6 +464,7 @@ impl World {
                     duplicate_window_ms: Some(DEDUP_WINDOW_MS),
                     create_if_absent: false,
                     per_key_ordering: false,
+                    handover_margin_ms: 0,
                 },
             },
             dup_window_ms: if chance(&mut rng, 500) {
@@ -1315,7 +1319,10 @@ impl World {
         }
         for req in &b.reqs {
             let slot = req.slot as usize;
-            let result = if !self.proto.may_leave(self.now, b.deadline_ms) {
+            let result = if !self
+                .proto
+                .may_leave(self.now, b.deadline_ms, &self.cfg.caps)
+            {
                 self.fault(Fault::DeadlineRefused);
                 Some(SendResult::NeverSent(NeverSentReason::DeadlinePassed))
             } else {
