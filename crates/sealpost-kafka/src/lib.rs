@@ -20,14 +20,17 @@
 //! position is never 0; Kafka's first offset is). A record over the size limit, or a topic
 //! the producer may not write, is a permanent refusal. An unknown topic or partition is
 //! [`NeverSentReason::NoSuchDestination`]. A timed-out or otherwise failed delivery is
-//! [`SendResult::NoAnswer`]: librdkafka may have written it.
+//! [`SendResult::NoAnswer`]: librdkafka may have written it. A message whose strings break
+//! the rules every broker shares (`sealpost_core::wire`) is refused alone as
+//! [`RefusalKind::Unencodable`] before it is produced, and the rest of its batch is sent.
 //!
 //! **The deadline.** The dispatcher's batch deadline is the lease end minus the ack timeout
 //! (`send_deadline_ms`): the time left after it is for the answer. librdkafka retries a
 //! record internally until `message.timeout.ms` (= the ack timeout) after it was handed over,
 //! and never transmits it after reporting it. So a record is handed over only while the
-//! deadline is at least [`DEADLINE_MARGIN`] away; every transmission of it then ends before
-//! the lease does, and no other dispatcher or the reconciler can have taken the row over
+//! deadline is more than [`DEADLINE_MARGIN`] away (declared as the capability
+//! `handover_margin_ms` and checked by the core's one deadline rule, `port::may_leave`);
+//! every transmission of it then ends before the lease does, and no other dispatcher or the reconciler can have taken the row over
 //! (R9). Past that point the answer is [`NeverSentReason::DeadlinePassed`]: it never left.
 //!
 //! **Lookup** ("did you store event X?", R13). Kafka has no read by key. The adapter scans the
@@ -57,7 +60,8 @@ use rdkafka::{Offset, TopicPartitionList};
 use sealpost_core::encoding::Digest;
 use sealpost_core::envelope::{Destination, EventId, PartitionAlgorithm};
 use sealpost_core::port::{
-    Broker, Capabilities, NeverSentReason, RefusalKind, SendRequest, SendResult,
+    encode_request, may_leave, Broker, Capabilities, NeverSentReason, RefusalKind, SendRequest,
+    SendResult,
 };
 use sealpost_core::receipt::{Receipt, ReceiptSource};
 use sealpost_core::reconcile::Lookup;
@@ -575,17 +579,19 @@ impl Broker for Kafka {
             duplicate_window_ms: None,
             create_if_absent: false,
             per_key_ordering: true,
+            handover_margin_ms: DEADLINE_MARGIN.as_millis() as u64,
         }
     }
 
-    async fn send_batch(&self, batch: Vec<SendRequest>, deadline: Instant) -> Vec<SendResult> {
+    async fn send_batch(&self, mut batch: Vec<SendRequest>, deadline: Instant) -> Vec<SendResult> {
         let mut out: Vec<Option<SendResult>> = vec![None; batch.len()];
+        let caps = self.capabilities();
         let producer = self.producer();
         let mut waiting = Vec::with_capacity(batch.len());
         let now_ms = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_millis() as i64);
-        for (i, r) in batch.iter().enumerate() {
+        for (i, r) in batch.iter_mut().enumerate() {
             if r.destination.cluster != self.cfg.cluster {
                 out[i] = Some(SendResult::NeverSent(NeverSentReason::WrongCluster(
                     r.destination.cluster.clone(),
@@ -605,16 +611,25 @@ impl Broker for Kafka {
                     continue;
                 }
             };
-            if Instant::now() + DEADLINE_MARGIN > deadline {
+            if !may_leave(deadline.saturating_duration_since(Instant::now()), &caps) {
                 out[i] = Some(SendResult::NeverSent(NeverSentReason::DeadlinePassed));
                 continue;
             }
+            // Encoded alone: a message that cannot be carried is refused by itself, and the
+            // rest of the batch still leaves.
+            let headers = match encode_request(r, |r| Ok(header_pairs(r))) {
+                Ok(h) => h,
+                Err(refused) => {
+                    out[i] = Some(refused.into());
+                    continue;
+                }
+            };
             let record = FutureRecord::to(&r.destination.topic)
                 .partition(partition)
                 .key(r.destination.routing_key.as_bytes())
                 .payload(&r.payload)
                 .timestamp(now_ms)
-                .headers(header_pairs(r));
+                .headers(headers);
             match producer.send_result(record) {
                 Ok(f) => waiting.push((i, f)),
                 Err((e, _)) => out[i] = Some(failure(&e, false)),

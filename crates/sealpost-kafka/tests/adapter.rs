@@ -305,3 +305,29 @@ async fn an_unreachable_broker_is_a_clear_error() {
         "{msg}"
     );
 }
+
+/// A message with a header value no broker carries (a line break, 64 KiB) is refused alone;
+/// its neighbours are stored.
+#[tokio::test]
+async fn an_unencodable_message_is_refused_alone_and_its_batch_is_sent() {
+    let t = topic("enc");
+    let kafka = connect().await;
+    assert_eq!(kafka.ensure_topic(&t, 1).await.unwrap(), 1);
+    let d = destination(&t, "k", 1);
+    let mut reqs: Vec<SendRequest> = (0..4).map(|i| request(&d, 10 + i, b"{}")).collect();
+    reqs[1].envelope.aggregate_id = "o-\u{7}\u{1b}[31m".into();
+    reqs[2].envelope.tenant = "t".repeat(64 * 1024);
+    let out = kafka.send_batch(reqs, later()).await;
+    assert!(matches!(out[0], SendResult::Receipt(_)), "{:?}", out[0]);
+    assert!(matches!(out[3], SendResult::Receipt(_)), "{:?}", out[3]);
+    for (o, field) in [(&out[1], "`aggregate_id`"), (&out[2], "`tenant`")] {
+        match o {
+            SendResult::Refused {
+                kind: RefusalKind::Unencodable,
+                detail,
+            } => assert!(detail.contains(field), "{detail}"),
+            other => panic!("expected an Unencodable refusal, got {other:?}"),
+        }
+    }
+    kafka.delete_topic(&t).await.unwrap();
+}

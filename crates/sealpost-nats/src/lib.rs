@@ -18,7 +18,10 @@
 //! [`NeverSentReason::NoSuchDestination`]; a message over the server's `max_payload` (checked
 //! by the client before sending) or the stream's `max_msg_size` is refused as
 //! [`RefusalKind::PayloadTooLarge`]; a publish the server refuses with a permissions
-//! violation is refused as [`RefusalKind::NotPermitted`]; any other failure after the request
+//! violation is refused as [`RefusalKind::NotPermitted`]; a message whose strings NATS cannot
+//! carry (a CR or LF ends a header line) is refused alone as [`RefusalKind::Unencodable`]
+//! before it is handed to the client, and the rest of its batch is sent
+//! ([`sealpost_core::port::encode_request`]); any other failure after the request
 //! left is [`SendResult::NoAnswer`]. The lookup ("did you store event X at D?") is a
 //! last-by-subject read of the event's subject, which works for as long as the stream
 //! retains the message, not only inside the duplicate window. The cost is one subject per
@@ -46,7 +49,8 @@ use async_nats::{HeaderMap, ServerError};
 use sealpost_core::encoding::Digest;
 use sealpost_core::envelope::{Destination, EventId};
 use sealpost_core::port::{
-    Broker, Capabilities, NeverSentReason, RefusalKind, SendRequest, SendResult,
+    encode_request, may_leave, Broker, Capabilities, NeverSentReason, RefusalKind, SendRequest,
+    SendResult,
 };
 use sealpost_core::receipt::{Receipt, ReceiptSource};
 use sealpost_core::reconcile::Lookup;
@@ -163,13 +167,17 @@ pub fn server_urls(urls: &str) -> Vec<String> {
 /// digests and the [`WireEnvelope`](sealpost_core::port::WireEnvelope)), `Nats-Msg-Id` and
 /// `Nats-Expected-Last-Subject-Sequence: 0`. Names are static and values moved in, so a
 /// message costs one allocation per value (a dispatcher builds one per event sent).
-fn send_headers(r: &SendRequest) -> HeaderMap {
+///
+/// A value NATS cannot carry (a CR or LF ends a header line) is an error naming the header,
+/// never a panic: the caller refuses that one message ([`encode_request`]).
+fn send_headers(r: &SendRequest) -> Result<HeaderMap, String> {
     fn name(n: &'static str) -> HeaderName {
         HeaderName::from_static(n)
     }
-    fn value(v: String) -> HeaderValue {
-        HeaderValue::from(v)
-    }
+    let value = |n: &str, v: String| -> Result<HeaderValue, String> {
+        v.parse::<HeaderValue>()
+            .map_err(|e| format!("NATS cannot carry header `{n}`: {e}"))
+    };
     let event_id = r.event_id.to_string();
     let msg_id = if r.member == 0 {
         event_id.clone()
@@ -177,30 +185,36 @@ fn send_headers(r: &SendRequest) -> HeaderMap {
         format!("{event_id}.{}", r.member)
     };
     let mut headers = HeaderMap::new();
-    headers.insert(name(H_EVENT_ID), value(event_id));
-    headers.insert(name(H_MEMBER), value(r.member.to_string()));
+    headers.insert(name(H_EVENT_ID), value(H_EVENT_ID, event_id)?);
+    headers.insert(name(H_MEMBER), value(H_MEMBER, r.member.to_string())?);
     headers.insert(
         name(H_ENVELOPE_GENERATION),
-        value(r.envelope_generation.to_string()),
+        value(H_ENVELOPE_GENERATION, r.envelope_generation.to_string())?,
     );
-    headers.insert(name(H_ATTEMPT_ID), value(r.attempt_id.to_string()));
+    headers.insert(
+        name(H_ATTEMPT_ID),
+        value(H_ATTEMPT_ID, r.attempt_id.to_string())?,
+    );
     headers.insert(
         name(H_PAYLOAD_DIGEST),
-        value(r.payload_digest.to_prefixed_hex()),
+        value(H_PAYLOAD_DIGEST, r.payload_digest.to_prefixed_hex())?,
     );
     headers.insert(
         name(H_DESTINATION_DIGEST),
-        value(r.destination_digest.to_prefixed_hex()),
+        value(H_DESTINATION_DIGEST, r.destination_digest.to_prefixed_hex())?,
     );
     for (n, v) in r.envelope.headers() {
-        headers.insert(name(n), value(v));
+        headers.insert(name(n), value(n, v)?);
     }
-    headers.insert(async_nats::header::NATS_MESSAGE_ID, value(msg_id));
+    headers.insert(
+        async_nats::header::NATS_MESSAGE_ID,
+        value("Nats-Msg-Id", msg_id)?,
+    );
     headers.insert(
         async_nats::header::NATS_EXPECTED_LAST_SUBJECT_SEQUENCE,
         HeaderValue::from(0u64),
     );
-    headers
+    Ok(headers)
 }
 
 /// The subject of one event member on a topic.
@@ -494,6 +508,8 @@ impl Broker for Nats {
             duplicate_window_ms: Some(DUPLICATE_WINDOW.as_millis() as u64),
             create_if_absent: true,
             per_key_ordering: false,
+            // The publish is written to the connection at once.
+            handover_margin_ms: 0,
         }
     }
 
@@ -501,6 +517,7 @@ impl Broker for Nats {
     /// was registered in the database before this is called.
     async fn send_batch(&self, mut batch: Vec<SendRequest>, deadline: Instant) -> Vec<SendResult> {
         let mut out: Vec<Option<SendResult>> = vec![None; batch.len()];
+        let caps = self.capabilities();
         let mut pending = Vec::with_capacity(batch.len());
         for (i, r) in batch.iter_mut().enumerate() {
             if r.destination.cluster != self.cluster {
@@ -519,7 +536,7 @@ impl Broker for Nats {
                 )));
                 continue;
             };
-            if Instant::now() >= deadline {
+            if !may_leave(deadline.saturating_duration_since(Instant::now()), &caps) {
                 out[i] = Some(SendResult::NeverSent(NeverSentReason::DeadlinePassed));
                 continue;
             }
@@ -530,9 +547,20 @@ impl Broker for Nats {
                 )));
                 continue;
             }
-            let publish = jetstream::message::PublishMessage::build()
-                .payload(std::mem::take(&mut r.payload).into())
-                .headers(send_headers(r));
+            // Encoded alone: a message NATS cannot carry is refused by itself, and the rest
+            // of the batch still leaves.
+            let publish = match encode_request(r, |r| {
+                let headers = send_headers(r)?;
+                Ok(jetstream::message::PublishMessage::build()
+                    .payload(std::mem::take(&mut r.payload).into())
+                    .headers(headers))
+            }) {
+                Ok(p) => p,
+                Err(refused) => {
+                    out[i] = Some(refused.into());
+                    continue;
+                }
+            };
             let subject = subject(&r.destination.topic, r.event_id, r.member);
             match self.js.send_publish(subject.clone(), publish).await {
                 Ok(ack) => pending.push((i, subject, permit, ack)),

@@ -322,3 +322,29 @@ async fn not_permitted_is_a_refusal_and_a_lost_connection_sends_nothing() {
         other => panic!("{other:?}"),
     }
 }
+
+/// A message whose headers NATS cannot carry (a CR/LF in a header value made async-nats
+/// panic and took the batch with it) is refused alone; its neighbours are published.
+#[tokio::test]
+async fn an_unencodable_message_is_refused_alone_and_its_batch_is_sent() {
+    let t = topic("ENC");
+    let nats = connect(&t).await;
+    let d = destination(CLUSTER, &t);
+    let mut reqs: Vec<SendRequest> = (0..4).map(|_| request(&d, b"{}")).collect();
+    reqs[1].envelope.aggregate_id = "o-1\r\nX-Evil: 1".into();
+    reqs[2].envelope.tenant = "t".repeat(300);
+    let out = nats.send_batch(reqs, later()).await;
+    assert!(matches!(out[0], SendResult::Receipt(_)), "{:?}", out[0]);
+    assert!(matches!(out[3], SendResult::Receipt(_)), "{:?}", out[3]);
+    for (o, field) in [(&out[1], "`aggregate_id`"), (&out[2], "`tenant`")] {
+        match o {
+            SendResult::Refused {
+                kind: RefusalKind::Unencodable,
+                detail,
+            } => assert!(detail.contains(field), "{detail}"),
+            other => panic!("expected an Unencodable refusal, got {other:?}"),
+        }
+    }
+    assert_eq!(stream_messages(&nats, &t).await, 2);
+    nats.js.delete_stream(&t).await.unwrap();
+}

@@ -23,6 +23,10 @@
 //! ([`NeverSentReason::WrongCluster`]). An exchange that does not exist is found by a passive
 //! declare on a channel of its own before anything is published to it
 //! ([`NeverSentReason::NoSuchDestination`]); publishing to it would close the shared channel.
+//! A message AMQP cannot carry (a routing key over the 255 bytes of a short string, which
+//! would write a corrupt frame; a control character in a header) is refused alone as
+//! [`RefusalKind::Unencodable`] before it is published, and the rest of its batch is sent
+//! ([`sealpost_core::port::encode_request`]).
 //!
 //! **The broker that cannot be asked.** RabbitMQ has no read by message id: a queue is a
 //! buffer that forgets what its consumers took. The adapter declares
@@ -54,7 +58,8 @@ use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProper
 use sealpost_core::encoding::Digest;
 use sealpost_core::envelope::{Destination, EventId};
 use sealpost_core::port::{
-    Broker, Capabilities, NeverSentReason, RefusalKind, SendRequest, SendResult,
+    encode_request, may_leave, Broker, Capabilities, NeverSentReason, RefusalKind, SendRequest,
+    SendResult,
 };
 use sealpost_core::receipt::{Receipt, ReceiptSource};
 use sealpost_core::reconcile::Lookup;
@@ -595,6 +600,8 @@ impl Broker for Rabbit {
             duplicate_window_ms: None,
             create_if_absent: false,
             per_key_ordering: false,
+            // The publish frames are written to the channel at once.
+            handover_margin_ms: 0,
         }
     }
 
@@ -602,6 +609,7 @@ impl Broker for Rabbit {
     /// confirm (each bounded by the ack timeout).
     async fn send_batch(&self, mut batch: Vec<SendRequest>, deadline: Instant) -> Vec<SendResult> {
         let mut out: Vec<Option<SendResult>> = vec![None; batch.len()];
+        let caps = self.capabilities();
         let channel = match self.channel().await {
             Ok(ch) => ch,
             Err(e) => {
@@ -640,7 +648,7 @@ impl Broker for Rabbit {
                 )));
                 continue;
             };
-            if Instant::now() >= deadline {
+            if !may_leave(deadline.saturating_duration_since(Instant::now()), &caps) {
                 out[i] = Some(SendResult::NeverSent(NeverSentReason::DeadlinePassed));
                 continue;
             }
@@ -651,8 +659,16 @@ impl Broker for Rabbit {
                 )));
                 continue;
             }
-            let payload = std::mem::take(&mut r.payload);
-            let props = properties(r);
+            // Encoded alone: a message AMQP cannot carry (a short string over 255 bytes would
+            // write a corrupt frame) is refused by itself, and the rest of the batch leaves.
+            let (payload, props) =
+                match encode_request(r, |r| Ok((std::mem::take(&mut r.payload), properties(r)))) {
+                    Ok(m) => m,
+                    Err(refused) => {
+                        out[i] = Some(refused.into());
+                        continue;
+                    }
+                };
             match channel
                 .basic_publish(
                     topic.as_str().into(),

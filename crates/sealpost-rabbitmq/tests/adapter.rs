@@ -213,3 +213,36 @@ async fn a_missing_exchange_wrong_cluster_and_passed_deadline_are_never_sent() {
         .await
         .unwrap();
 }
+
+/// A routing key over AMQP's 255-byte short string (it wrote a corrupt frame in release
+/// builds) or a header value with a line break is refused alone; its neighbours are
+/// confirmed.
+#[tokio::test]
+async fn an_unencodable_message_is_refused_alone_and_its_batch_is_sent() {
+    let t = topic("enc");
+    let rabbit = connect(&t).await;
+    let consumers = vec!["c1".to_string()];
+    rabbit.ensure_destination(&t, &consumers).await.unwrap();
+    let d = destination(CLUSTER, &t, "k");
+    let long = destination(CLUSTER, &t, &"k".repeat(300));
+    let mut reqs = vec![
+        request(&d, 1, b"{}"),
+        request(&long, 2, b"{}"),
+        request(&d, 3, b"{}"),
+        request(&d, 4, b"{}"),
+    ];
+    reqs[2].envelope.event_type = "order.created\n".into();
+    let out = rabbit.send_batch(reqs, later()).await;
+    assert!(matches!(out[0], SendResult::Receipt(_)), "{:?}", out[0]);
+    assert!(matches!(out[3], SendResult::Receipt(_)), "{:?}", out[3]);
+    for (o, field) in [(&out[1], "`routing_key`"), (&out[2], "`event_type`")] {
+        match o {
+            SendResult::Refused {
+                kind: RefusalKind::Unencodable,
+                detail,
+            } => assert!(detail.contains(field), "{detail}"),
+            other => panic!("expected an Unencodable refusal, got {other:?}"),
+        }
+    }
+    rabbit.delete_destination(&t, &consumers).await.unwrap();
+}

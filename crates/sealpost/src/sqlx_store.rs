@@ -11,9 +11,7 @@
 use sealpost_core::envelope::{EventId, NewEvent, SealedEnvelope};
 use sqlx::Row;
 
-use crate::store::{
-    policy_from_parts, StoreError, INSERT_ENVELOPE_SQL, PAYLOAD_BYTES_MAX, POLICY_SQL,
-};
+use crate::store::{check_input, policy_from_parts, StoreError, INSERT_ENVELOPE_SQL, POLICY_SQL};
 
 /// Errors of the sqlx flavour.
 #[derive(Debug, thiserror::Error)]
@@ -34,13 +32,7 @@ pub async fn enqueue(
     ev: &NewEvent<'_>,
     routing_key: &str,
 ) -> Result<SealedEnvelope, SqlxStoreError> {
-    if ev.payload.len() > PAYLOAD_BYTES_MAX {
-        return Err(StoreError::PayloadTooLarge {
-            len: ev.payload.len(),
-            max: PAYLOAD_BYTES_MAX,
-        }
-        .into());
-    }
+    check_input(0, ev, routing_key)?;
     let p = sqlx::query(POLICY_SQL)
         .bind(route)
         .fetch_optional(&mut *conn)

@@ -76,6 +76,15 @@ pub enum StoreError {
         /// Limit.
         max: usize,
     },
+    /// A producer string no broker could carry (a control character, too long, empty, a
+    /// wildcard in a routing key); nothing was written.
+    #[error("event {index} refused at enqueue: {source}; nothing was written (the caller's transaction is still open)")]
+    InvalidInput {
+        /// Position of the event in the call (0 for `enqueue`).
+        index: usize,
+        /// The field and the rule it broke.
+        source: sealpost_core::wire::FieldError,
+    },
     /// A stored row does not parse (corrupted or written by a newer version).
     #[error("stored row is invalid: {0}; was it written by a newer Sealpost?")]
     Corrupt(String),
@@ -322,12 +331,7 @@ pub async fn enqueue(
     ev: &NewEvent<'_>,
     routing_key: &str,
 ) -> Result<SealedEnvelope> {
-    if ev.payload.len() > PAYLOAD_BYTES_MAX {
-        return Err(StoreError::PayloadTooLarge {
-            len: ev.payload.len(),
-            max: PAYLOAD_BYTES_MAX,
-        });
-    }
+    check_input(0, ev, routing_key)?;
     let (policy, txid) = load_policy(tx, route).await?;
     let ev = NewEvent {
         creating_txid: txid,
@@ -336,6 +340,20 @@ pub async fn enqueue(
     let env = SealedEnvelope::seal(event_id, &ev, &policy, routing_key);
     insert_envelope(tx, &env, 0, ev.payload).await?;
     Ok(env)
+}
+
+/// What `enqueue` refuses before it writes anything: a payload over [`PAYLOAD_BYTES_MAX`]
+/// and producer strings no broker could carry ([`sealpost_core::wire::check_new_event`]).
+/// Shared with the sqlx flavour.
+pub(crate) fn check_input(index: usize, ev: &NewEvent<'_>, routing_key: &str) -> Result<()> {
+    if ev.payload.len() > PAYLOAD_BYTES_MAX {
+        return Err(StoreError::PayloadTooLarge {
+            len: ev.payload.len(),
+            max: PAYLOAD_BYTES_MAX,
+        });
+    }
+    sealpost_core::wire::check_new_event(ev, routing_key)
+        .map_err(|source| StoreError::InvalidInput { index, source })
 }
 
 /// Seals and inserts many events in the caller's transaction with one statement: the same
@@ -348,14 +366,8 @@ pub async fn enqueue_many(
     if events.is_empty() {
         return Ok(Vec::new());
     }
-    if let Some((_, ev, _)) = events
-        .iter()
-        .find(|(_, ev, _)| ev.payload.len() > PAYLOAD_BYTES_MAX)
-    {
-        return Err(StoreError::PayloadTooLarge {
-            len: ev.payload.len(),
-            max: PAYLOAD_BYTES_MAX,
-        });
+    for (index, (_, ev, key)) in events.iter().enumerate() {
+        check_input(index, ev, key)?;
     }
     let (policy, txid) = load_policy(tx, route).await?;
     let envs: Vec<SealedEnvelope> = events

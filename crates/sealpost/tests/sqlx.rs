@@ -72,3 +72,60 @@ async fn sqlx_enqueue_commits_with_the_callers_transaction() {
         "{err}"
     );
 }
+
+/// The same producer-string rules as the tokio-postgres flavour, with the same error; nothing
+/// is written (`crates/sealpost-cli/tests/hostile.rs` has the full set of hostile strings).
+#[tokio::test]
+async fn sqlx_enqueue_refuses_hostile_strings_naming_the_field() {
+    let cfg = common::fresh_database("sealpost_sqlx_hostile").await;
+    let pg = runtime::pg_connect(&cfg.database_url)
+        .await
+        .expect("PostgreSQL must be running");
+    store::migrate(&pg).await.expect("migrate");
+    store::set_route(&pg, "orders", &cfg.nats_cluster, "TSQLX")
+        .await
+        .expect("route");
+    let mut conn =
+        sqlx::PgConnection::connect("postgres://postgres@127.0.0.1:5432/sealpost_sqlx_hostile")
+            .await
+            .unwrap();
+    let cases: [(&str, &str, &str); 4] = [
+        ("o-1\r\n", "k", "aggregate_id"),
+        ("", "k", "aggregate_id"),
+        ("o-1", "a b", "routing_key"),
+        ("o-\0", "k", "aggregate_id"),
+    ];
+    for (aggregate_id, key, field) in cases {
+        let id = EventId(*uuid::Uuid::now_v7().as_bytes());
+        match sealpost::sqlx_store::enqueue(
+            &mut conn,
+            "orders",
+            id,
+            &new_event(aggregate_id, b"{}"),
+            key,
+        )
+        .await
+        {
+            Err(sealpost::sqlx_store::SqlxStoreError::Store(store::StoreError::InvalidInput {
+                source,
+                ..
+            })) => assert_eq!(source.field, field),
+            other => panic!("{aggregate_id:?}: expected InvalidInput, got {other:?}"),
+        }
+    }
+    let n: i64 = pg
+        .query_one("SELECT count(*) FROM sealpost.envelope", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(n, 0, "nothing written");
+    drop(conn);
+    drop(pg);
+    let admin = runtime::pg_connect("host=127.0.0.1 user=postgres dbname=postgres")
+        .await
+        .unwrap();
+    admin
+        .batch_execute("DROP DATABASE IF EXISTS sealpost_sqlx_hostile WITH (FORCE)")
+        .await
+        .unwrap();
+}
