@@ -254,7 +254,7 @@ pub fn plan(w: &Workload, c: &Costs, costs_source: String, costs_defaulted: Vec<
         "outbox_rows",
         Some(rows),
         "rows",
-        "avg rate x retention: rows kept until purge (purged tombstones are not counted; they are not yet removed at all)".to_string(),
+        "avg rate x retention: rows kept until purge (not counted: the tombstones of purged rows, each kept a replay window after its purge)".to_string(),
     );
     put(
         "heap_bytes",
