@@ -1,6 +1,8 @@
 //! `sealpost demo`: an order service writing orders (business row and envelope in one
-//! transaction) while dispatcher tasks and a reconciler run; a live progress line; ends by
-//! printing the status.
+//! transaction) while dispatcher tasks, a reconciler and fulfilment consumers run; progress
+//! as one updating line on a terminal and as a line every few seconds otherwise; ends by
+//! saying which part bounded the run (the writers' commits, the publication or the
+//! consumers), then the status and the reconciliation report.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -137,16 +139,85 @@ pub async fn set_durability(cfg: &Config, topic: &str, durability: &str) -> Resu
     Ok(())
 }
 
+/// What one demo run does.
+#[derive(Clone, Debug)]
+pub struct DemoOptions {
+    /// Orders to write.
+    pub orders: u64,
+    /// Writer tasks, each committing one order (business row and envelope) per transaction.
+    pub writers: u64,
+    /// Dispatcher tasks (a reconciler runs beside them).
+    pub dispatchers: usize,
+    /// Fulfilment consumers (each applies every event once).
+    pub consumers: usize,
+    /// Stream, exchange or topic the demo's route points at.
+    pub topic: String,
+    /// Print the final status as JSON instead of text and progress.
+    pub json: bool,
+}
+
+/// Seconds between progress lines when stderr is not a terminal.
+const PROGRESS_LINE_EVERY_S: f64 = 5.0;
+
+/// When each stage of a run was done, in seconds from the start.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Timeline {
+    /// The last order committed.
+    pub written_s: Option<f64>,
+    /// Every order published (nothing in flight or unknown).
+    pub published_s: Option<f64>,
+    /// Every consumer applied every order (`None` without consumers).
+    pub consumed_s: Option<f64>,
+}
+
+/// Which part of the pipeline bounded a run, in a sentence: the stage that finished well
+/// after the one before it set the pace; if none did, the writers' commit rate did.
+pub fn bounded_by(t: &Timeline, orders: u64, writers: u64) -> String {
+    let (Some(w), Some(p)) = (t.written_s, t.published_s) else {
+        return "the run did not finish: see the status below".to_string();
+    };
+    let rate = |s: f64| orders as f64 / s.max(0.001);
+    // A stage "kept up" when it finished within a second (the sampling step is 0.5 s) or 5%
+    // of the run after the stage before it.
+    let slack = (0.05 * w).max(1.0);
+    let publish_lag = p - w;
+    let consume_lag = t.consumed_s.map(|c| c - p);
+    if publish_lag > slack && consume_lag.is_none_or(|l| l <= publish_lag) {
+        return format!(
+            "bounded by publication: {writers} writer(s) committed {:.0} orders/s, the dispatchers published {:.0}/s and finished {publish_lag:.1} s after the last commit (raise --dispatchers)",
+            rate(w),
+            rate(p)
+        );
+    }
+    if let Some(l) = consume_lag.filter(|l| *l > slack) {
+        return format!(
+            "bounded by the consumers: they applied {:.0} events/s each and finished {l:.1} s after the last publication",
+            rate(t.consumed_s.unwrap_or(p))
+        );
+    }
+    format!(
+        "bounded by the writers: {writers} writer(s) committed {:.0} orders/s, one order per transaction; publication finished {publish_lag:.1} s after the last commit{} (raise --writers to offer more load)",
+        rate(w),
+        consume_lag.map_or(String::new(), |l| format!(
+            ", consumption {l:.1} s after that"
+        ))
+    )
+}
+
 /// Runs the demo; returns true when every event ended `PUBLISHED` and every consumer
 /// applied each of this run's events exactly once.
-pub async fn run(
-    cfg: Config,
-    orders: u64,
-    dispatchers: usize,
-    consumers: usize,
-    topic: &str,
-    json: bool,
-) -> Result<bool, RunError> {
+pub async fn run(cfg: Config, opts: DemoOptions) -> Result<bool, RunError> {
+    use std::io::IsTerminal;
+    let DemoOptions {
+        orders,
+        writers: writers_n,
+        dispatchers,
+        consumers,
+        ref topic,
+        json,
+    } = opts;
+    let topic = topic.as_str();
+    let writers_n = writers_n.max(1);
     let admin = runtime::pg_connect(&cfg.database_url).await?;
     store::migrate(&admin).await?;
     prepare(&admin).await?;
@@ -262,7 +333,6 @@ pub async fn run(
     };
     let written = Arc::new(AtomicU64::new(0));
     let run_id = runtime::owner_id() % 1_000_000;
-    let writers_n = 4u64;
     let mut writers = Vec::new();
     for w in 0..writers_n {
         let cfg = cfg.clone();
@@ -283,8 +353,12 @@ pub async fn run(
     let base_published = base.states.get("PUBLISHED").copied().unwrap_or(0);
     let deadline = started + Duration::from_secs(600);
     let mut ok = false;
+    let tty = std::io::stderr().is_terminal();
+    let mut line_at: Option<f64> = None;
+    let mut timeline = Timeline::default();
     loop {
         tokio::time::sleep(Duration::from_millis(500)).await;
+        let now_s = started.elapsed().as_secs_f64();
         let s = store::status(&admin).await?;
         let published = s.states.get("PUBLISHED").copied().unwrap_or(0) - base_published;
         let pending: i64 = ["PENDING", "CLAIMED", "SENDING", "RETRY_CLAIMED"]
@@ -292,26 +366,40 @@ pub async fn run(
             .map(|k| s.states.get(*k).copied().unwrap_or(0))
             .sum();
         let w = written.load(Ordering::Relaxed);
-        if !json {
-            eprint!(
-                "\r{:>6.1}s  orders written {w:>7}/{orders}  published {published:>7}  in flight {pending:>6}  unknown {:>4}  quarantined {:>3}   ",
-                started.elapsed().as_secs_f64(),
-                s.unknown,
-                s.quarantined
-            );
-        }
         let mut applied = Vec::with_capacity(consumers);
         for id in &consumer_ids {
             applied.push(applied_this_run(&admin, id, run_id).await?.0);
         }
-        if !json && consumers > 0 {
-            eprint!("consumed {applied:?}   ");
+        if w == orders && timeline.written_s.is_none() {
+            timeline.written_s = Some(now_s);
         }
-        if w == orders
+        if timeline.written_s.is_some()
+            && timeline.published_s.is_none()
             && pending == 0
             && s.unknown == 0
-            && applied.iter().all(|a| *a == orders as i64)
         {
+            timeline.published_s = Some(now_s);
+        }
+        let all_applied = applied.iter().all(|a| *a == orders as i64);
+        if consumers > 0 && timeline.consumed_s.is_none() && all_applied {
+            timeline.consumed_s = Some(now_s);
+        }
+        if !json {
+            let mut line = format!(
+                "{now_s:>6.1}s  orders written {w:>7}/{orders}  published {published:>7}  in flight {pending:>6}  unknown {:>4}  quarantined {:>3}",
+                s.unknown, s.quarantined
+            );
+            if consumers > 0 {
+                line.push_str(&format!("  consumed {applied:?}"));
+            }
+            if tty {
+                eprint!("\r{line}   ");
+            } else if line_at.is_none_or(|t| now_s - t >= PROGRESS_LINE_EVERY_S) {
+                eprintln!("{line}");
+                line_at = Some(now_s);
+            }
+        }
+        if w == orders && pending == 0 && s.unknown == 0 && all_applied {
             ok = true;
             break;
         }
@@ -323,7 +411,7 @@ pub async fn run(
             break;
         }
     }
-    if !json {
+    if !json && tty {
         eprintln!();
     }
     for w in writers {
@@ -348,11 +436,11 @@ pub async fn run(
         println!("{}", serde_json::to_string(&s).unwrap_or_default());
     } else {
         println!(
-            "demo: {orders} orders with {dispatchers} dispatcher(s), end to end in {elapsed:.1} s ({:.0} orders/s written, published and consumed); duplicate receipts {}; reconciled {}",
-            orders as f64 / elapsed,
+            "demo: {orders} orders, {writers_n} writer(s), {dispatchers} dispatcher(s), {consumers} consumer(s): end to end in {elapsed:.1} s; duplicate receipts {}; reconciled {}",
             counters.duplicates.load(Ordering::Relaxed),
             counters.reconciled.load(Ordering::Relaxed)
         );
+        println!("demo: {}", bounded_by(&timeline, orders, writers_n));
         crate::print_status(&s);
     }
     let mut findings_ok = true;
@@ -373,4 +461,42 @@ pub async fn run(
         findings_ok = r.findings.is_empty();
     }
     Ok(ok && s.quarantined == 0 && exactly_once && findings_ok)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_stage_that_finished_late_is_named_as_the_bound() {
+        let t = |w, p, c| Timeline {
+            written_s: Some(w),
+            published_s: Some(p),
+            consumed_s: c,
+        };
+        let writers = bounded_by(&t(35.0, 35.5, Some(36.0)), 20_000, 4);
+        assert!(
+            writers.starts_with("bounded by the writers: 4 writer(s) committed 571 orders/s"),
+            "{writers}"
+        );
+        let publish = bounded_by(&t(10.0, 30.0, Some(30.5)), 20_000, 16);
+        assert!(publish.starts_with("bounded by publication"), "{publish}");
+        assert!(
+            publish.contains("finished 20.0 s after the last commit"),
+            "{publish}"
+        );
+        let consume = bounded_by(&t(10.0, 10.5, Some(40.0)), 20_000, 16);
+        assert!(consume.starts_with("bounded by the consumers"), "{consume}");
+        let unfinished = Timeline {
+            written_s: Some(1.0),
+            ..Timeline::default()
+        };
+        assert!(bounded_by(&unfinished, 1, 1).contains("did not finish"));
+        let no_consumers = bounded_by(&t(5.0, 5.2, None), 1_000, 4);
+        assert!(
+            no_consumers.starts_with("bounded by the writers"),
+            "{no_consumers}"
+        );
+        assert!(!no_consumers.contains("consumption"), "{no_consumers}");
+    }
 }

@@ -99,8 +99,11 @@ enum Cmd {
         #[arg(long, default_value_t = 3)]
         dispatchers: usize,
         /// Fulfilment consumers (each applies every event once).
-        #[arg(long, default_value_t = 0)]
+        #[arg(long, default_value_t = 2)]
         consumers: usize,
+        /// Writer tasks, each committing one order and its envelope per transaction.
+        #[arg(long, default_value_t = 4)]
+        writers: u64,
         /// Stream the demo's route policy points at.
         #[arg(long, default_value = "ORDERS")]
         topic: String,
@@ -474,6 +477,7 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
             orders,
             dispatchers,
             consumers,
+            writers,
             topic,
             durability,
             broker,
@@ -491,9 +495,15 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
                     .await
                     .map_err(e)?;
             }
-            let ok = sealpost_cli::demo::run(cfg, orders, dispatchers, consumers, &topic, json)
-                .await
-                .map_err(e)?;
+            let opts = sealpost_cli::demo::DemoOptions {
+                orders,
+                writers,
+                dispatchers,
+                consumers,
+                topic,
+                json,
+            };
+            let ok = sealpost_cli::demo::run(cfg, opts).await.map_err(e)?;
             Ok(if ok { 0 } else { 1 })
         }
         Cmd::Bench {
