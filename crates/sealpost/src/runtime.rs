@@ -17,7 +17,6 @@ use sealpost_core::reconciler::{
     ReconcileAction, ReconcileItem, ReconcilerConfig, ReconcilerMachine, VerifyItem,
 };
 use sealpost_core::ReceiptVerdict;
-use tokio_postgres::NoTls;
 
 use crate::observe;
 use crate::store::{self, Accepted, StoreError, Submitted};
@@ -260,6 +259,10 @@ impl Config {
 /// Errors of a running loop.
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
+    /// The connection string's TLS settings are unusable, or the TLS handshake failed (the
+    /// message names the cause and the setting to change).
+    #[error(transparent)]
+    Tls(#[from] crate::tls::TlsError),
     /// Store failure.
     #[error(transparent)]
     Store(#[from] StoreError),
@@ -285,14 +288,23 @@ impl RunError {
     }
 }
 
-/// Opens a Postgres connection and drives it on a task.
+/// Opens a Postgres connection and drives it on a task, over TLS as the connection string's
+/// `sslmode` says (libpq's meanings, default `prefer`; see [`crate::tls`]).
 pub async fn pg_connect(url: &str) -> Result<tokio_postgres::Client, RunError> {
-    let (client, conn) = tokio_postgres::connect(url, NoTls)
-        .await
-        .map_err(|source| RunError::Connect {
-            url: url.to_string(),
-            source,
-        })?;
+    // libpq's sslmode, sslrootcert, sslcert and sslkey (and PGSSL*), over rustls.
+    let pg = crate::tls::pg_tls(url)?;
+    let (client, conn) = match pg.config.connect(pg.connector.clone()).await {
+        Ok(c) => c,
+        Err(source) => {
+            return Err(match pg.explain(&source) {
+                Some(tls) => RunError::Tls(tls),
+                None => RunError::Connect {
+                    url: url.to_string(),
+                    source,
+                },
+            })
+        }
+    };
     tokio::spawn(async move {
         if let Err(e) = conn.await {
             tracing::warn!(error = %e, "postgres connection closed");
