@@ -924,10 +924,11 @@ pub async fn run(mut cfg: Config, args: BenchArgs, json: bool) -> Result<BenchRe
     // backlog gone" is one probe of the claim index.
     cfg.nats_cluster = format!("bench{tag}");
     store::set_route(&pg, &names.route, &cfg.nats_cluster, &names.topic).await?;
-    let nats = Nats::connect(
+    let nats = Nats::connect_with(
         &cfg.nats_url,
         &cfg.nats_cluster,
         Duration::from_millis(cfg.ack_timeout_ms),
+        &crate::brokers::nats_options(&cfg),
     )
     .await
     .map_err(RunError::broker)?;

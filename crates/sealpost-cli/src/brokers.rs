@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use sealpost::runtime::{Config, RunError};
 use sealpost_kafka::{Kafka, KafkaConfig};
-use sealpost_nats::Nats;
+use sealpost_nats::{Nats, NatsOptions};
 use sealpost_rabbitmq::Rabbit;
 
 /// A broker the command can use.
@@ -47,12 +47,32 @@ impl BrokerKind {
     }
 }
 
-/// The NATS adapter for the configured cluster (the error says what to check).
+/// The NATS TLS and credential options of the configuration (`nats_tls_*`,
+/// `nats_require_tls`, `nats_creds_file`, `nats_nkey_seed_file`, `nats_user`,
+/// `nats_password_file`, `nats_token_file`; empty strings are unset).
+pub fn nats_options(cfg: &Config) -> NatsOptions {
+    let path = |s: &str| (!s.is_empty()).then(|| std::path::PathBuf::from(s));
+    NatsOptions {
+        tls_ca_file: path(&cfg.nats_tls_ca_file),
+        tls_cert_file: path(&cfg.nats_tls_cert_file),
+        tls_key_file: path(&cfg.nats_tls_key_file),
+        require_tls: cfg.nats_require_tls,
+        creds_file: path(&cfg.nats_creds_file),
+        nkey_seed_file: path(&cfg.nats_nkey_seed_file),
+        user: (!cfg.nats_user.is_empty()).then(|| cfg.nats_user.clone()),
+        password_file: path(&cfg.nats_password_file),
+        token_file: path(&cfg.nats_token_file),
+    }
+}
+
+/// The NATS adapter for the configured cluster, with its TLS and credentials
+/// ([`nats_options`]; the error says what to check).
 pub async fn connect_nats(cfg: &Config) -> Result<Nats, RunError> {
-    Nats::connect(
+    Nats::connect_with(
         &cfg.nats_url,
         &cfg.nats_cluster,
         Duration::from_millis(cfg.ack_timeout_ms),
+        &nats_options(cfg),
     )
     .await
     .map_err(RunError::broker)

@@ -69,4 +69,39 @@ mod tests {
         assert!(e.contains("ack_timeout_ms"), "{e}");
         let _ = std::fs::remove_dir_all(&dir);
     }
+
+    #[test]
+    fn nats_tls_and_credential_keys_reach_the_adapter_options() {
+        use sealpost_nats::NatsOptions;
+        let dir = std::env::temp_dir().join(format!("sealpost-config-nats-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("nats.toml");
+        std::fs::write(
+            &file,
+            "nats_tls_ca_file = \"/etc/sealpost/ca.pem\"\n\
+             nats_tls_cert_file = \"/etc/sealpost/client.pem\"\n\
+             nats_tls_key_file = \"/etc/sealpost/client.key\"\n\
+             nats_require_tls = true\n\
+             nats_creds_file = \"/etc/sealpost/app.creds\"\n",
+        )
+        .unwrap();
+        let c = load(Some(file.to_str().unwrap())).unwrap();
+        assert_eq!(
+            crate::brokers::nats_options(&c),
+            NatsOptions {
+                tls_ca_file: Some("/etc/sealpost/ca.pem".into()),
+                tls_cert_file: Some("/etc/sealpost/client.pem".into()),
+                tls_key_file: Some("/etc/sealpost/client.key".into()),
+                require_tls: true,
+                creds_file: Some("/etc/sealpost/app.creds".into()),
+                ..Default::default()
+            }
+        );
+        // Nothing configured: what `Nats::connect` always did.
+        assert_eq!(
+            crate::brokers::nats_options(&Config::default()),
+            NatsOptions::default()
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

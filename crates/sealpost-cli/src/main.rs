@@ -296,10 +296,11 @@ enum Cmd {
 
 /// The NATS adapter for the configured cluster (the error says what to check).
 async fn connect_nats(cfg: &Config) -> Result<Nats, String> {
-    Nats::connect(
+    Nats::connect_with(
         &cfg.nats_url,
         &cfg.nats_cluster,
         Duration::from_millis(cfg.ack_timeout_ms),
+        &sealpost_cli::brokers::nats_options(cfg),
     )
     .await
     .map_err(|x| x.to_string())

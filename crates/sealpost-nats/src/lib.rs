@@ -37,8 +37,16 @@
 //! of any one node; a publish in flight when the stream leader dies ends as a receipt (the
 //! new leader answered), [`SendResult::NoAnswer`] (an unknown the reconciler looks up on the
 //! new leader) or never sent (no leader yet, no responders).
+//!
+//! **TLS and credentials.** [`Nats::connect_with`] takes [`NatsOptions`]: the CA that signs
+//! the servers' certificates, a client certificate for servers that verify clients, TLS
+//! required (never plaintext), and one of a `.creds` file, an nkey seed file, a user with a
+//! password file, or a token file. A connect that fails says which of them to check.
+
+mod options;
 
 use std::collections::HashMap;
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -57,6 +65,7 @@ use sealpost_core::reconcile::Lookup;
 use tokio::sync::Semaphore;
 
 pub use async_nats;
+pub use options::NatsOptions;
 
 /// Header names.
 pub const H_EVENT_ID: &str = "Sealpost-Event-Id";
@@ -85,14 +94,32 @@ const DENIED_REMEMBERED_MAX: usize = 10_000;
 #[derive(Debug, thiserror::Error)]
 pub enum NatsError {
     /// Could not connect.
-    #[error(
-        "cannot connect to NATS at {url}: {source}; is nats-server running with JetStream (-js)?"
-    )]
+    #[error("cannot connect to NATS at {url}: {source}; {hint}")]
     Connect {
         /// URL tried.
         url: String,
         /// Cause.
         source: async_nats::ConnectError,
+        /// What to check, from the cause and the options ([`NatsOptions`]).
+        hint: String,
+    },
+    /// A TLS or credential option is unusable ([`NatsOptions`]).
+    #[error("NATS option {key}: {message}")]
+    Options {
+        /// The configuration key (`nats_tls_ca_file`, ...).
+        key: &'static str,
+        /// What is wrong and what to do.
+        message: String,
+    },
+    /// A file an option names cannot be read.
+    #[error("cannot read the {key} file {}: {source}; check the path and that this process may read it", path.display())]
+    Read {
+        /// The configuration key.
+        key: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// Cause.
+        source: std::io::Error,
     },
     /// Stream management failed.
     #[error("JetStream stream `{stream}`: {detail}")]
@@ -252,15 +279,30 @@ fn denied_subject(error: &str) -> Option<String> {
 
 impl Nats {
     /// Connects to `url`, one server or several of one cluster, comma-separated;
-    /// `ack_timeout` bounds each publish acknowledgement.
+    /// `ack_timeout` bounds each publish acknowledgement. No TLS or credentials of our own:
+    /// [`Nats::connect_with`] with [`NatsOptions::default`].
     pub async fn connect(
         url: &str,
         cluster: &str,
         ack_timeout: Duration,
     ) -> Result<Nats, NatsError> {
+        Nats::connect_with(url, cluster, ack_timeout, &NatsOptions::default()).await
+    }
+
+    /// [`Nats::connect`] with TLS and credentials ([`NatsOptions`]: CA, client certificate,
+    /// TLS required, creds file, nkey seed, user and password, token). The files are read
+    /// and checked first; a failed connect says which option to check.
+    pub async fn connect_with(
+        url: &str,
+        cluster: &str,
+        ack_timeout: Duration,
+        options: &NatsOptions,
+    ) -> Result<Nats, NatsError> {
         let denied: Arc<Mutex<HashMap<String, String>>> = Arc::default();
         let seen = denied.clone();
-        let client = async_nats::ConnectOptions::new()
+        let client = options
+            .apply(async_nats::ConnectOptions::new())
+            .await?
             .connection_timeout(Duration::from_secs(5))
             .event_callback(move |event| {
                 let seen = seen.clone();
@@ -291,6 +333,7 @@ impl Nats {
             .await
             .map_err(|source| NatsError::Connect {
                 url: url.to_string(),
+                hint: options.hint(&source),
                 source,
             })?;
         let js = jetstream::ContextBuilder::new()

@@ -10,3 +10,4 @@ pub mod runtime;
 #[cfg(feature = "sqlx")]
 pub mod sqlx_store;
 pub mod store;
+pub mod tls;

@@ -17,7 +17,6 @@ use sealpost_core::reconciler::{
     ReconcileAction, ReconcileItem, ReconcilerConfig, ReconcilerMachine, VerifyItem,
 };
 use sealpost_core::ReceiptVerdict;
-use tokio_postgres::NoTls;
 
 use crate::observe;
 use crate::store::{self, Accepted, StoreError, Submitted};
@@ -33,6 +32,25 @@ pub struct Config {
     pub nats_url: String,
     /// Cluster identity of the NATS connection (frozen into destinations).
     pub nats_cluster: String,
+    /// PEM file of the CA that signs the NATS servers' certificates (empty: the system's
+    /// roots).
+    pub nats_tls_ca_file: String,
+    /// PEM client certificate for NATS servers that verify clients (with `nats_tls_key_file`).
+    pub nats_tls_cert_file: String,
+    /// PEM private key of `nats_tls_cert_file`.
+    pub nats_tls_key_file: String,
+    /// Refuse a NATS server that does not do TLS (never plaintext).
+    pub nats_require_tls: bool,
+    /// NATS `.creds` file (user JWT and nkey seed).
+    pub nats_creds_file: String,
+    /// File holding a NATS nkey user seed.
+    pub nats_nkey_seed_file: String,
+    /// NATS user (with `nats_password_file`).
+    pub nats_user: String,
+    /// File holding the password of `nats_user`.
+    pub nats_password_file: String,
+    /// File holding a NATS authentication token.
+    pub nats_token_file: String,
     /// Claim lease, milliseconds of the database clock.
     pub lease_ms: u64,
     /// Rows claimed per dispatcher transaction.
@@ -109,6 +127,15 @@ impl Default for Config {
             database_url: "host=127.0.0.1 user=postgres dbname=test".to_string(),
             nats_url: "nats://127.0.0.1:4222".to_string(),
             nats_cluster: "nats-local".to_string(),
+            nats_tls_ca_file: String::new(),
+            nats_tls_cert_file: String::new(),
+            nats_tls_key_file: String::new(),
+            nats_require_tls: false,
+            nats_creds_file: String::new(),
+            nats_nkey_seed_file: String::new(),
+            nats_user: String::new(),
+            nats_password_file: String::new(),
+            nats_token_file: String::new(),
             lease_ms: 10_000,
             batch_size_max: 1000,
             ack_timeout_ms: 5_000,
@@ -156,14 +183,37 @@ pub enum ConfigError {
 }
 
 impl Config {
-    /// Applies `DATABASE_URL` and `NATS_URL` from the environment, when set, over whatever
-    /// the configuration says.
+    /// Applies `DATABASE_URL` and `NATS_URL` (and `NATS_TLS_CA_FILE`, `NATS_TLS_CERT_FILE`,
+    /// `NATS_TLS_KEY_FILE`, `NATS_REQUIRE_TLS`, `NATS_CREDS_FILE`, `NATS_NKEY_SEED_FILE`,
+    /// `NATS_USER`, `NATS_PASSWORD_FILE`, `NATS_TOKEN_FILE`, ...) from the environment, when
+    /// set, over whatever the configuration says.
     pub fn apply_env(&mut self) {
         if let Ok(v) = std::env::var("DATABASE_URL") {
             self.database_url = v;
         }
         if let Ok(v) = std::env::var("NATS_URL") {
             self.nats_url = v;
+        }
+        for (name, slot) in [
+            ("NATS_TLS_CA_FILE", &mut self.nats_tls_ca_file),
+            ("NATS_TLS_CERT_FILE", &mut self.nats_tls_cert_file),
+            ("NATS_TLS_KEY_FILE", &mut self.nats_tls_key_file),
+            ("NATS_CREDS_FILE", &mut self.nats_creds_file),
+            ("NATS_NKEY_SEED_FILE", &mut self.nats_nkey_seed_file),
+            ("NATS_USER", &mut self.nats_user),
+            ("NATS_PASSWORD_FILE", &mut self.nats_password_file),
+            ("NATS_TOKEN_FILE", &mut self.nats_token_file),
+        ] {
+            if let Ok(v) = std::env::var(name) {
+                *slot = v;
+            }
+        }
+        if let Ok(v) = std::env::var("NATS_REQUIRE_TLS") {
+            // Anything but an explicit "off" keeps TLS required (fails closed).
+            self.nats_require_tls = !matches!(
+                v.trim().to_ascii_lowercase().as_str(),
+                "" | "0" | "false" | "no" | "off"
+            );
         }
         if let Ok(v) = std::env::var("RABBITMQ_URL") {
             self.rabbitmq_url = v;
@@ -260,6 +310,10 @@ impl Config {
 /// Errors of a running loop.
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
+    /// The connection string's TLS settings are unusable, or the TLS handshake failed (the
+    /// message names the cause and the setting to change).
+    #[error(transparent)]
+    Tls(#[from] crate::tls::TlsError),
     /// Store failure.
     #[error(transparent)]
     Store(#[from] StoreError),
@@ -285,14 +339,23 @@ impl RunError {
     }
 }
 
-/// Opens a Postgres connection and drives it on a task.
+/// Opens a Postgres connection and drives it on a task, over TLS as the connection string's
+/// `sslmode` says (libpq's meanings, default `prefer`; see [`crate::tls`]).
 pub async fn pg_connect(url: &str) -> Result<tokio_postgres::Client, RunError> {
-    let (client, conn) = tokio_postgres::connect(url, NoTls)
-        .await
-        .map_err(|source| RunError::Connect {
-            url: url.to_string(),
-            source,
-        })?;
+    // libpq's sslmode, sslrootcert, sslcert and sslkey (and PGSSL*), over rustls.
+    let pg = crate::tls::pg_tls(url)?;
+    let (client, conn) = match pg.config.connect(pg.connector.clone()).await {
+        Ok(c) => c,
+        Err(source) => {
+            return Err(match pg.explain(&source) {
+                Some(tls) => RunError::Tls(tls),
+                None => RunError::Connect {
+                    url: url.to_string(),
+                    source,
+                },
+            })
+        }
+    };
     tokio::spawn(async move {
         if let Err(e) = conn.await {
             tracing::warn!(error = %e, "postgres connection closed");
