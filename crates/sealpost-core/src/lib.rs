@@ -20,6 +20,7 @@ pub mod reconcile;
 pub mod reconciler;
 pub mod row;
 pub mod state;
+pub mod subscription;
 pub mod wire;
 
 pub use claim::{ClaimDecision, ClaimToken, SendOutcome, SendOutcomeDecision};

@@ -25,6 +25,9 @@ use crate::encoding::Digest;
 use crate::envelope::{Destination, EventId};
 use crate::receipt::Receipt;
 pub use crate::reconcile::Lookup;
+pub use crate::subscription::{
+    decide_settlement, FetchLimits, Processed, Received, SealpostHeaders, Settlement, Subscription,
+};
 
 /// What an adapter can do, declared once. The core's decisions take these into account.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

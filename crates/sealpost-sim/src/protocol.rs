@@ -11,6 +11,7 @@ use sealpost_core::receipt::{self, Receipt, ReceiptVerdict, RejectReason};
 use sealpost_core::reconcile::{self, Lookup, ReconcileDecision, ReconcilePolicy};
 use sealpost_core::row::EventRow;
 use sealpost_core::state::State;
+use sealpost_core::subscription;
 use sealpost_core::QuarantineReason;
 
 /// A deliberate protocol bug the checker must catch.
@@ -61,11 +62,14 @@ pub enum Mutant {
     /// the header encoder) fails the whole batch as "no answer" (issue 20's measurement: the
     /// bad row is never counted toward its rejection limit and keeps its neighbours unknown).
     RefusalFailsBatch,
+    /// The consumer acks a delivery whose effect failed (rolled back): the event is never
+    /// applied and nothing records it.
+    AckFailedEffect,
 }
 
 impl Mutant {
     /// Every mutant, in `--list-mutants` order.
-    pub const ALL: [Mutant; 18] = [
+    pub const ALL: [Mutant; 19] = [
         Mutant::AcceptWithoutDigestCheck,
         Mutant::RetryToOtherDestination,
         Mutant::AcceptUnregisteredAttempt,
@@ -84,6 +88,7 @@ impl Mutant {
         Mutant::PurgeIgnoresRestorePoint,
         Mutant::OrderingIgnoresEarlierEvent,
         Mutant::RefusalFailsBatch,
+        Mutant::AckFailedEffect,
     ];
 
     /// The CLI name.
@@ -107,6 +112,7 @@ impl Mutant {
             Mutant::PurgeIgnoresRestorePoint => "purge-ignores-restore-point",
             Mutant::OrderingIgnoresEarlierEvent => "ordering-ignores-earlier-event",
             Mutant::RefusalFailsBatch => "refusal-fails-batch",
+            Mutant::AckFailedEffect => "ack-failed-effect",
         }
     }
 
@@ -287,6 +293,22 @@ impl Protocol {
     /// True when the consumer must record the inbox row in the effect's own transaction.
     pub fn inbox_in_effect_tx(&self) -> bool {
         !self.is(Mutant::ConsumerDedupOutsideTx)
+    }
+
+    /// How a consumer settles a delivery (the ack-failed-effect mutant acks one whose effect
+    /// failed).
+    pub fn decide_settlement(
+        &self,
+        processed: subscription::Processed,
+        delivered: u64,
+        policy: inbox::RedeliveryPolicy,
+    ) -> subscription::Settlement {
+        if self.is(Mutant::AckFailedEffect)
+            && processed == subscription::Processed::Failed(inbox::Failure::Message)
+        {
+            return subscription::Settlement::Ack;
+        }
+        subscription::decide_settlement(processed, delivered, policy)
     }
 
     /// The inbox decision.

@@ -149,11 +149,15 @@ pub enum Fault {
     /// A message the adapter cannot encode (a header value its wire cannot carry): refused
     /// alone, the rest of its batch sent.
     Unencodable,
+    /// A consumer's effect failed (a downstream error): rolled back alone, no inbox row,
+    /// settled by the core's `decide_settlement` (sent back with a delay, dead-lettered at
+    /// the delivery limit).
+    EffectFailed,
 }
 
 impl Fault {
     /// Every fault, in report order.
-    pub const ALL: [Fault; 27] = [
+    pub const ALL: [Fault; 28] = [
         Fault::CrashBeforeCommit,
         Fault::CrashAfterCommit,
         Fault::AckLate,
@@ -181,6 +185,7 @@ impl Fault {
         Fault::CopyRefused,
         Fault::DeadlineRefused,
         Fault::Unencodable,
+        Fault::EffectFailed,
     ];
 
     /// Label for the report, with the SPEC number where there is one.
@@ -213,13 +218,14 @@ impl Fault {
             Fault::CopyRefused => "second copy refused (create-if-absent)",
             Fault::DeadlineRefused => "send refused at its deadline",
             Fault::Unencodable => "message the adapter cannot encode",
+            Fault::EffectFailed => "consumer effect failed (rolled back, sent back)",
         }
     }
 }
 
 /// Counts per fault.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Faults(pub [u64; 27]);
+pub struct Faults(pub [u64; 28]);
 
 impl Faults {
     /// Adds one.
@@ -317,6 +323,10 @@ pub struct TraceStats {
     pub inbox_duplicates: u64,
     /// Inbox quarantines.
     pub inbox_quarantined: u64,
+    /// Deliveries whose effect failed and that the consumer sent back for later.
+    pub effect_retries: u64,
+    /// Messages a consumer dead-lettered at its delivery limit (recorded, then acked).
+    pub dead_lettered: u64,
     /// Migrations granted.
     pub migrations_granted: u64,
     /// Migrations refused.
@@ -371,6 +381,8 @@ impl TraceStats {
         self.ordering_gaps_parked += o.ordering_gaps_parked;
         self.inbox_duplicates += o.inbox_duplicates;
         self.inbox_quarantined += o.inbox_quarantined;
+        self.effect_retries += o.effect_retries;
+        self.dead_lettered += o.dead_lettered;
         self.migrations_granted += o.migrations_granted;
         self.migrations_refused += o.migrations_refused;
         self.purged += o.purged;

@@ -25,7 +25,7 @@ use sealpost_core::encoding::Digest;
 use sealpost_core::envelope::{
     Destination, EventId, EventOrdering, PartitionAlgorithm, RoutePolicy, PAYLOAD_DOMAIN,
 };
-use sealpost_core::inbox::{ApplyOrder, InboxDecision, InboxRecord};
+use sealpost_core::inbox::{ApplyOrder, Failure, InboxDecision, InboxRecord, RedeliveryPolicy};
 use sealpost_core::migration::{apply_migration, decide_migration};
 use sealpost_core::port::{Capabilities, NeverSentReason, RefusalKind, SendRequest, SendResult};
 use sealpost_core::receipt::{apply_receipt, Receipt, ReceiptSource, ReceiptVerdict};
@@ -38,6 +38,7 @@ use sealpost_core::reconciler::{
 };
 use sealpost_core::row::{AttemptStatus, EventRow};
 use sealpost_core::state::{transition, State};
+use sealpost_core::subscription::{Processed, Settlement};
 
 use crate::protocol::Protocol;
 use crate::stats::{Fault, TraceStats, Violation};
@@ -53,6 +54,12 @@ const RECONCILE_IDLE_POLL_MS: u64 = 15_000;
 const RECONCILE_LEASE_MS: u64 = 5_000;
 const CONSUMER_IDLE_POLL_MS: u64 = 30_000;
 const CONSUMER_BATCH_MAX: usize = 4;
+/// The simulated consumers' redelivery policy (the production default).
+const SIM_REDELIVERY: RedeliveryPolicy = RedeliveryPolicy {
+    max_deliveries: 10,
+    backoff_first_ms: 100,
+    backoff_max_ms: 30_000,
+};
 const CLEANUP_EVERY_MS: u64 = 30_000;
 const DEDUP_WINDOW_MS: u64 = 120_000;
 const STREAM_DELETED_MAX_MS: u64 = 300_000;
@@ -92,6 +99,8 @@ struct Config {
     p_writer_crash: u32,
     p_consumer_crash: u32,
     p_redeliver: u32,
+    /// Per mille: a consumer's effect fails (a downstream error) on a delivery.
+    p_effect_fail: u32,
     p_seq0: u32,
     p_forge: u32,
     /// Per-aggregate ordering of the route (R29): 0 never, 1 every policy generation, 2 the
@@ -335,6 +344,10 @@ struct Consumer {
     applied_versions: Vec<(u32, Vec<u64>)>,
     /// Ghost: the highest version applied per aggregate among ordered messages.
     ordered_applied: Vec<(u32, u64)>,
+    /// The broker's delivery count per (stream, position): it survives a consumer crash.
+    delivered: Vec<((usize, u64), u64)>,
+    /// The consumer's own database: events it dead-lettered (recorded, then acked).
+    dead_letters: Vec<EventId>,
 }
 
 /// Runs one trace.
@@ -484,6 +497,7 @@ impl World {
             p_redeliver: range(&mut rng, 0, 300) as u32,
             p_seq0: range(&mut rng, 0, 300) as u32,
             p_forge: range(&mut rng, 0, 80) as u32,
+            p_effect_fail: range(&mut rng, 0, 250) as u32,
             ordering_mode: range(&mut rng, 0, 2) as u8,
             aggregates: 0,
         };
@@ -2286,13 +2300,55 @@ impl World {
             }
             (prefix > 0).then_some(prefix)
         });
+        let delivered = {
+            let con = &mut self.consumers[ci];
+            match con.delivered.iter_mut().find(|e| e.0 == (s, pos)) {
+                Some(e) => {
+                    e.1 += 1;
+                    e.1
+                }
+                None => {
+                    con.delivered.push(((s, pos), 1));
+                    1
+                }
+            }
+        };
         if decision == InboxDecision::Apply {
-            if let Some((agg, version)) = agg_version.filter(|_| m.ordered) {
+            if let Some((_, version)) = agg_version.filter(|_| m.ordered) {
                 if self.proto.decide_apply_order(last, version) == ApplyOrder::Hold {
                     // Not applied, not acked: delivered again after the earlier version.
                     self.stats.ordering_holds += 1;
                     return true;
                 }
+            }
+            if self.faults_on && chance(&mut self.rng, self.cfg.p_effect_fail) {
+                // The effect failed: rolled back alone (no inbox row, no effect); the core
+                // decides how the delivery is settled.
+                self.fault(Fault::EffectFailed);
+                let processed = Processed::Failed(Failure::Message);
+                return match self
+                    .proto
+                    .decide_settlement(processed, delivered, SIM_REDELIVERY)
+                {
+                    Settlement::Ack => {
+                        self.ack_position(ci, s, pos);
+                        true
+                    }
+                    // Not acked: fetched again on a later tick, after the delay at least.
+                    Settlement::RetryAfter { .. } => {
+                        self.stats.effect_retries += 1;
+                        true
+                    }
+                    Settlement::Terminate => {
+                        // The dead letter commits in the consumer's database, then the ack.
+                        self.stats.dead_lettered += 1;
+                        self.consumers[ci].dead_letters.push(m.event_id);
+                        self.ack_position(ci, s, pos);
+                        true
+                    }
+                };
+            }
+            if let Some((agg, version)) = agg_version.filter(|_| m.ordered) {
                 // Checker (R29): the consumer applies an ordered aggregate's versions in order
                 // (an unordered version, from a route revision, promises nothing).
                 let con = &mut self.consumers[ci];
@@ -2342,6 +2398,26 @@ impl World {
             self.crash_consumer(ci);
             return false;
         }
+        let processed = match decision {
+            InboxDecision::Apply => Processed::Applied,
+            InboxDecision::Duplicate { .. } => Processed::Duplicate,
+            InboxDecision::Quarantine => Processed::Quarantined,
+        };
+        match self
+            .proto
+            .decide_settlement(processed, delivered, SIM_REDELIVERY)
+        {
+            Settlement::Ack => self.ack_position(ci, s, pos),
+            other => self.violation(Violation::Liveness, || {
+                format!("consumer {ci}: a committed delivery settled as {other:?}")
+            }),
+        }
+        true
+    }
+
+    /// The consumer acks `pos` of stream `s`; the committed broker position advances over
+    /// the contiguous acked prefix.
+    fn ack_position(&mut self, ci: usize, s: usize, pos: u64) {
         let con = &mut self.consumers[ci];
         con.acked_above[s].push(pos);
         while let Some(i) = con.acked_above[s]
@@ -2351,7 +2427,6 @@ impl World {
             con.acked_above[s].swap_remove(i);
             con.watermark[s] += 1;
         }
-        true
     }
 
     /// Checker (R29): the first stored copy of an ordered event comes after every earlier
@@ -2496,10 +2571,9 @@ impl World {
                     let early_window = row
                         .published_at_ms
                         .is_none_or(|p| p + REPLAY_WINDOW_MS > self.now);
-                    let unconsumed = self
-                        .consumers
-                        .iter()
-                        .any(|c| !c.effects.iter().any(|(e, _)| *e == eid));
+                    let unconsumed = self.consumers.iter().any(|c| {
+                        !c.effects.iter().any(|(e, _)| *e == eid) && !c.dead_letters.contains(&eid)
+                    });
                     // Checker: nothing published after a backup that may still be restored.
                     let after_backup =
                         restore_point.is_some_and(|b| row.published_at_ms.is_none_or(|p| p >= b));
@@ -2714,6 +2788,10 @@ impl World {
                     .map_or(0, |(_, n)| *n);
                 if n == 0 && self.behind_lost(eid) {
                     self.stats.ordering_gaps_parked += 1;
+                    continue;
+                }
+                if n == 0 && self.consumers[c].dead_letters.contains(&eid) {
+                    // Dead-lettered with its record: the consumer owner's manual exit.
                     continue;
                 }
                 if n != 1 {

@@ -82,6 +82,7 @@ fn expected_class(m: Mutant) -> Option<Violation> {
         Mutant::PurgeIgnoresRestorePoint => Some(Violation::EarlyPurges),
         Mutant::OrderingIgnoresEarlierEvent => Some(Violation::Ordering),
         Mutant::RefusalFailsBatch => Some(Violation::Liveness),
+        Mutant::AckFailedEffect => Some(Violation::Liveness),
     }
 }
 
