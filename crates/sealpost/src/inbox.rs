@@ -221,6 +221,27 @@ pub async fn process_batch_within(
     mut effect: BatchEffect<'_>,
     effect_timeout: Option<std::time::Duration>,
 ) -> Result<Vec<BatchOutcome>> {
+    let effect: AnyEffect<'_> = Box::new(move |tx, apply| {
+        let f = effect(tx, apply);
+        Box::pin(async move { f.await.map_err(StoreError::Db) })
+    });
+    process_batch_any(client, consumer_id, deliveries, effect, effect_timeout).await
+}
+
+/// A batch effect whose failure is any [`StoreError`] (the library consumer's handler fails
+/// with [`StoreError::Effect`]).
+pub(crate) type AnyEffect<'c> = Box<
+    dyn for<'a> FnMut(&'a Transaction<'a>, &'a [usize]) -> BoxFuture<'a, Result<()>> + Send + 'c,
+>;
+
+/// [`process_batch_within`] over an [`AnyEffect`].
+pub(crate) async fn process_batch_any(
+    client: &mut tokio_postgres::Client,
+    consumer_id: &str,
+    deliveries: &[Delivery],
+    mut effect: AnyEffect<'_>,
+    effect_timeout: Option<std::time::Duration>,
+) -> Result<Vec<BatchOutcome>> {
     let ds = deliveries;
     let mut outcomes: Vec<Option<BatchOutcome>> = vec![None; ds.len()];
     let mut refused: Vec<(&Delivery, String)> = Vec::new();
@@ -337,7 +358,7 @@ async fn attempt(
     consumer_id: &str,
     ds: &[Delivery],
     group: &[usize],
-    effect: &mut BatchEffect<'_>,
+    effect: &mut AnyEffect<'_>,
     effect_timeout: Option<std::time::Duration>,
 ) -> Result<Vec<Slot>> {
     let slots = take_slots(tx, consumer_id, ds, group).await?;

@@ -110,6 +110,11 @@ pub enum StoreError {
     /// A consumer's effect ran past its time limit; it was rolled back.
     #[error("the effect did not finish within {0} ms and was rolled back (a hanging downstream?); the message is retried later, or raise consumer_effect_timeout_ms")]
     EffectTimeout(u64),
+    /// A consumer's handler returned an error; its writes were rolled back.
+    #[error(
+        "the handler failed: {0}; its writes were rolled back and the message is retried later"
+    )]
+    Effect(String),
 }
 
 /// The database's own words: message, SQLSTATE, detail and hint when the server sent them,
