@@ -47,6 +47,8 @@
 //! same destination (R14). An event id that is not a UUIDv7 is scanned from the partition's
 //! start, and is unqueryable once retention has deleted anything.
 
+mod subscription;
+
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
@@ -67,6 +69,7 @@ use sealpost_core::receipt::{Receipt, ReceiptSource};
 use sealpost_core::reconcile::Lookup;
 
 pub use rdkafka;
+pub use subscription::{unreadable_reason, KafkaSubscription};
 
 /// Header: event id.
 pub const H_EVENT_ID: &str = "Sealpost-Event-Id";

@@ -44,6 +44,7 @@
 //! password file, or a token file. A connect that fails says which of them to check.
 
 mod options;
+mod subscription;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -66,6 +67,7 @@ use tokio::sync::Semaphore;
 
 pub use async_nats;
 pub use options::NatsOptions;
+pub use subscription::{unreadable_reason, NatsSubscription};
 
 /// Header names.
 pub const H_EVENT_ID: &str = "Sealpost-Event-Id";

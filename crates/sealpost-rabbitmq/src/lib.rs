@@ -44,6 +44,8 @@
 //! `SecondCopy`, recorded as evidence of a second stored copy: exactly what happened. The
 //! consumer reports the same position (the attempt-id header) for what it applies.
 
+mod subscription;
+
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -66,6 +68,7 @@ use sealpost_core::reconcile::Lookup;
 use tokio::sync::{Mutex, Semaphore};
 
 pub use lapin;
+pub use subscription::{ConsumeError, RabbitSubscription};
 
 /// Header: event id.
 pub const H_EVENT_ID: &str = "Sealpost-Event-Id";
