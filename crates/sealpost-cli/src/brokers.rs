@@ -94,6 +94,13 @@ pub async fn connect_rabbitmq(cfg: &Config, role: &str) -> Result<Rabbit, RunErr
 /// The Kafka adapter for the configured cluster; `role` names the client at the broker
 /// (`sealpost-<role>-<pid>`).
 pub async fn connect_kafka(cfg: &Config, role: &str) -> Result<Kafka, RunError> {
+    Kafka::connect(kafka_config(cfg, role)?)
+        .await
+        .map_err(RunError::broker)
+}
+
+/// The Kafka adapter's settings from the runtime configuration; `role` names the client.
+pub fn kafka_config(cfg: &Config, role: &str) -> Result<KafkaConfig, RunError> {
     let mut k = KafkaConfig::new(
         &cfg.kafka_brokers,
         &cfg.kafka_cluster,
@@ -108,7 +115,7 @@ pub async fn connect_kafka(cfg: &Config, role: &str) -> Result<Kafka, RunError> 
                 "config key `kafka_client_properties` (or KAFKA_CLIENT_PROPERTIES): {e}"
             )))
         })?;
-    Kafka::connect(k).await.map_err(RunError::broker)
+    Ok(k)
 }
 
 #[cfg(test)]

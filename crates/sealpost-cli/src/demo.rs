@@ -291,7 +291,7 @@ pub async fn run(cfg: Config, opts: DemoOptions) -> Result<bool, RunError> {
             let mut tasks =
                 runtime::spawn_fleet(&cfg, &Arc::new(rabbit), dispatchers, true, &stop, &counters);
             for (c, id) in consumer_ids.iter().enumerate() {
-                tasks.push(tokio::spawn(crate::rabbitmq_consumer::run(
+                tasks.push(tokio::spawn(crate::consumer::run_rabbitmq(
                     cfg.clone(),
                     id.clone(),
                     topic.to_string(),
@@ -319,7 +319,7 @@ pub async fn run(cfg: Config, opts: DemoOptions) -> Result<bool, RunError> {
             let mut tasks =
                 runtime::spawn_fleet(&cfg, &Arc::new(kafka), dispatchers, true, &stop, &counters);
             for (c, id) in consumer_ids.iter().enumerate() {
-                tasks.push(tokio::spawn(crate::kafka_consumer::run(
+                tasks.push(tokio::spawn(crate::consumer::run_kafka(
                     cfg.clone(),
                     id.clone(),
                     topic.to_string(),

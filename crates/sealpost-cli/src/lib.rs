@@ -11,10 +11,8 @@ pub mod consume_bench;
 pub mod consumer;
 pub mod cpu;
 pub mod demo;
-pub mod kafka_consumer;
 pub mod metrics;
 pub mod ops;
-pub mod rabbitmq_consumer;
 pub mod web;
 
 use sealpost::store;

@@ -623,12 +623,12 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
                         .map_err(e)?
                 }
                 BrokerKind::Rabbitmq => {
-                    sealpost_cli::rabbitmq_consumer::run(cfg, consumer, topic, stop, consumed)
+                    sealpost_cli::consumer::run_rabbitmq(cfg, consumer, topic, stop, consumed)
                         .await
                         .map_err(e)?
                 }
                 BrokerKind::Kafka => {
-                    sealpost_cli::kafka_consumer::run(cfg, consumer, topic, stop, consumed)
+                    sealpost_cli::consumer::run_kafka(cfg, consumer, topic, stop, consumed)
                         .await
                         .map_err(e)?
                 }

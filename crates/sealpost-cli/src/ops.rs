@@ -481,7 +481,7 @@ async fn retire_rows(
         };
         let q = format!(
                 "SELECT w.event_id, w.member, w.state, w.primary_sequence, w.published_at_ms, w.committed_seq,
-                        w.primary_stream
+                        w.primary_stream, w.primary_partition
                  FROM sealpost.work w JOIN sealpost.envelope e
                    ON e.event_id = w.event_id AND e.member = w.member
                   AND e.envelope_generation = w.envelope_generation
@@ -525,7 +525,14 @@ async fn retire_rows(
             let state_s: String = r.get(2);
             let state = State::parse(&state_s).unwrap_or(State::Pending);
             let seq: Option<i64> = r.get(3);
-            let stream: Option<String> = r.get(6);
+            // The watermark's stream: a partitioned position (Kafka) is watermarked per
+            // partition, `<topic>/<partition>`, as its consumer reports it.
+            let stream: Option<String> =
+                r.get::<_, Option<String>>(6)
+                    .map(|s| match r.get::<_, Option<i32>>(7) {
+                        Some(p) => format!("{s}/{p}"),
+                        None => s,
+                    });
             // The snapshot the decision needs: state, slot and publication time.
             let mut row = sealpost_core::row::EventRow::new_pending(
                 EventId(*id.as_bytes()),

@@ -1,0 +1,363 @@
+//! The library consumer (`sealpost::consumer::run`) with a user handler, on each broker
+//! (NATS JetStream, RabbitMQ, Kafka): a published backlog is applied exactly once through
+//! the handler (one row per event in the handler's own table, written in the inbox
+//! transaction, with the event's envelope and idempotency key), the consumer's watermark is
+//! reported to the outbox database, and `sealpost purge --consumer C` then purges every row
+//! without `--no-consumers`. The permanent-bad-message drill on each broker: the handler of
+//! one event always fails; it is sent back with the core's delay, dead-lettered at its third
+//! delivery with the database's words, the rest applied once, and the watermark passes it.
+//! Each test has its own database and destination.
+
+use std::time::{Duration, Instant};
+
+use futures::future::BoxFuture;
+use sealpost::consumer::{self, CancellationToken, Databases, Delivery, HandlerError, Options};
+use sealpost::runtime::{self, Config};
+use sealpost::store::{self, Accepted};
+use sealpost_cli::ops;
+use sealpost_core::port::{Broker, SendResult};
+use sealpost_core::subscription::Subscription;
+use sealpost_core::ReceiptVerdict;
+
+const ADMIN_URL: &str = "host=127.0.0.1 user=postgres dbname=postgres";
+
+/// A fresh database `sealpost_api_<tag>` with the schema and the handler's table.
+async fn fresh_db(tag: &str) -> (String, tokio_postgres::Client) {
+    let db = format!("sealpost_api_{tag}");
+    let admin = runtime::pg_connect(ADMIN_URL)
+        .await
+        .expect("PostgreSQL must be running");
+    admin
+        .batch_execute(&format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))
+        .await
+        .unwrap();
+    admin
+        .batch_execute(&format!("CREATE DATABASE {db}"))
+        .await
+        .expect("create the test database");
+    let url = format!("host=127.0.0.1 user=postgres dbname={db}");
+    let pg = runtime::pg_connect(&url).await.unwrap();
+    store::migrate(&pg).await.expect("migrate");
+    pg.batch_execute(
+        "CREATE TABLE api_applied (event_id uuid NOT NULL, event_type text, aggregate_id text,
+             idempotency_key text NOT NULL)",
+    )
+    .await
+    .unwrap();
+    (url, pg)
+}
+
+async fn drop_db(url: &str) {
+    let db = url.rsplit('=').next().unwrap();
+    let admin = runtime::pg_connect(ADMIN_URL).await.unwrap();
+    admin
+        .batch_execute(&format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))
+        .await
+        .unwrap();
+}
+
+/// The user's handler: one row per event, in the inbox transaction.
+fn record<'a>(
+    tx: &'a tokio_postgres::Transaction<'a>,
+    d: &'a Delivery,
+) -> BoxFuture<'a, Result<(), HandlerError>> {
+    Box::pin(async move {
+        let e = d.envelope.as_ref();
+        tx.execute(
+            "INSERT INTO api_applied (event_id, event_type, aggregate_id, idempotency_key)
+             VALUES ($1, $2, $3, $4)",
+            &[
+                &uuid::Uuid::from_bytes(d.event_id.0),
+                &e.map(|e| e.event_type.clone()),
+                &e.map(|e| e.aggregate_id.clone()),
+                &d.idempotency_key,
+            ],
+        )
+        .await?;
+        Ok(())
+    })
+}
+
+/// Enqueues `n` events on `route` and publishes them all through `broker` as a dispatcher
+/// does (claim, send, accept); returns the receipts.
+async fn publish<B: Broker>(
+    pg: &mut tokio_postgres::Client,
+    broker: &B,
+    route: &str,
+    n: usize,
+) -> Vec<sealpost_core::Receipt> {
+    let keys: Vec<String> = (0..n).map(|i| format!("o-{i}")).collect();
+    let events = sealpost_cli::demo::order_batch(&keys, br#"{"order_id":"api"}"#);
+    let tx = pg.transaction().await.unwrap();
+    store::enqueue_many(&tx, route, &events).await.unwrap();
+    tx.commit().await.unwrap();
+    let mut receipts = Vec::new();
+    while receipts.len() < n {
+        let b = store::claim_batch(pg, 77, n, 10_000).await.unwrap();
+        assert!(!b.outgoing.is_empty(), "nothing left to claim");
+        let batch = b
+            .outgoing
+            .iter()
+            .map(store::Outgoing::send_request)
+            .collect();
+        let sent: Vec<_> = broker
+            .send_batch(batch, std::time::Instant::now() + Duration::from_secs(30))
+            .await
+            .into_iter()
+            .map(|r| match r {
+                SendResult::Receipt(r) => r,
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        let v = store::accept_receipts(pg, &sent).await.unwrap();
+        assert!(v
+            .iter()
+            .all(|a| *a == Accepted::Verdict(ReceiptVerdict::Primary)));
+        receipts.extend(sent);
+    }
+    receipts
+}
+
+async fn wait_for(what: &str, limit: Duration, mut f: impl AsyncFnMut() -> bool) {
+    let deadline = Instant::now() + limit;
+    while !f().await {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Runs the library consumer over `sub` until every published row can be purged with the
+/// consumer named, checks the handler's rows, purges, and stops the consumer.
+async fn applied_once_then_purged<S: Subscription + 'static>(
+    sub: S,
+    url: &str,
+    pg: &mut tokio_postgres::Client,
+    consumer_id: &str,
+    n: usize,
+    poison: bool,
+) {
+    if poison {
+        // The handler of o-7 always fails: a permanent bad message.
+        pg.batch_execute(
+            "ALTER TABLE api_applied ADD CONSTRAINT no_o7 CHECK (aggregate_id <> 'o-7')",
+        )
+        .await
+        .unwrap();
+    }
+    let shutdown = CancellationToken::new();
+    let mut options = Options::new(consumer_id);
+    options.redelivery.max_deliveries = 3;
+    options.progress_every_ms = 200;
+    options.effect = "record".into();
+    let applied = options.applied.clone();
+    let task = tokio::spawn(consumer::run(
+        sub,
+        Databases {
+            inbox_url: url.to_string(),
+            outbox_url: None,
+        },
+        options,
+        record,
+        shutdown.clone(),
+    ));
+    let required = vec![consumer_id.to_string()];
+    wait_for(
+        "every row purgeable (applied, the watermark reported)",
+        Duration::from_secs(90),
+        async || {
+            let mut o = ops::PurgeOptions::new(&required, 0);
+            o.dry_run = true;
+            let r = ops::purge(pg, &o).await.unwrap();
+            r.purged == n as u64
+        },
+    )
+    .await;
+    let rows = pg
+        .query_one(
+            "SELECT count(*), count(DISTINCT event_id), count(DISTINCT idempotency_key),
+                    count(*) FILTER (WHERE event_type = 'order.created.v1')
+             FROM api_applied",
+            &[],
+        )
+        .await
+        .unwrap();
+    let (all, distinct, keys, typed): (i64, i64, i64, i64) =
+        (rows.get(0), rows.get(1), rows.get(2), rows.get(3));
+    let ok = n as i64 - i64::from(poison);
+    assert_eq!((all, distinct, keys), (ok, ok, ok));
+    assert_eq!(typed, ok, "the handler sees the envelope (R30)");
+    assert_eq!(
+        applied.load(std::sync::atomic::Ordering::Relaxed),
+        ok as u64
+    );
+    let dead = pg
+        .query(
+            "SELECT o.aggregate_id, q.delivered, q.reason, q.payload = o.payload
+             FROM sealpost.inbox_quarantine q JOIN sealpost.outbox o USING (event_id)
+             WHERE q.consumer_id = $1 AND q.kind = 'dead_letter'",
+            &[&consumer_id],
+        )
+        .await
+        .unwrap();
+    if poison {
+        assert_eq!(dead.len(), 1);
+        assert_eq!(dead[0].get::<_, String>(0), "o-7");
+        assert_eq!(
+            dead[0].get::<_, i32>(1),
+            3,
+            "dead-lettered at the third delivery"
+        );
+        let reason: String = dead[0].get(2);
+        assert!(
+            reason.contains("no_o7"),
+            "the database's own words: {reason}"
+        );
+        assert!(
+            dead[0].get::<_, bool>(3),
+            "the payload is kept for the operator"
+        );
+    } else {
+        assert!(dead.is_empty());
+    }
+    let r = ops::purge(pg, &ops::PurgeOptions::new(&required, 0))
+        .await
+        .unwrap();
+    assert_eq!(r.purged, n as u64, "{r:?}");
+    shutdown.cancel();
+    task.await.unwrap().unwrap();
+    // The rows the handler wrote are still there, once each.
+    let again: i64 = pg
+        .query_one("SELECT count(*) FROM api_applied", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(again, ok);
+}
+
+const N: usize = 200;
+
+#[tokio::test]
+async fn nats_backlog_applied_once_reported_and_purged() {
+    nats(false).await;
+}
+
+#[tokio::test]
+async fn nats_permanent_bad_message_dead_lettered_and_passed() {
+    nats(true).await;
+}
+
+async fn nats(poison: bool) {
+    let tag = runtime::owner_id() % 1_000_000;
+    let (url, mut pg) = fresh_db(&format!("nats_{tag}_{}", u8::from(poison))).await;
+    let cfg = Config::from_env().unwrap();
+    let topic = format!("API{tag}P{}", u8::from(poison));
+    let route = format!("r-{topic}");
+    store::set_route(&pg, &route, &cfg.nats_cluster, &topic)
+        .await
+        .unwrap();
+    let nats =
+        sealpost_nats::Nats::connect(&cfg.nats_url, &cfg.nats_cluster, Duration::from_secs(5))
+            .await
+            .unwrap();
+    nats.ensure_stream(&topic).await.unwrap();
+    publish(&mut pg, &nats, &route, N).await;
+    let c = format!("api-{topic}");
+    let sub =
+        sealpost_nats::NatsSubscription::subscribe(&nats, &topic, &c, Duration::from_secs(10))
+            .await
+            .unwrap();
+    applied_once_then_purged(sub, &url, &mut pg, &c, N, poison).await;
+    let _ = nats.js.delete_stream(&topic).await;
+    drop(pg);
+    drop_db(&url).await;
+}
+
+#[tokio::test]
+async fn rabbitmq_backlog_applied_once_reported_and_purged() {
+    rabbitmq(false).await;
+}
+
+#[tokio::test]
+async fn rabbitmq_permanent_bad_message_dead_lettered_and_passed() {
+    rabbitmq(true).await;
+}
+
+async fn rabbitmq(poison: bool) {
+    let tag = runtime::owner_id() % 1_000_000;
+    let (url, mut pg) = fresh_db(&format!("rabbit_{tag}_{}", u8::from(poison))).await;
+    let cfg = Config::from_env().unwrap();
+    let topic = format!("sp-api-{tag}-{}", u8::from(poison));
+    let route = format!("r-{topic}");
+    store::set_route(&pg, &route, &cfg.rabbitmq_cluster, &topic)
+        .await
+        .unwrap();
+    let rabbit = sealpost_rabbitmq::Rabbit::connect(
+        &cfg.rabbitmq_url,
+        &cfg.rabbitmq_cluster,
+        Duration::from_secs(5),
+        &format!("sealpost-test-api-{tag}"),
+    )
+    .await
+    .expect("RabbitMQ must be running at 127.0.0.1:5672 (guest/guest)");
+    let c = format!("api-{tag}-{}", u8::from(poison));
+    rabbit
+        .ensure_destination(&topic, std::slice::from_ref(&c))
+        .await
+        .unwrap();
+    publish(&mut pg, &rabbit, &route, N).await;
+    // The test's dispatcher sends at once: a settle time of 1 s covers it.
+    let sub =
+        sealpost_rabbitmq::RabbitSubscription::subscribe(&cfg.rabbitmq_url, &topic, &c, 1_000)
+            .await
+            .unwrap();
+    applied_once_then_purged(sub, &url, &mut pg, &c, N, poison).await;
+    let _ = rabbit.delete_destination(&topic, &[c]).await;
+    drop(pg);
+    drop_db(&url).await;
+}
+
+#[tokio::test]
+async fn kafka_backlog_applied_once_reported_and_purged() {
+    kafka(false).await;
+}
+
+#[tokio::test]
+async fn kafka_permanent_bad_message_dead_lettered_and_passed() {
+    kafka(true).await;
+}
+
+async fn kafka(poison: bool) {
+    let tag = runtime::owner_id() % 1_000_000;
+    let (url, mut pg) = fresh_db(&format!("kafka_{tag}_{}", u8::from(poison))).await;
+    let cfg = Config::from_env().unwrap();
+    let topic = format!("sp-api-{tag}-{}", u8::from(poison));
+    let route = format!("r-{topic}");
+    let mut kcfg = sealpost_kafka::KafkaConfig::new(
+        &cfg.kafka_brokers,
+        &cfg.kafka_cluster,
+        Duration::from_secs(5),
+    );
+    kcfg.client_properties =
+        sealpost_kafka::parse_properties(&cfg.kafka_client_properties).unwrap();
+    let kafka = sealpost_kafka::Kafka::connect(kcfg.clone())
+        .await
+        .expect("a Kafka-protocol broker must listen on 127.0.0.1:9092 (.ci/run starts tansu)");
+    let partitions = kafka.ensure_topic(&topic, 3).await.unwrap();
+    store::set_route(&pg, &route, &cfg.kafka_cluster, &topic)
+        .await
+        .unwrap();
+    store::set_route_partitions(
+        &pg,
+        &route,
+        sealpost_core::envelope::PartitionAlgorithm::KafkaMurmur2 { partitions },
+    )
+    .await
+    .unwrap();
+    publish(&mut pg, &kafka, &route, N).await;
+    let c = format!("api-{tag}-{}", u8::from(poison));
+    let sub = sealpost_kafka::KafkaSubscription::subscribe(&kcfg, &topic, &c).unwrap();
+    applied_once_then_purged(sub, &url, &mut pg, &c, N, poison).await;
+    let _ = kafka.delete_topic(&topic).await;
+    drop(pg);
+    drop_db(&url).await;
+}
