@@ -6,6 +6,8 @@
 //! without `--no-consumers`. The permanent-bad-message drill on each broker: the handler of
 //! one event always fails; it is sent back with the core's delay, dead-lettered at its third
 //! delivery with the database's words, the rest applied once, and the watermark passes it.
+//! The downstream-timeout drill on each broker: the handler of one event hangs past the time
+//! limit, is rolled back alone and retried, and applies once when the downstream recovers.
 //! Each test has its own database and destination.
 
 use std::time::{Duration, Instant};
@@ -234,23 +236,120 @@ async fn applied_once_then_purged<S: Subscription + 'static>(
     assert_eq!(again, ok);
 }
 
+/// The downstream-timeout drill through the library consumer: the handler of o-7 waits for a
+/// row another session holds; each try runs past the time limit and is rolled back alone
+/// (no inbox row), sent back, and applied once when the downstream recovers; then purge.
+async fn downstream_timeout<S: Subscription + 'static>(
+    sub: S,
+    url: &str,
+    pg: &mut tokio_postgres::Client,
+    consumer_id: &str,
+    n: usize,
+) {
+    pg.batch_execute(
+        "CREATE TABLE downstream (k text PRIMARY KEY);
+         INSERT INTO downstream VALUES ('o-7');
+         CREATE FUNCTION call_downstream() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+             PERFORM 1 FROM downstream WHERE k = NEW.aggregate_id FOR UPDATE;
+             RETURN NEW;
+         END $$;
+         CREATE TRIGGER call_downstream BEFORE INSERT ON api_applied
+             FOR EACH ROW EXECUTE FUNCTION call_downstream();",
+    )
+    .await
+    .unwrap();
+    let mut holder = runtime::pg_connect(url).await.unwrap();
+    let hang = holder.transaction().await.unwrap();
+    hang.execute("SELECT 1 FROM downstream WHERE k = 'o-7' FOR UPDATE", &[])
+        .await
+        .unwrap();
+    let shutdown = CancellationToken::new();
+    let mut options = Options::new(consumer_id);
+    options.effect_timeout_ms = 300;
+    options.redelivery.max_deliveries = 1_000; // the timeout drill must not dead-letter
+    options.progress_every_ms = 200;
+    let task = tokio::spawn(consumer::run(
+        sub,
+        Databases {
+            inbox_url: url.to_string(),
+            outbox_url: None,
+        },
+        options,
+        record,
+        shutdown.clone(),
+    ));
+    let count = async |pg: &tokio_postgres::Client, sql: &str| -> i64 {
+        pg.query_one(sql, &[]).await.unwrap().get(0)
+    };
+    wait_for("the others applied", Duration::from_secs(60), async || {
+        count(pg, "SELECT count(*) FROM api_applied").await == n as i64 - 1
+    })
+    .await;
+    // Retried, never recorded while it hangs.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        count(
+            pg,
+            "SELECT count(*) FROM sealpost.inbox i JOIN sealpost.outbox o USING (event_id)
+             WHERE o.aggregate_id = 'o-7'"
+        )
+        .await,
+        0,
+        "the hanging handler was rolled back with its inbox row"
+    );
+    hang.commit().await.unwrap();
+    let required = vec![consumer_id.to_string()];
+    wait_for(
+        "o-7 applied and every row purgeable",
+        Duration::from_secs(90),
+        async || {
+            let mut o = ops::PurgeOptions::new(&required, 0);
+            o.dry_run = true;
+            ops::purge(pg, &o).await.unwrap().purged == n as u64
+        },
+    )
+    .await;
+    assert_eq!(
+        count(pg, "SELECT count(DISTINCT event_id) FROM api_applied").await,
+        n as i64
+    );
+    assert_eq!(
+        count(pg, "SELECT count(*) FROM api_applied").await,
+        n as i64
+    );
+    assert_eq!(
+        count(pg, "SELECT count(*) FROM sealpost.inbox_quarantine").await,
+        0
+    );
+    shutdown.cancel();
+    task.await.unwrap().unwrap();
+    drop(holder);
+}
+
 const N: usize = 200;
 
 #[tokio::test]
 async fn nats_backlog_applied_once_reported_and_purged() {
-    nats(false).await;
+    nats(0).await;
+}
+
+#[tokio::test]
+async fn nats_downstream_timeout_rolled_back_retried_and_applied_once() {
+    nats(2).await;
 }
 
 #[tokio::test]
 async fn nats_permanent_bad_message_dead_lettered_and_passed() {
-    nats(true).await;
+    nats(1).await;
 }
 
-async fn nats(poison: bool) {
+async fn nats(mode: u8) {
+    let poison = mode == 1;
     let tag = runtime::owner_id() % 1_000_000;
-    let (url, mut pg) = fresh_db(&format!("nats_{tag}_{}", u8::from(poison))).await;
+    let (url, mut pg) = fresh_db(&format!("nats_{tag}_{}", mode)).await;
     let cfg = Config::from_env().unwrap();
-    let topic = format!("API{tag}P{}", u8::from(poison));
+    let topic = format!("API{tag}P{}", mode);
     let route = format!("r-{topic}");
     store::set_route(&pg, &route, &cfg.nats_cluster, &topic)
         .await
@@ -266,7 +365,11 @@ async fn nats(poison: bool) {
         sealpost_nats::NatsSubscription::subscribe(&nats, &topic, &c, Duration::from_secs(10))
             .await
             .unwrap();
-    applied_once_then_purged(sub, &url, &mut pg, &c, N, poison).await;
+    if mode == 2 {
+        downstream_timeout(sub, &url, &mut pg, &c, N).await;
+    } else {
+        applied_once_then_purged(sub, &url, &mut pg, &c, N, poison).await;
+    }
     let _ = nats.js.delete_stream(&topic).await;
     drop(pg);
     drop_db(&url).await;
@@ -274,19 +377,25 @@ async fn nats(poison: bool) {
 
 #[tokio::test]
 async fn rabbitmq_backlog_applied_once_reported_and_purged() {
-    rabbitmq(false).await;
+    rabbitmq(0).await;
+}
+
+#[tokio::test]
+async fn rabbitmq_downstream_timeout_rolled_back_retried_and_applied_once() {
+    rabbitmq(2).await;
 }
 
 #[tokio::test]
 async fn rabbitmq_permanent_bad_message_dead_lettered_and_passed() {
-    rabbitmq(true).await;
+    rabbitmq(1).await;
 }
 
-async fn rabbitmq(poison: bool) {
+async fn rabbitmq(mode: u8) {
+    let poison = mode == 1;
     let tag = runtime::owner_id() % 1_000_000;
-    let (url, mut pg) = fresh_db(&format!("rabbit_{tag}_{}", u8::from(poison))).await;
+    let (url, mut pg) = fresh_db(&format!("rabbit_{tag}_{}", mode)).await;
     let cfg = Config::from_env().unwrap();
-    let topic = format!("sp-api-{tag}-{}", u8::from(poison));
+    let topic = format!("sp-api-{tag}-{}", mode);
     let route = format!("r-{topic}");
     store::set_route(&pg, &route, &cfg.rabbitmq_cluster, &topic)
         .await
@@ -299,7 +408,7 @@ async fn rabbitmq(poison: bool) {
     )
     .await
     .expect("RabbitMQ must be running at 127.0.0.1:5672 (guest/guest)");
-    let c = format!("api-{tag}-{}", u8::from(poison));
+    let c = format!("api-{tag}-{}", mode);
     rabbit
         .ensure_destination(&topic, std::slice::from_ref(&c))
         .await
@@ -310,7 +419,11 @@ async fn rabbitmq(poison: bool) {
         sealpost_rabbitmq::RabbitSubscription::subscribe(&cfg.rabbitmq_url, &topic, &c, 1_000)
             .await
             .unwrap();
-    applied_once_then_purged(sub, &url, &mut pg, &c, N, poison).await;
+    if mode == 2 {
+        downstream_timeout(sub, &url, &mut pg, &c, N).await;
+    } else {
+        applied_once_then_purged(sub, &url, &mut pg, &c, N, poison).await;
+    }
     let _ = rabbit.delete_destination(&topic, &[c]).await;
     drop(pg);
     drop_db(&url).await;
@@ -318,19 +431,25 @@ async fn rabbitmq(poison: bool) {
 
 #[tokio::test]
 async fn kafka_backlog_applied_once_reported_and_purged() {
-    kafka(false).await;
+    kafka(0).await;
+}
+
+#[tokio::test]
+async fn kafka_downstream_timeout_rolled_back_retried_and_applied_once() {
+    kafka(2).await;
 }
 
 #[tokio::test]
 async fn kafka_permanent_bad_message_dead_lettered_and_passed() {
-    kafka(true).await;
+    kafka(1).await;
 }
 
-async fn kafka(poison: bool) {
+async fn kafka(mode: u8) {
+    let poison = mode == 1;
     let tag = runtime::owner_id() % 1_000_000;
-    let (url, mut pg) = fresh_db(&format!("kafka_{tag}_{}", u8::from(poison))).await;
+    let (url, mut pg) = fresh_db(&format!("kafka_{tag}_{}", mode)).await;
     let cfg = Config::from_env().unwrap();
-    let topic = format!("sp-api-{tag}-{}", u8::from(poison));
+    let topic = format!("sp-api-{tag}-{}", mode);
     let route = format!("r-{topic}");
     let mut kcfg = sealpost_kafka::KafkaConfig::new(
         &cfg.kafka_brokers,
@@ -354,9 +473,13 @@ async fn kafka(poison: bool) {
     .await
     .unwrap();
     publish(&mut pg, &kafka, &route, N).await;
-    let c = format!("api-{tag}-{}", u8::from(poison));
+    let c = format!("api-{tag}-{}", mode);
     let sub = sealpost_kafka::KafkaSubscription::subscribe(&kcfg, &topic, &c).unwrap();
-    applied_once_then_purged(sub, &url, &mut pg, &c, N, poison).await;
+    if mode == 2 {
+        downstream_timeout(sub, &url, &mut pg, &c, N).await;
+    } else {
+        applied_once_then_purged(sub, &url, &mut pg, &c, N, poison).await;
+    }
     let _ = kafka.delete_topic(&topic).await;
     drop(pg);
     drop_db(&url).await;
