@@ -6,7 +6,8 @@
 //! without `--no-consumers`. The permanent-bad-message drill on each broker: the handler of
 //! one event always fails; it is sent back with the core's delay, dead-lettered at its third
 //! delivery with the database's words, the rest applied once, and the watermark passes it.
-//! The downstream-timeout drill on each broker: the handler of one event hangs past the time
+//! The hot-key drill on each broker: 80% of the events on one aggregate, two instances of one
+//! consumer, each event applied once. The downstream-timeout drill on each broker: the handler of one event hangs past the time
 //! limit, is rolled back alone and retried, and applies once when the downstream recovers.
 //! Each test has its own database and destination.
 
@@ -87,8 +88,17 @@ async fn publish<B: Broker>(
     broker: &B,
     route: &str,
     n: usize,
+    hot: bool,
 ) -> Vec<sealpost_core::Receipt> {
-    let keys: Vec<String> = (0..n).map(|i| format!("o-{i}")).collect();
+    let keys: Vec<String> = (0..n)
+        .map(|i| {
+            if hot && i % 5 != 0 {
+                "o-hot".to_string()
+            } else {
+                format!("o-{i}")
+            }
+        })
+        .collect();
     let events = sealpost_cli::demo::order_batch(&keys, br#"{"order_id":"api"}"#);
     let tx = pg.transaction().await.unwrap();
     store::enqueue_many(&tx, route, &events).await.unwrap();
@@ -327,6 +337,62 @@ async fn downstream_timeout<S: Subscription + 'static>(
     drop(holder);
 }
 
+/// The hot-key drill through the library consumer: 80% of the events on one aggregate,
+/// consumed by two instances of one consumer; every event applied once.
+async fn hot_key<S: Subscription + 'static>(
+    subs: [S; 2],
+    url: &str,
+    pg: &tokio_postgres::Client,
+    consumer_id: &str,
+    n: usize,
+) {
+    let shutdown = CancellationToken::new();
+    let tasks: Vec<_> = subs
+        .into_iter()
+        .map(|sub| {
+            tokio::spawn(consumer::run(
+                sub,
+                Databases {
+                    inbox_url: url.to_string(),
+                    outbox_url: None,
+                },
+                Options::new(consumer_id),
+                record,
+                shutdown.clone(),
+            ))
+        })
+        .collect();
+    wait_for("every event applied", Duration::from_secs(90), async || {
+        let r: i64 = pg
+            .query_one("SELECT count(DISTINCT event_id) FROM api_applied", &[])
+            .await
+            .unwrap()
+            .get(0);
+        r == n as i64
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    shutdown.cancel();
+    for t in tasks {
+        t.await.unwrap().unwrap();
+    }
+    let r = pg
+        .query_one(
+            "SELECT count(*), count(DISTINCT event_id),
+                    count(*) FILTER (WHERE aggregate_id = 'o-hot')
+             FROM api_applied",
+            &[],
+        )
+        .await
+        .unwrap();
+    let hot = (0..n).filter(|i| i % 5 != 0).count() as i64;
+    assert_eq!(
+        (r.get::<_, i64>(0), r.get::<_, i64>(1), r.get::<_, i64>(2)),
+        (n as i64, n as i64, hot),
+        "each event applied once, the hot aggregate's too"
+    );
+}
+
 const N: usize = 200;
 
 #[tokio::test]
@@ -337,6 +403,11 @@ async fn nats_backlog_applied_once_reported_and_purged() {
 #[tokio::test]
 async fn nats_downstream_timeout_rolled_back_retried_and_applied_once() {
     nats(2).await;
+}
+
+#[tokio::test]
+async fn nats_hot_key_two_instances_apply_each_event_once() {
+    nats(3).await;
 }
 
 #[tokio::test]
@@ -359,13 +430,19 @@ async fn nats(mode: u8) {
             .await
             .unwrap();
     nats.ensure_stream(&topic).await.unwrap();
-    publish(&mut pg, &nats, &route, N).await;
+    publish(&mut pg, &nats, &route, N, mode == 3).await;
     let c = format!("api-{topic}");
     let sub =
         sealpost_nats::NatsSubscription::subscribe(&nats, &topic, &c, Duration::from_secs(10))
             .await
             .unwrap();
-    if mode == 2 {
+    if mode == 3 {
+        let second =
+            sealpost_nats::NatsSubscription::subscribe(&nats, &topic, &c, Duration::from_secs(2))
+                .await
+                .unwrap();
+        hot_key([sub, second], &url, &pg, &c, N).await;
+    } else if mode == 2 {
         downstream_timeout(sub, &url, &mut pg, &c, N).await;
     } else {
         applied_once_then_purged(sub, &url, &mut pg, &c, N, poison).await;
@@ -383,6 +460,11 @@ async fn rabbitmq_backlog_applied_once_reported_and_purged() {
 #[tokio::test]
 async fn rabbitmq_downstream_timeout_rolled_back_retried_and_applied_once() {
     rabbitmq(2).await;
+}
+
+#[tokio::test]
+async fn rabbitmq_hot_key_two_instances_apply_each_event_once() {
+    rabbitmq(3).await;
 }
 
 #[tokio::test]
@@ -413,13 +495,19 @@ async fn rabbitmq(mode: u8) {
         .ensure_destination(&topic, std::slice::from_ref(&c))
         .await
         .unwrap();
-    publish(&mut pg, &rabbit, &route, N).await;
+    publish(&mut pg, &rabbit, &route, N, mode == 3).await;
     // The test's dispatcher sends at once: a settle time of 1 s covers it.
     let sub =
         sealpost_rabbitmq::RabbitSubscription::subscribe(&cfg.rabbitmq_url, &topic, &c, 1_000)
             .await
             .unwrap();
-    if mode == 2 {
+    if mode == 3 {
+        let second =
+            sealpost_rabbitmq::RabbitSubscription::subscribe(&cfg.rabbitmq_url, &topic, &c, 1_000)
+                .await
+                .unwrap();
+        hot_key([sub, second], &url, &pg, &c, N).await;
+    } else if mode == 2 {
         downstream_timeout(sub, &url, &mut pg, &c, N).await;
     } else {
         applied_once_then_purged(sub, &url, &mut pg, &c, N, poison).await;
@@ -437,6 +525,11 @@ async fn kafka_backlog_applied_once_reported_and_purged() {
 #[tokio::test]
 async fn kafka_downstream_timeout_rolled_back_retried_and_applied_once() {
     kafka(2).await;
+}
+
+#[tokio::test]
+async fn kafka_hot_key_two_instances_apply_each_event_once() {
+    kafka(3).await;
 }
 
 #[tokio::test]
@@ -472,10 +565,13 @@ async fn kafka(mode: u8) {
     )
     .await
     .unwrap();
-    publish(&mut pg, &kafka, &route, N).await;
+    publish(&mut pg, &kafka, &route, N, mode == 3).await;
     let c = format!("api-{tag}-{}", mode);
     let sub = sealpost_kafka::KafkaSubscription::subscribe(&kcfg, &topic, &c).unwrap();
-    if mode == 2 {
+    if mode == 3 {
+        let second = sealpost_kafka::KafkaSubscription::subscribe(&kcfg, &topic, &c).unwrap();
+        hot_key([sub, second], &url, &pg, &c, N).await;
+    } else if mode == 2 {
         downstream_timeout(sub, &url, &mut pg, &c, N).await;
     } else {
         applied_once_then_purged(sub, &url, &mut pg, &c, N, poison).await;
