@@ -344,7 +344,7 @@ async fn dispatcher_killed_between_send_and_receipt_is_resolved_by_the_partition
         streams: Vec::new(),
         scan_max: 0,
     };
-    let report = sealpost_cli::ops::reconcile(&d.pg, None, &opts)
+    let report = sealpost_cli::ops::reconcile(&d.pg, None::<&sealpost::ops::NoScan>, &opts)
         .await
         .unwrap();
     assert!(report.findings.is_empty(), "{:?}", report.findings);

@@ -853,7 +853,7 @@ async fn an_acknowledged_message_lost_at_the_broker_is_a_finding() {
     assert!(c.missing.load(Ordering::Relaxed) >= 3);
     let report = sealpost_cli::ops::reconcile(
         &pg,
-        None,
+        None::<&sealpost::ops::NoScan>,
         &sealpost_cli::ops::ReconcileOptions {
             pending_age_s: 3_600,
             unconsumed_age_s: 3_600,

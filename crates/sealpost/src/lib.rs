@@ -6,6 +6,7 @@
 
 pub mod inbox;
 pub mod observe;
+pub mod ops;
 pub mod runtime;
 #[cfg(feature = "sqlx")]
 pub mod sqlx_store;
