@@ -66,11 +66,14 @@ pub fn parse_message(text: &str, e: &toml::de::Error) -> String {
     let column = text[line_start..start].chars().count() + 1;
     let line_text = text[line_start..].lines().next().unwrap_or("");
     // The key of a `key = value` line: bare keys only (a quoted key is not shown).
-    let key = line_text.split_once('=').map(|(k, _)| k.trim()).filter(|k| {
-        !k.is_empty()
-            && k.chars()
-                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'))
-    });
+    let key = line_text
+        .split_once('=')
+        .map(|(k, _)| k.trim())
+        .filter(|k| {
+            !k.is_empty()
+                && k.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'))
+        });
     match key {
         Some(k) => format!("line {line}, column {column} (key `{k}`): {words}"),
         None => format!("line {line}, column {column}: {words}"),

@@ -90,7 +90,10 @@ impl std::fmt::Debug for ServeArgs {
             .field("http", &self.http)
             .field(
                 "operator_token",
-                &self.operator_token.as_ref().map(|_| sealpost::secret::REDACTED),
+                &self
+                    .operator_token
+                    .as_ref()
+                    .map(|_| sealpost::secret::REDACTED),
             )
             .field("operator_token_file", &self.operator_token_file)
             .field("sample_ms", &self.sample_ms)

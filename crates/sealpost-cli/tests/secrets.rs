@@ -211,7 +211,8 @@ fn wait_listening(what: &str, port: u16, child: &mut Child) {
 fn http(port: u16, method: &str, path: &str, headers: &[(&str, &str)], body: &str) -> String {
     let mut s = TcpStream::connect(("127.0.0.1", port)).expect("connect");
     s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-    let mut req = format!("{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n");
+    let mut req =
+        format!("{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n");
     for (k, v) in headers {
         req.push_str(&format!("{k}: {v}\r\n"));
     }
@@ -226,7 +227,10 @@ fn http(port: u16, method: &str, path: &str, headers: &[(&str, &str)], body: &st
 fn fetch_serve(port: u16) -> Vec<(String, String)> {
     let json = [("Content-Type", "application/json")];
     let bearer = format!("Bearer {TOKEN}");
-    let with_token = [("Content-Type", "application/json"), ("Authorization", bearer.as_str())];
+    let with_token = [
+        ("Content-Type", "application/json"),
+        ("Authorization", bearer.as_str()),
+    ];
     let wrong = [
         ("Content-Type", "application/json"),
         ("Authorization", "Bearer wrong-token"),
@@ -319,7 +323,13 @@ async fn a_closed_port_shows_the_cause_and_never_the_password() {
             ("dispatch", args(&["dispatch", "--metrics-addr", &metrics])),
             (
                 "consume",
-                args(&["consume", "--consumer", "sealpost_secrets_c", "--topic", "SECRETSNONE"]),
+                args(&[
+                    "consume",
+                    "--consumer",
+                    "sealpost_secrets_c",
+                    "--topic",
+                    "SECRETSNONE",
+                ]),
             ),
             (
                 "serve",
@@ -329,7 +339,10 @@ async fn a_closed_port_shows_the_cause_and_never_the_password() {
         ] {
             let name = format!("{form}-{name}");
             let out = g.run(&name, &a, &env);
-            assert!(!out.status.success(), "sealpost {name} succeeded without a database");
+            assert!(
+                !out.status.success(),
+                "sealpost {name} succeeded without a database"
+            );
         }
     }
     let outputs = g.outputs();
@@ -343,12 +356,19 @@ async fn a_closed_port_shows_the_cause_and_never_the_password() {
                 "{what} does not name the cause:\n{text}"
             );
             // Still useful: the server and the user are there.
-            assert!(text.contains(&format!("{port}")) && text.contains(user), "{what}:\n{text}");
+            assert!(
+                text.contains(&format!("{port}")) && text.contains(user),
+                "{what}:\n{text}"
+            );
         }
     }
     // The key=value form shows where the password was.
     assert!(any_has(&outputs, "kv-status", "password=***"));
-    assert!(any_has(&outputs, "url-status", &format!("{user}:***@127.0.0.1:{port}")));
+    assert!(any_has(
+        &outputs,
+        "url-status",
+        &format!("{user}:***@127.0.0.1:{port}")
+    ));
 
     // A secret file that cannot be read is named, with the key that named it.
     let missing = g.dir.join("no-such-file");
@@ -399,9 +419,7 @@ async fn a_database_cut_mid_run_shows_the_cause_and_never_the_password() {
         .expect("PostgreSQL must be running");
     g.role = Some(role.clone());
     admin
-        .batch_execute(&format!(
-            "CREATE ROLE {role} LOGIN PASSWORD '{PASSWORD}'"
-        ))
+        .batch_execute(&format!("CREATE ROLE {role} LOGIN PASSWORD '{PASSWORD}'"))
         .await
         .expect("create the role");
     g.db = Some(db.clone());
@@ -464,12 +482,23 @@ async fn a_database_cut_mid_run_shows_the_cause_and_never_the_password() {
         &[
             ("DATABASE_URL", without.clone()),
             ("DATABASE_PASSWORD_FILE", pw_file.display().to_string()),
-            ("SEALPOST_OPERATOR_TOKEN_FILE", token_file.display().to_string()),
+            (
+                "SEALPOST_OPERATOR_TOKEN_FILE",
+                token_file.display().to_string(),
+            ),
         ],
     );
     wait_listening("sealpost serve", serve_port, g.child("serve"));
-    wait_listening("sealpost dispatch /metrics", dispatch_metrics, g.child("dispatch"));
-    wait_listening("sealpost consume /metrics", consume_metrics, g.child("consume"));
+    wait_listening(
+        "sealpost dispatch /metrics",
+        dispatch_metrics,
+        g.child("dispatch"),
+    );
+    wait_listening(
+        "sealpost consume /metrics",
+        consume_metrics,
+        g.child("consume"),
+    );
     tokio::time::sleep(Duration::from_secs(2)).await;
 
     // Healthy: every endpoint answers, and the token from the file is the one accepted.
@@ -483,7 +512,11 @@ async fn a_database_cut_mid_run_shows_the_cause_and_never_the_password() {
         http(consume_metrics, "GET", "/metrics", &[], ""),
     ));
     let healthy = |what: &str| before.iter().find(|(w, _)| w == what).unwrap().1.clone();
-    assert!(healthy("GET /api/status").starts_with("HTTP/1.1 200"), "{}", healthy("GET /api/status"));
+    assert!(
+        healthy("GET /api/status").starts_with("HTTP/1.1 200"),
+        "{}",
+        healthy("GET /api/status")
+    );
     assert!(
         healthy("POST /api/release (the token)").starts_with("HTTP/1.1 404"),
         "the token from the file is refused: {}",

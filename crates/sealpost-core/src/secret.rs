@@ -80,7 +80,9 @@ fn redact_one_url(unit: &str) -> String {
             let host_end = rest[first_at..]
                 .find(['/', '?', '#'])
                 .map_or(rest.len(), |i| first_at + i);
-            let last_at = rest[..host_end].rfind('@').expect("first_at is before host_end");
+            let last_at = rest[..host_end]
+                .rfind('@')
+                .expect("first_at is before host_end");
             let userinfo = &rest[..last_at];
             match userinfo.split_once(':') {
                 Some((user, _)) => {
@@ -88,7 +90,11 @@ fn redact_one_url(unit: &str) -> String {
                     out.push(':');
                     out.push_str(REDACTED);
                 }
-                None if matches!(scheme.as_str(), "postgres" | "postgresql" | "amqp" | "amqps") => {
+                None if matches!(
+                    scheme.as_str(),
+                    "postgres" | "postgresql" | "amqp" | "amqps"
+                ) =>
+                {
                     out.push_str(userinfo)
                 }
                 None => out.push_str(REDACTED),

@@ -748,7 +748,10 @@ mod tests {
             parse_properties("sasl.username=app,sasl.password=hunter2,ssl.key.password=k3y")
                 .unwrap();
         let debug = format!("{cfg:?}");
-        assert!(!debug.contains("hunter2") && !debug.contains("k3y"), "{debug}");
+        assert!(
+            !debug.contains("hunter2") && !debug.contains("k3y"),
+            "{debug}"
+        );
         assert!(debug.contains("\"sasl.username\", \"app\""), "{debug}");
         assert_eq!(
             scrub_secrets("Invalid value \"hunter2\" for \"sasl.password\"", &cfg),

@@ -261,7 +261,10 @@ impl fmt::Debug for Config {
             .field("consumer_max_deliveries", consumer_max_deliveries)
             .field("consumer_effect_timeout_ms", consumer_effect_timeout_ms)
             .field("consumer_progress_every_ms", consumer_progress_every_ms)
-            .field("outbox_database_url", &secret::redact_dsn(outbox_database_url))
+            .field(
+                "outbox_database_url",
+                &secret::redact_dsn(outbox_database_url),
+            )
             .field("required_consumers", required_consumers)
             .field("broker", broker)
             .field("rabbitmq_url", &secret::redact_url(rabbitmq_url))

@@ -9,9 +9,7 @@
 
 use std::path::{Path, PathBuf};
 
-pub use sealpost_core::secret::{
-    is_secret_key, redact_properties, redact_url, scrub, REDACTED,
-};
+pub use sealpost_core::secret::{is_secret_key, redact_properties, redact_url, scrub, REDACTED};
 
 /// What [`redact_dsn`] prints for a string it cannot tokenize (so it cannot tell where a
 /// password ends).
@@ -245,10 +243,7 @@ mod tests {
             "host=h sslpassword=k3y sslkey=/etc/key.pem",
             "host=h sslpassword=*** sslkey=/etc/key.pem",
         );
-        dsn(
-            "host=h password='user=x host=y'",
-            "host=h password=***",
-        );
+        dsn("host=h password='user=x host=y'", "host=h password=***");
         // No password at all: unchanged (whitespace normalised).
         dsn(
             "host=127.0.0.1   user=postgres dbname=test",
@@ -318,7 +313,10 @@ mod tests {
         let e = read_secret_file("database_password_file", &f)
             .unwrap_err()
             .to_string();
-        assert!(e.contains("database_password_file") && e.contains("empty"), "{e}");
+        assert!(
+            e.contains("database_password_file") && e.contains("empty"),
+            "{e}"
+        );
         let missing = dir.join("missing");
         let e = read_secret_file("database_password_file", &missing)
             .unwrap_err()
