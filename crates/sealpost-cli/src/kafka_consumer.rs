@@ -105,10 +105,22 @@ fn subscribe(cfg: &Config, consumer_id: &str, topic: &str) -> Result<StreamConsu
             "config key `kafka_client_properties` (or KAFKA_CLIENT_PROPERTIES): {e}"
         )))
     })?;
+    // librdkafka quotes a value it refuses: its words lose the secret properties' values.
+    let secrets: Vec<String> = props
+        .iter()
+        .filter(|(k, _)| sealpost::secret::is_secret_key(k))
+        .map(|(_, v)| v.clone())
+        .collect();
     for (k, v) in props {
         cc.set(k, v);
     }
-    let c: StreamConsumer = cc.create().map_err(RunError::broker)?;
+    let c: StreamConsumer = cc.create().map_err(|e| {
+        let secrets: Vec<&str> = secrets.iter().map(String::as_str).collect();
+        RunError::broker(std::io::Error::other(format!(
+            "cannot create the Kafka consumer: {}",
+            sealpost::secret::scrub(&e.to_string(), &secrets)
+        )))
+    })?;
     c.subscribe(&[topic]).map_err(RunError::broker)?;
     Ok(c)
 }

@@ -53,9 +53,7 @@ async fn subscribe(
     let url = &cfg.rabbitmq_url;
     let connect = |source| {
         RunError::broker(RabbitError::Connect {
-            url: url
-                .rsplit_once('@')
-                .map_or(url.clone(), |(_, h)| h.to_string()),
+            url: sealpost::secret::redact_url(url),
             source,
         })
     };

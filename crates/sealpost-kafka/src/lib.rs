@@ -89,10 +89,13 @@ pub const DEADLINE_MARGIN: Duration = Duration::from_millis(1_500);
 #[derive(Debug, thiserror::Error)]
 pub enum KafkaAdapterError {
     /// The client could not be created or the cluster did not answer.
-    #[error("cannot connect to Kafka at {brokers}: {source}; is the broker running and `kafka_brokers` right (host:port[,host:port])?")]
+    #[error("cannot connect to Kafka at {brokers}: {cause}; is the broker running and `kafka_brokers` right (host:port[,host:port])?")]
     Connect {
         /// Bootstrap servers tried.
         brokers: String,
+        /// The cause as librdkafka words it, with the values of the secret client properties
+        /// scrubbed (librdkafka quotes a value it refuses).
+        cause: String,
         /// Cause.
         source: KafkaError,
     },
@@ -106,8 +109,9 @@ pub enum KafkaAdapterError {
     },
 }
 
-/// Settings of the adapter.
-#[derive(Clone, Debug)]
+/// Settings of the adapter. Its `Debug` shows the client properties with their secrets
+/// (`sasl.password`, ...) redacted.
+#[derive(Clone)]
 pub struct KafkaConfig {
     /// Bootstrap servers, `host:port[,host:port]`.
     pub brokers: String,
@@ -124,6 +128,32 @@ pub struct KafkaConfig {
     /// librdkafka properties set on every client this adapter creates, after its own (e.g.
     /// `security.protocol`, or `batch.num.messages=1` for tansu 0.6, see docs/operations.md).
     pub client_properties: Vec<(String, String)>,
+}
+
+impl std::fmt::Debug for KafkaConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let properties: Vec<(&str, &str)> = self
+            .client_properties
+            .iter()
+            .map(|(k, v)| {
+                let shown = if sealpost_core::secret::is_secret_key(k) {
+                    sealpost_core::secret::REDACTED
+                } else {
+                    v.as_str()
+                };
+                (k.as_str(), shown)
+            })
+            .collect();
+        f.debug_struct("KafkaConfig")
+            .field("brokers", &self.brokers)
+            .field("cluster", &self.cluster)
+            .field("ack_timeout", &self.ack_timeout)
+            .field("lookup_clock_margin_ms", &self.lookup_clock_margin_ms)
+            .field("lookup_scan_max", &self.lookup_scan_max)
+            .field("client_id", &self.client_id)
+            .field("client_properties", &properties)
+            .finish()
+    }
 }
 
 impl KafkaConfig {
@@ -178,16 +208,35 @@ fn with_properties(mut c: ClientConfig, cfg: &KafkaConfig) -> ClientConfig {
     c
 }
 
-/// Parses `key=value[,key=value]` (the `KAFKA_CLIENT_PROPERTIES` form).
+/// `text` with the value of every secret client property (`sasl.password`, ...,
+/// [`sealpost_core::secret::is_secret_key`]) replaced.
+fn scrub_secrets(text: &str, cfg: &KafkaConfig) -> String {
+    let secrets: Vec<&str> = cfg
+        .client_properties
+        .iter()
+        .filter(|(k, _)| sealpost_core::secret::is_secret_key(k))
+        .map(|(_, v)| v.as_str())
+        .collect();
+    sealpost_core::secret::scrub(text, &secrets)
+}
+
+/// Parses `key=value[,key=value]` (the `KAFKA_CLIENT_PROPERTIES` form). An error names the
+/// entry by its position and never quotes it: it could be part of a password.
 pub fn parse_properties(s: &str) -> Result<Vec<(String, String)>, String> {
     s.split(',')
         .map(str::trim)
         .filter(|p| !p.is_empty())
-        .map(|p| {
+        .enumerate()
+        .map(|(i, p)| {
             p.split_once('=')
                 .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
                 .filter(|(k, _)| !k.is_empty())
-                .ok_or_else(|| format!("`{p}`: expected key=value"))
+                .ok_or_else(|| {
+                    format!(
+                        "entry {} is not key=value (entries are comma-separated, so a value cannot hold a comma)",
+                        i + 1
+                    )
+                })
         })
         .collect()
 }
@@ -203,12 +252,13 @@ fn topology(what: impl Into<String>) -> impl FnOnce(KafkaError) -> KafkaAdapterE
 impl Kafka {
     /// Creates the producer and checks that the cluster answers a metadata request.
     pub async fn connect(cfg: KafkaConfig) -> Result<Kafka, KafkaAdapterError> {
-        let producer = new_producer(&cfg).map_err(|source| KafkaAdapterError::Connect {
-            brokers: cfg.brokers.clone(),
+        let connect = |source: KafkaError| KafkaAdapterError::Connect {
+            brokers: sealpost_core::secret::redact_url(&cfg.brokers),
+            cause: scrub_secrets(&source.to_string(), &cfg),
             source,
-        })?;
+        };
+        let producer = new_producer(&cfg).map_err(connect)?;
         let p = producer.clone();
-        let brokers = cfg.brokers.clone();
         tokio::task::spawn_blocking(move || {
             p.client().fetch_metadata(None, Duration::from_secs(10))
         })
@@ -217,7 +267,7 @@ impl Kafka {
             what: "checking the connection".into(),
             detail: e.to_string(),
         })?
-        .map_err(|source| KafkaAdapterError::Connect { brokers, source })?;
+        .map_err(connect)?;
         Ok(Kafka {
             cfg,
             producer: std::sync::Arc::new(std::sync::RwLock::new(producer)),
@@ -686,5 +736,26 @@ mod tests {
         let mut v4 = id;
         v4.0[6] = 0x40 | (v4.0[6] & 0x0f);
         assert_eq!(event_id_unix_ms(v4), None);
+    }
+
+    #[test]
+    fn properties_errors_and_debug_never_show_a_secret() {
+        // A password holding a comma leaves a piece without `=`: named by position only.
+        let e = parse_properties("sasl.username=app,sasl.password=hun,ter2").unwrap_err();
+        assert!(e.contains("entry 3") && !e.contains("ter2"), "{e}");
+        let mut cfg = KafkaConfig::new("127.0.0.1:9092", "k", Duration::from_secs(5));
+        cfg.client_properties =
+            parse_properties("sasl.username=app,sasl.password=hunter2,ssl.key.password=k3y")
+                .unwrap();
+        let debug = format!("{cfg:?}");
+        assert!(
+            !debug.contains("hunter2") && !debug.contains("k3y"),
+            "{debug}"
+        );
+        assert!(debug.contains("\"sasl.username\", \"app\""), "{debug}");
+        assert_eq!(
+            scrub_secrets("Invalid value \"hunter2\" for \"sasl.password\"", &cfg),
+            "Invalid value \"***\" for \"sasl.password\""
+        );
     }
 }

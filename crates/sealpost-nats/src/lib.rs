@@ -96,7 +96,8 @@ pub enum NatsError {
     /// Could not connect.
     #[error("cannot connect to NATS at {url}: {source}; {hint}")]
     Connect {
-        /// URL tried.
+        /// URL tried, without its password or token
+        /// ([`sealpost_core::secret::redact_url`]).
         url: String,
         /// Cause.
         source: async_nats::ConnectError,
@@ -332,7 +333,7 @@ impl Nats {
             .connect(server_urls(url))
             .await
             .map_err(|source| NatsError::Connect {
-                url: url.to_string(),
+                url: sealpost_core::secret::redact_url(url),
                 hint: options.hint(&source),
                 source,
             })?;

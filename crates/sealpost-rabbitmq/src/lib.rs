@@ -91,7 +91,7 @@ pub enum RabbitError {
     /// Could not connect or open a channel.
     #[error("cannot connect to RabbitMQ at {url}: {source}; is rabbitmq-server running, and are the URL's user, password and vhost right?")]
     Connect {
-        /// URL tried (password removed).
+        /// URL tried, without its password ([`sealpost_core::secret::redact_url`]).
         url: String,
         /// Cause.
         source: lapin::Error,
@@ -109,20 +109,6 @@ pub enum RabbitError {
 /// The quorum queue of `consumer` on exchange `topic`.
 pub fn queue_name(topic: &str, consumer: &str) -> String {
     format!("{topic}.{consumer}")
-}
-
-/// `url` without its password, for messages.
-fn redact(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(s), Some(at)) if at > s => {
-            let cred = &url[s + 3..at];
-            match cred.split_once(':') {
-                Some((user, _)) => format!("{}{user}:***{}", &url[..s + 3], &url[at..]),
-                None => url.to_string(),
-            }
-        }
-        _ => url.to_string(),
-    }
 }
 
 /// One open connection and its publishing channel (publisher confirms on).
@@ -147,7 +133,7 @@ pub struct Rabbit {
 
 async fn open(url: &str, name: &str) -> Result<Link, RabbitError> {
     let err = |source| RabbitError::Connect {
-        url: redact(url),
+        url: sealpost_core::secret::redact_url(url),
         source,
     };
     let conn = Connection::connect(
@@ -717,11 +703,18 @@ mod tests {
 
     #[test]
     fn passwords_stay_out_of_messages() {
+        use sealpost_core::secret::redact_url as redact;
         assert_eq!(
             redact("amqp://guest:secret@127.0.0.1:5672/%2f"),
             "amqp://guest:***@127.0.0.1:5672/%2f"
         );
         assert_eq!(redact("amqp://127.0.0.1"), "amqp://127.0.0.1");
+        // An unencoded `@` in the password (the old rule kept the user and cut at the last
+        // `@`; this one too, but it also covers an unencoded `/`).
+        assert_eq!(
+            redact("amqp://guest:se/cr@t@127.0.0.1/%2f"),
+            "amqp://guest:***@127.0.0.1/%2f"
+        );
     }
 
     #[test]
