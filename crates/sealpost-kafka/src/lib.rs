@@ -183,6 +183,9 @@ pub fn is_secret(key: &str) -> bool {
 
 /// The properties with the SASL password read from `sasl_password_file` (if given) added as
 /// `sasl.password`. Errors name the file, never its contents.
+// `KafkaAdapterError` carries rdkafka's error; this runs once per connect, where the size of
+// an error costs nothing.
+#[allow(clippy::result_large_err)]
 pub fn with_secrets(
     properties: &[(String, String)],
     sasl_password_file: Option<&Path>,

@@ -11,6 +11,10 @@
 //! the system's bundle (e.g. `/etc/ssl/certs/ca-certificates.crt`). The certificate must name
 //! the URL's host.
 
+// `RabbitError` carries lapin's error (over 100 bytes); these functions run once per connect,
+// where the size of an error costs nothing.
+#![allow(clippy::result_large_err)]
+
 use std::path::{Path, PathBuf};
 
 use lapin::tcp::{OwnedIdentity, OwnedTLSConfig};
