@@ -214,4 +214,39 @@ mod tests {
         );
         let _ = std::fs::remove_dir_all(&dir);
     }
+
+    #[test]
+    fn rabbitmq_and_kafka_tls_and_credential_keys_are_read() {
+        use sealpost_rabbitmq::RabbitOptions;
+        let dir = std::env::temp_dir().join(format!("sealpost-config-tls-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("tls.toml");
+        std::fs::write(
+            &file,
+            "rabbitmq_url = \"amqps://app@mq.example.com/%2f\"\n\
+             rabbitmq_tls_ca_file = \"/etc/sealpost/mq-ca.pem\"\n\
+             rabbitmq_tls_cert_file = \"/etc/sealpost/mq-client.pem\"\n\
+             rabbitmq_tls_key_file = \"/etc/sealpost/mq-client.key\"\n\
+             rabbitmq_password_file = \"/etc/sealpost/mq-password\"\n\
+             kafka_sasl_password_file = \"/etc/sealpost/kafka-password\"\n",
+        )
+        .unwrap();
+        let c = load(Some(file.to_str().unwrap())).unwrap();
+        assert_eq!(
+            crate::brokers::rabbitmq_options(&c),
+            RabbitOptions {
+                tls_ca_file: Some("/etc/sealpost/mq-ca.pem".into()),
+                tls_cert_file: Some("/etc/sealpost/mq-client.pem".into()),
+                tls_key_file: Some("/etc/sealpost/mq-client.key".into()),
+                password_file: Some("/etc/sealpost/mq-password".into()),
+            }
+        );
+        assert_eq!(c.kafka_sasl_password_file, "/etc/sealpost/kafka-password");
+        // Nothing configured: what `Rabbit::connect` always did.
+        assert_eq!(
+            crate::brokers::rabbitmq_options(&Config::default()),
+            RabbitOptions::default()
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

@@ -105,22 +105,12 @@ fn subscribe(cfg: &Config, consumer_id: &str, topic: &str) -> Result<StreamConsu
             "config key `kafka_client_properties` (or KAFKA_CLIENT_PROPERTIES): {e}"
         )))
     })?;
-    // librdkafka quotes a value it refuses: its words lose the secret properties' values.
-    let secrets: Vec<String> = props
-        .iter()
-        .filter(|(k, _)| sealpost::secret::is_secret_key(k))
-        .map(|(_, v)| v.clone())
-        .collect();
-    for (k, v) in props {
+    let password_file = (!cfg.kafka_sasl_password_file.is_empty())
+        .then(|| std::path::Path::new(&cfg.kafka_sasl_password_file));
+    for (k, v) in sealpost_kafka::with_secrets(&props, password_file).map_err(RunError::broker)? {
         cc.set(k, v);
     }
-    let c: StreamConsumer = cc.create().map_err(|e| {
-        let secrets: Vec<&str> = secrets.iter().map(String::as_str).collect();
-        RunError::broker(std::io::Error::other(format!(
-            "cannot create the Kafka consumer: {}",
-            sealpost::secret::scrub(&e.to_string(), &secrets)
-        )))
-    })?;
+    let c: StreamConsumer = sealpost_kafka::create_client(&cc).map_err(RunError::broker)?;
     c.subscribe(&[topic]).map_err(RunError::broker)?;
     Ok(c)
 }

@@ -50,23 +50,20 @@ async fn subscribe(
     consumer_id: &str,
     topic: &str,
 ) -> Result<(Connection, lapin::Consumer), RunError> {
-    let url = &cfg.rabbitmq_url;
-    let connect = |source| {
-        RunError::broker(RabbitError::Connect {
-            url: sealpost::secret::redact_url(url),
-            source,
-        })
-    };
     let name = format!("sealpost-consume-{consumer_id}-{}", std::process::id());
-    let conn = Connection::connect(
-        url,
+    let conn = sealpost_rabbitmq::open_connection(
+        &cfg.rabbitmq_url,
+        &crate::brokers::rabbitmq_options(cfg),
         ConnectionProperties::default().with_connection_name(LongString::from(name)),
     )
     .await
-    .map_err(connect)?;
-    let ch = conn.create_channel().await.map_err(connect)?;
+    .map_err(RunError::broker)?;
     let topo =
         |what: String| move |source| RunError::broker(RabbitError::Topology { what, source });
+    let ch = conn
+        .create_channel()
+        .await
+        .map_err(topo("opening a channel".into()))?;
     ch.exchange_declare(
         topic.into(),
         ExchangeKind::Topic,

@@ -114,6 +114,16 @@ pub struct Config {
     pub rabbitmq_url: String,
     /// Cluster identity of the RabbitMQ connection (frozen into destinations).
     pub rabbitmq_cluster: String,
+    /// PEM file of the CA that signs the RabbitMQ broker's certificate; required by an
+    /// `amqps://` URL, and the only CA trusted.
+    pub rabbitmq_tls_ca_file: String,
+    /// PEM client certificate for a broker that verifies its peers (with
+    /// `rabbitmq_tls_key_file`).
+    pub rabbitmq_tls_cert_file: String,
+    /// PEM private key of `rabbitmq_tls_cert_file`.
+    pub rabbitmq_tls_key_file: String,
+    /// File holding the password of the `rabbitmq_url`'s user (the URL then has none).
+    pub rabbitmq_password_file: String,
     /// Kafka bootstrap servers, `host:port[,host:port]` (`KAFKA_BROKERS` overrides it).
     pub kafka_brokers: String,
     /// Cluster identity of the Kafka connection (frozen into destinations).
@@ -129,6 +139,8 @@ pub struct Config {
     /// librdkafka properties for every Kafka client, `key=value[,key=value]`
     /// (`KAFKA_CLIENT_PROPERTIES` overrides it).
     pub kafka_client_properties: String,
+    /// File holding the SASL password (librdkafka's `sasl.password`), read at connect.
+    pub kafka_sasl_password_file: String,
 }
 
 impl Default for Config {
@@ -170,12 +182,17 @@ impl Default for Config {
             broker: "nats".to_string(),
             rabbitmq_url: "amqp://guest:guest@127.0.0.1:5672/%2f".to_string(),
             rabbitmq_cluster: "rabbitmq-local".to_string(),
+            rabbitmq_tls_ca_file: String::new(),
+            rabbitmq_tls_cert_file: String::new(),
+            rabbitmq_tls_key_file: String::new(),
+            rabbitmq_password_file: String::new(),
             kafka_brokers: "127.0.0.1:9092".to_string(),
             kafka_cluster: "kafka-local".to_string(),
             kafka_partitions: 6,
             kafka_lookup_clock_margin_ms: 60_000,
             kafka_lookup_scan_max: 1_000_000,
             kafka_client_properties: String::new(),
+            kafka_sasl_password_file: String::new(),
         }
     }
 }
@@ -302,7 +319,10 @@ pub enum ConfigError {
 impl Config {
     /// Applies `DATABASE_URL` and `NATS_URL` (and `NATS_TLS_CA_FILE`, `NATS_TLS_CERT_FILE`,
     /// `NATS_TLS_KEY_FILE`, `NATS_REQUIRE_TLS`, `NATS_CREDS_FILE`, `NATS_NKEY_SEED_FILE`,
-    /// `NATS_USER`, `NATS_PASSWORD_FILE`, `NATS_TOKEN_FILE`, ...) from the environment, when
+    /// `NATS_USER`, `NATS_PASSWORD_FILE`, `NATS_TOKEN_FILE`, `RABBITMQ_URL`,
+    /// `RABBITMQ_TLS_CA_FILE`, `RABBITMQ_TLS_CERT_FILE`, `RABBITMQ_TLS_KEY_FILE`,
+    /// `RABBITMQ_PASSWORD_FILE`, `KAFKA_BROKERS`, `KAFKA_CLIENT_PROPERTIES`,
+    /// `KAFKA_SASL_PASSWORD_FILE`) from the environment, when
     /// set, over whatever the configuration says.
     pub fn apply_env(&mut self) {
         if let Ok(v) = std::env::var("DATABASE_URL") {
@@ -323,6 +343,14 @@ impl Config {
             ("NATS_USER", &mut self.nats_user),
             ("NATS_PASSWORD_FILE", &mut self.nats_password_file),
             ("NATS_TOKEN_FILE", &mut self.nats_token_file),
+            ("RABBITMQ_TLS_CA_FILE", &mut self.rabbitmq_tls_ca_file),
+            ("RABBITMQ_TLS_CERT_FILE", &mut self.rabbitmq_tls_cert_file),
+            ("RABBITMQ_TLS_KEY_FILE", &mut self.rabbitmq_tls_key_file),
+            ("RABBITMQ_PASSWORD_FILE", &mut self.rabbitmq_password_file),
+            (
+                "KAFKA_SASL_PASSWORD_FILE",
+                &mut self.kafka_sasl_password_file,
+            ),
         ] {
             if let Ok(v) = std::env::var(name) {
                 *slot = v;
