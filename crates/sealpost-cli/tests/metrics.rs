@@ -20,7 +20,6 @@ use sealpost_core::envelope::{EventId, NewEvent};
 use sealpost_nats::async_nats::jetstream;
 use sealpost_nats::Nats;
 
-
 /// One scraped sample: metric name, its labels, value.
 #[derive(Debug)]
 struct Sample {

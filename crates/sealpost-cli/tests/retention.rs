@@ -366,7 +366,8 @@ async fn restore_from_a_dump_taken_mid_run_keeps_event_ids_and_has_no_second_eff
     psql("test", &format!("DROP DATABASE IF EXISTS {outbox_db}"));
     psql("test", &format!("CREATE DATABASE {outbox_db}"));
     let _outbox_db = common::drop_database_guard(outbox_db);
-    let (consumer_url, cpg, _consumer_db) = fresh_db(&format!("{}_f11c", runtime::owner_id() % 1_000_000)).await;
+    let (consumer_url, cpg, _consumer_db) =
+        fresh_db(&format!("{}_f11c", runtime::owner_id() % 1_000_000)).await;
     let mut consumer_cfg = Config::from_env().unwrap();
     consumer_cfg.database_url = consumer_url.clone();
     let mut cfg = consumer_cfg.clone();

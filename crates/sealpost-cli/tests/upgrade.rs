@@ -26,7 +26,6 @@ use sealpost_core::state::State;
 use sealpost_nats::Nats;
 use uuid::Uuid;
 
-
 /// The v1 column layout of one envelope row, as the version-2 code wrote it.
 const V1_INSERT: &str = "INSERT INTO sealpost.envelope (event_id, member, envelope_generation,
     aggregate_type, aggregate_id, aggregate_version, event_type, payload_schema_digest,
