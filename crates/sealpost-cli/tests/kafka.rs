@@ -34,7 +34,6 @@ static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(())
 struct Drill {
     cfg: common::TestDb,
     pg: tokio_postgres::Client,
-    kafka: Kafka,
     topic: String,
     consumers: Vec<String>,
     dir: std::path::PathBuf,
@@ -95,7 +94,6 @@ async fn drill(tag: &str, consumers: &[&str], ordering: EventOrdering) -> Drill 
     Drill {
         cfg,
         pg,
-        kafka,
         topic,
         // Consumer ids are Kafka consumer-group ids: one set per drill, never shared.
         consumers: consumers.iter().map(|c| format!("{c}-{r}")).collect(),

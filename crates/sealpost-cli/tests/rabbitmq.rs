@@ -23,7 +23,6 @@ use sealpost_rabbitmq::{queue_name, Rabbit};
 struct Drill {
     cfg: common::TestDb,
     pg: tokio_postgres::Client,
-    rabbit: Rabbit,
     topic: String,
     consumers: Vec<String>,
     dir: std::path::PathBuf,
@@ -85,7 +84,6 @@ async fn drill(tag: &str, n: usize, consumers: &[&str], bind: bool) -> Drill {
     Drill {
         cfg,
         pg,
-        rabbit,
         topic,
         consumers,
         dir,
