@@ -239,12 +239,17 @@ impl fmt::Debug for Config {
             broker,
             rabbitmq_url,
             rabbitmq_cluster,
+            rabbitmq_tls_ca_file,
+            rabbitmq_tls_cert_file,
+            rabbitmq_tls_key_file,
+            rabbitmq_password_file,
             kafka_brokers,
             kafka_cluster,
             kafka_partitions,
             kafka_lookup_clock_margin_ms,
             kafka_lookup_scan_max,
             kafka_client_properties,
+            kafka_sasl_password_file,
         } = self;
         f.debug_struct("Config")
             .field("database_url", &secret::redact_dsn(database_url))
@@ -286,6 +291,10 @@ impl fmt::Debug for Config {
             .field("broker", broker)
             .field("rabbitmq_url", &secret::redact_url(rabbitmq_url))
             .field("rabbitmq_cluster", rabbitmq_cluster)
+            .field("rabbitmq_tls_ca_file", rabbitmq_tls_ca_file)
+            .field("rabbitmq_tls_cert_file", rabbitmq_tls_cert_file)
+            .field("rabbitmq_tls_key_file", rabbitmq_tls_key_file)
+            .field("rabbitmq_password_file", rabbitmq_password_file)
             .field("kafka_brokers", &secret::redact_url(kafka_brokers))
             .field("kafka_cluster", kafka_cluster)
             .field("kafka_partitions", kafka_partitions)
@@ -295,6 +304,7 @@ impl fmt::Debug for Config {
                 "kafka_client_properties",
                 &secret::redact_properties(kafka_client_properties),
             )
+            .field("kafka_sasl_password_file", kafka_sasl_password_file)
             .finish()
     }
 }
