@@ -44,7 +44,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         .await?;
     // A message reaches the queue within the dispatchers' lease and confirm timeout (10 s + 5 s
     // by default) after its attempt id is allocated: the watermark waits that long.
-    let sub = RabbitSubscription::subscribe(&url, &exchange, &consumer_id, 15_000).await?;
+    let sub =
+        RabbitSubscription::subscribe(&url, &Default::default(), &exchange, &consumer_id, 15_000)
+            .await?;
     let shutdown = CancellationToken::new();
     let stop = shutdown.clone();
     tokio::spawn(async move {

@@ -7,7 +7,7 @@ use std::time::Duration;
 use sealpost::runtime::{Config, RunError};
 use sealpost_kafka::{Kafka, KafkaConfig};
 use sealpost_nats::{Nats, NatsOptions};
-use sealpost_rabbitmq::Rabbit;
+use sealpost_rabbitmq::{Rabbit, RabbitOptions};
 
 /// A broker the command can use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -78,14 +78,29 @@ pub async fn connect_nats(cfg: &Config) -> Result<Nats, RunError> {
     .map_err(RunError::broker)
 }
 
-/// The RabbitMQ adapter for the configured cluster; `role` names the connection at the
-/// broker (`sealpost-<role>-<pid>`), so an operator can find and close it.
+/// The RabbitMQ TLS and credential options of the configuration (`rabbitmq_tls_ca_file`,
+/// `rabbitmq_tls_cert_file`, `rabbitmq_tls_key_file`, `rabbitmq_password_file`; empty strings
+/// are unset).
+pub fn rabbitmq_options(cfg: &Config) -> RabbitOptions {
+    let path = |s: &str| (!s.is_empty()).then(|| std::path::PathBuf::from(s));
+    RabbitOptions {
+        tls_ca_file: path(&cfg.rabbitmq_tls_ca_file),
+        tls_cert_file: path(&cfg.rabbitmq_tls_cert_file),
+        tls_key_file: path(&cfg.rabbitmq_tls_key_file),
+        password_file: path(&cfg.rabbitmq_password_file),
+    }
+}
+
+/// The RabbitMQ adapter for the configured cluster, with its TLS and credentials
+/// ([`rabbitmq_options`]); `role` names the connection at the broker
+/// (`sealpost-<role>-<pid>`), so an operator can find and close it.
 pub async fn connect_rabbitmq(cfg: &Config, role: &str) -> Result<Rabbit, RunError> {
-    Rabbit::connect(
+    Rabbit::connect_with(
         &cfg.rabbitmq_url,
         &cfg.rabbitmq_cluster,
         Duration::from_millis(cfg.ack_timeout_ms),
         &format!("sealpost-{role}-{}", std::process::id()),
+        &rabbitmq_options(cfg),
     )
     .await
     .map_err(RunError::broker)
@@ -115,6 +130,8 @@ pub fn kafka_config(cfg: &Config, role: &str) -> Result<KafkaConfig, RunError> {
                 "config key `kafka_client_properties` (or KAFKA_CLIENT_PROPERTIES): {e}"
             )))
         })?;
+    k.sasl_password_file = (!cfg.kafka_sasl_password_file.is_empty())
+        .then(|| cfg.kafka_sasl_password_file.clone().into());
     Ok(k)
 }
 

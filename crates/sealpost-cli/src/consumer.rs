@@ -53,6 +53,7 @@ pub async fn run_rabbitmq(
     let settle_ms = cfg.lease_ms + cfg.ack_timeout_ms;
     let sub = sealpost_rabbitmq::RabbitSubscription::subscribe(
         &cfg.rabbitmq_url,
+        &crate::brokers::rabbitmq_options(&cfg),
         &topic,
         &consumer_id,
         settle_ms,

@@ -1,7 +1,8 @@
 //! The `sealpost` command's library half: the TOML configuration, the demo, the bench, the
-//! example NATS consumer and the operator tools (reconciliation report, purge, trace, the
-//! status web page), and the text printers. The binary (`src/main.rs`) parses the command
-//! line; tests reach these modules as `sealpost_cli::...`.
+//! example consumers, the status web page and the text printers. The operator functions
+//! (reconciliation report, purge, trace) live in the library, `sealpost::ops`, re-exported
+//! here as `ops`. The binary (`src/main.rs`) parses the command line; tests reach these
+//! modules as `sealpost_cli::...`.
 
 pub mod bench;
 pub mod brokers;
@@ -12,7 +13,7 @@ pub mod consumer;
 pub mod cpu;
 pub mod demo;
 pub mod metrics;
-pub mod ops;
+pub use sealpost::ops;
 pub mod web;
 
 use sealpost::store;

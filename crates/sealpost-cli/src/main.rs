@@ -22,7 +22,7 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 #[derive(Parser, Debug)]
 #[command(name = "sealpost", version, about = "Sealpost transactional outbox")]
 struct Cli {
-    /// TOML config file (keys: database_url, nats_url, nats_cluster, lease_ms, batch_size_max,
+    /// TOML config file (keys: database_url, database_password_file, nats_url, nats_cluster, lease_ms, batch_size_max,
     /// ack_timeout_ms, idle_poll_ms, rejection_limit, reconcile_batch_max, reconcile_every_ms,
     /// lookups_in_flight_max, unknown_check_every_ms, verify_every_ms, verify_batch_max,
     /// unknown_alert_s, consumer_max_deliveries, consumer_effect_timeout_ms,

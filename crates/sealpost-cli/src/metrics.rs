@@ -198,7 +198,12 @@ pub async fn sample_tables(cfg: Config, args: MetricsArgs, stop: Arc<AtomicBool>
         if pg.as_ref().is_none_or(|c| c.is_closed()) {
             match runtime::pg_connect(&cfg.database_url).await {
                 Ok(c) => pg = Some(c),
-                Err(e) => tracing::warn!(error = %e, "metrics: cannot read the status"),
+                Err(e) => {
+                    // Not the closed client again: its "connection closed" would hide the
+                    // cause (the error is redacted, `RunError::Connect`).
+                    pg = None;
+                    tracing::warn!(error = %e, "metrics: cannot read the status");
+                }
             }
         }
         if let Some(c) = pg.as_mut() {

@@ -58,8 +58,8 @@ const BACKLOG_STATES: [State; 6] = [
     State::Reconciling,
 ];
 
-/// `sealpost serve` flags.
-#[derive(clap::Args, Debug, Clone)]
+/// `sealpost serve` flags. Their `Debug` never shows the operator token.
+#[derive(clap::Args, Clone)]
 pub struct ServeArgs {
     /// Address to listen on (plain HTTP: keep it on loopback or behind a TLS proxy).
     #[arg(long, default_value = "127.0.0.1:8080")]
@@ -68,12 +68,55 @@ pub struct ServeArgs {
     /// are disabled.
     #[arg(long, env = "SEALPOST_OPERATOR_TOKEN", hide_env_values = true)]
     pub operator_token: Option<String>,
+    /// File holding the operator token (one trailing newline ignored), so that the token is
+    /// in neither the command line nor the environment.
+    #[arg(
+        long,
+        env = "SEALPOST_OPERATOR_TOKEN_FILE",
+        conflicts_with = "operator_token"
+    )]
+    pub operator_token_file: Option<std::path::PathBuf>,
     /// How often the server samples the status for the chart (ms).
     #[arg(long, default_value_t = 2_000, value_parser = clap::value_parser!(u64).range(100..=60_000))]
     pub sample_ms: u64,
     /// How much history the chart keeps (s).
     #[arg(long, default_value_t = 600, value_parser = clap::value_parser!(u64).range(10..=86_400))]
     pub history_s: u64,
+}
+
+impl std::fmt::Debug for ServeArgs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServeArgs")
+            .field("http", &self.http)
+            .field(
+                "operator_token",
+                &self
+                    .operator_token
+                    .as_ref()
+                    .map(|_| sealpost::secret::REDACTED),
+            )
+            .field("operator_token_file", &self.operator_token_file)
+            .field("sample_ms", &self.sample_ms)
+            .field("history_s", &self.history_s)
+            .finish()
+    }
+}
+
+impl ServeArgs {
+    /// The operator token: `--operator-token` (or `SEALPOST_OPERATOR_TOKEN`), else the
+    /// contents of `--operator-token-file` (or `SEALPOST_OPERATOR_TOKEN_FILE`), else none.
+    /// An unreadable or empty file is an error that names the file, never its contents.
+    pub fn token(&self) -> Result<Option<String>, String> {
+        if self.operator_token.is_some() {
+            return Ok(self.operator_token.clone());
+        }
+        match &self.operator_token_file {
+            None => Ok(None),
+            Some(path) => sealpost::secret::read_secret_file("--operator-token-file", path)
+                .map(Some)
+                .map_err(|e| e.to_string()),
+        }
+    }
 }
 
 /// One point of the chart.
@@ -168,9 +211,10 @@ impl App {
 /// Runs the status page until Ctrl-C. Fails early, with the cause, when the database is
 /// unreachable or not migrated, or the address cannot be bound.
 pub async fn serve(cfg: &Config, args: ServeArgs) -> Result<(), String> {
-    if args.operator_token.as_deref() == Some("") {
+    let operator_token = args.token()?;
+    if operator_token.as_deref() == Some("") {
         return Err(
-            "the operator token is empty; give a secret with --operator-token or SEALPOST_OPERATOR_TOKEN, or leave both unset to disable releases"
+            "the operator token is empty; give a secret with --operator-token, SEALPOST_OPERATOR_TOKEN or --operator-token-file, or leave them unset to disable releases"
                 .into(),
         );
     }
@@ -182,7 +226,7 @@ pub async fn serve(cfg: &Config, args: ServeArgs) -> Result<(), String> {
         ((args.history_s * 1000 / args.sample_ms) as usize).clamp(2, HISTORY_SAMPLES_MAX);
     let app = Arc::new(App {
         database_url: cfg.database_url.clone(),
-        operator_token: args.operator_token.clone(),
+        operator_token,
         sample_ms: args.sample_ms,
         history_max,
         pg: Mutex::new(Some(pg)),
@@ -403,7 +447,14 @@ async fn sample_loop(app: Arc<App>) {
         if pg.as_ref().is_none_or(|c| c.is_closed()) {
             match runtime::pg_connect(&app.database_url).await {
                 Ok(c) => pg = Some(c),
-                Err(e) => app.history.lock().await.last_error = Some(e.to_string()),
+                Err(e) => {
+                    // The cause (redacted, `RunError::Connect`), not the "connection closed"
+                    // the old client would answer.
+                    pg = None;
+                    let mut h = app.history.lock().await;
+                    h.last_error = Some(e.to_string());
+                    h.last_took_ms = began.elapsed().as_millis() as u64;
+                }
             }
         }
         if let Some(client) = pg.as_ref() {
@@ -419,7 +470,14 @@ async fn sample_loop(app: Arc<App>) {
                         h.samples.pop_front();
                     }
                 }
-                Err(e) => h.last_error = Some(e.to_string()),
+                Err(e) => {
+                    h.last_error = Some(e.to_string());
+                    // A dead connection is dropped now, so the next round connects anew and
+                    // reports why it cannot.
+                    if client.is_closed() {
+                        pg = None;
+                    }
+                }
             }
         }
         let took = began.elapsed();

@@ -4,25 +4,18 @@
 //! its events (drained, produced or retained) in the outbox. No figure is compared with
 //! a speed: this checks that the bench measures, not how fast this machine is.
 
-use sealpost::runtime::{self, Config};
+#[path = "../../sealpost/tests/common/mod.rs"]
+mod common;
+
+use sealpost::runtime;
 use sealpost_cli::bench::{self, BenchArgs};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_small_bench_runs_every_phase_and_both_relays_publish_everything() {
     let db = format!("sealpost_bench_{}", runtime::owner_id() % 1_000_000);
-    let admin = runtime::pg_connect("host=127.0.0.1 user=postgres dbname=postgres")
-        .await
-        .expect("PostgreSQL must be running");
-    admin
-        .batch_execute(&format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))
-        .await
-        .unwrap();
-    admin
-        .batch_execute(&format!("CREATE DATABASE {db}"))
-        .await
-        .unwrap();
-    let mut cfg = Config::from_env().expect("default config");
-    cfg.database_url = format!("host=127.0.0.1 user=postgres dbname={db}");
+    // Dropped when the test ends, pass or fail. The bench removes its own streams and
+    // tables, also when it returns an error.
+    let cfg = common::fresh_database(&db).await;
     let args = BenchArgs {
         events: 3_000,
         payload_bytes: 200,
@@ -48,11 +41,6 @@ async fn a_small_bench_runs_every_phase_and_both_relays_publish_everything() {
         Some(n.get::<_, i64>(0))
     }
     .await;
-    // The database goes before any assertion, so a failing run leaves nothing behind.
-    admin
-        .batch_execute(&format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))
-        .await
-        .unwrap();
     let r = r.expect("bench runs");
     // Every event it drained, produced or retained, and its route, are gone.
     assert_eq!(left, Some(0), "{r:?}");

@@ -6,6 +6,8 @@
 
 #[path = "../../sealpost/tests/common/mod.rs"]
 mod common;
+#[path = "../../sealpost/tests/common/teardown_nats.rs"]
+mod teardown_nats;
 
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -13,7 +15,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use sealpost::inbox::{self, BatchEffect, BatchOutcome, Delivery, Effect, InboxOutcome};
-use sealpost::runtime::{self, Config};
+use sealpost::runtime;
 use sealpost::store;
 use sealpost_core::envelope::{EventId, PAYLOAD_DOMAIN};
 use sealpost_core::Digest;
@@ -22,7 +24,7 @@ use sealpost_nats::Nats;
 
 /// A fresh database `sealpost_consume_<tag>` with the schema and the demo tables, and a
 /// config pointing at it.
-async fn fresh(tag: &str) -> (Config, tokio_postgres::Client) {
+async fn fresh(tag: &str) -> (common::TestDb, tokio_postgres::Client) {
     let cfg = common::fresh_database(&format!("sealpost_consume_{tag}")).await;
     let pg = runtime::pg_connect(&cfg.database_url).await.unwrap();
     store::migrate(&pg).await.expect("migrate");
@@ -127,7 +129,7 @@ async fn watermark(pg: &tokio_postgres::Client, consumer: &str) -> Option<i64> {
 
 #[tokio::test]
 async fn a_failing_effect_in_a_batch_is_rolled_back_alone_and_not_acked() {
-    let (_, mut pg) = fresh("fail").await;
+    let (_db, mut pg) = fresh("fail").await;
     pg.batch_execute(
         "ALTER TABLE demo_fulfilment ADD CONSTRAINT no_poison CHECK (order_id NOT LIKE 'poison%')",
     )
@@ -208,7 +210,7 @@ async fn a_failing_effect_in_a_batch_is_rolled_back_alone_and_not_acked() {
 
 #[tokio::test]
 async fn a_duplicate_of_a_consumed_event_in_a_batch_applies_once() {
-    let (_, mut pg) = fresh("dup").await;
+    let (_db, mut pg) = fresh("dup").await;
     let consumer = "batch-dup";
     let a = new_id();
     let first = inbox::process(
@@ -325,7 +327,7 @@ async fn inbox_rows(
 
 #[tokio::test]
 async fn a_batch_quarantines_exactly_what_process_quarantines() {
-    let (_, mut pg) = fresh("quarantine").await;
+    let (_db, mut pg) = fresh("quarantine").await;
     let (a, b, c) = (new_id(), new_id(), new_id());
     // A consumed earlier; then: B whose payload does not match its digest header, A with a
     // different payload, C, C with a different payload, and B intact.
@@ -421,6 +423,7 @@ async fn the_consumer_naks_a_failing_message_and_applies_it_once_when_it_can() {
         .await
         .expect("NATS must be running");
     let topic = format!("CBATCH{}", runtime::owner_id() % 1_000_000);
+    let _stream = teardown_nats::stream(&cfg.nats_url, &topic);
     let n = 40u64;
     sealpost_cli::consume_bench::prefill(&cfg, &nats, &format!("r-{topic}"), &topic, n)
         .await

@@ -13,6 +13,15 @@
 
 use std::time::{Duration, Instant};
 
+#[path = "../../sealpost/tests/common/mod.rs"]
+mod common;
+#[path = "../../sealpost/tests/common/teardown_kafka.rs"]
+mod teardown_kafka;
+#[path = "../../sealpost/tests/common/teardown_nats.rs"]
+mod teardown_nats;
+#[path = "../../sealpost/tests/common/teardown_rabbitmq.rs"]
+mod teardown_rabbitmq;
+
 use futures::future::BoxFuture;
 use sealpost::consumer::{self, CancellationToken, Databases, Delivery, HandlerError, Options};
 use sealpost::runtime::{self, Config};
@@ -24,9 +33,11 @@ use sealpost_core::ReceiptVerdict;
 
 const ADMIN_URL: &str = "host=127.0.0.1 user=postgres dbname=postgres";
 
-/// A fresh database `sealpost_api_<tag>` with the schema and the handler's table.
-async fn fresh_db(tag: &str) -> (String, tokio_postgres::Client) {
+/// A fresh database `sealpost_api_<tag>` with the schema and the handler's table, dropped
+/// when the returned guard drops (also when the test fails).
+async fn fresh_db(tag: &str) -> (String, tokio_postgres::Client, impl Sized) {
     let db = format!("sealpost_api_{tag}");
+    let guard = common::drop_database_guard(&db);
     let admin = runtime::pg_connect(ADMIN_URL)
         .await
         .expect("PostgreSQL must be running");
@@ -47,16 +58,7 @@ async fn fresh_db(tag: &str) -> (String, tokio_postgres::Client) {
     )
     .await
     .unwrap();
-    (url, pg)
-}
-
-async fn drop_db(url: &str) {
-    let db = url.rsplit('=').next().unwrap();
-    let admin = runtime::pg_connect(ADMIN_URL).await.unwrap();
-    admin
-        .batch_execute(&format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))
-        .await
-        .unwrap();
+    (url, pg, guard)
 }
 
 /// The user's handler: one row per event, in the inbox transaction.
@@ -418,7 +420,7 @@ async fn nats_permanent_bad_message_dead_lettered_and_passed() {
 async fn nats(mode: u8) {
     let poison = mode == 1;
     let tag = runtime::owner_id() % 1_000_000;
-    let (url, mut pg) = fresh_db(&format!("nats_{tag}_{}", mode)).await;
+    let (url, mut pg, _db) = fresh_db(&format!("nats_{tag}_{}", mode)).await;
     let cfg = Config::from_env().unwrap();
     let topic = format!("API{tag}P{}", mode);
     let route = format!("r-{topic}");
@@ -430,6 +432,7 @@ async fn nats(mode: u8) {
             .await
             .unwrap();
     nats.ensure_stream(&topic).await.unwrap();
+    let _stream = teardown_nats::stream(&cfg.nats_url, &topic);
     publish(&mut pg, &nats, &route, N, mode == 3).await;
     let c = format!("api-{topic}");
     let sub =
@@ -447,9 +450,7 @@ async fn nats(mode: u8) {
     } else {
         applied_once_then_purged(sub, &url, &mut pg, &c, N, poison).await;
     }
-    let _ = nats.js.delete_stream(&topic).await;
     drop(pg);
-    drop_db(&url).await;
 }
 
 #[tokio::test]
@@ -475,7 +476,7 @@ async fn rabbitmq_permanent_bad_message_dead_lettered_and_passed() {
 async fn rabbitmq(mode: u8) {
     let poison = mode == 1;
     let tag = runtime::owner_id() % 1_000_000;
-    let (url, mut pg) = fresh_db(&format!("rabbit_{tag}_{}", mode)).await;
+    let (url, mut pg, _db) = fresh_db(&format!("rabbit_{tag}_{}", mode)).await;
     let cfg = Config::from_env().unwrap();
     let topic = format!("sp-api-{tag}-{}", mode);
     let route = format!("r-{topic}");
@@ -491,30 +492,40 @@ async fn rabbitmq(mode: u8) {
     .await
     .expect("RabbitMQ must be running at 127.0.0.1:5672 (guest/guest)");
     let c = format!("api-{tag}-{}", mode);
+    let _destination =
+        teardown_rabbitmq::destination(&cfg.rabbitmq_url, &topic, std::slice::from_ref(&c));
     rabbit
         .ensure_destination(&topic, std::slice::from_ref(&c))
         .await
         .unwrap();
     publish(&mut pg, &rabbit, &route, N, mode == 3).await;
     // The test's dispatcher sends at once: a settle time of 1 s covers it.
-    let sub =
-        sealpost_rabbitmq::RabbitSubscription::subscribe(&cfg.rabbitmq_url, &topic, &c, 1_000)
-            .await
-            .unwrap();
+    let sub = sealpost_rabbitmq::RabbitSubscription::subscribe(
+        &cfg.rabbitmq_url,
+        &Default::default(),
+        &topic,
+        &c,
+        1_000,
+    )
+    .await
+    .unwrap();
     if mode == 3 {
-        let second =
-            sealpost_rabbitmq::RabbitSubscription::subscribe(&cfg.rabbitmq_url, &topic, &c, 1_000)
-                .await
-                .unwrap();
+        let second = sealpost_rabbitmq::RabbitSubscription::subscribe(
+            &cfg.rabbitmq_url,
+            &Default::default(),
+            &topic,
+            &c,
+            1_000,
+        )
+        .await
+        .unwrap();
         hot_key([sub, second], &url, &pg, &c, N).await;
     } else if mode == 2 {
         downstream_timeout(sub, &url, &mut pg, &c, N).await;
     } else {
         applied_once_then_purged(sub, &url, &mut pg, &c, N, poison).await;
     }
-    let _ = rabbit.delete_destination(&topic, &[c]).await;
     drop(pg);
-    drop_db(&url).await;
 }
 
 #[tokio::test]
@@ -540,7 +551,7 @@ async fn kafka_permanent_bad_message_dead_lettered_and_passed() {
 async fn kafka(mode: u8) {
     let poison = mode == 1;
     let tag = runtime::owner_id() % 1_000_000;
-    let (url, mut pg) = fresh_db(&format!("kafka_{tag}_{}", mode)).await;
+    let (url, mut pg, _db) = fresh_db(&format!("kafka_{tag}_{}", mode)).await;
     let cfg = Config::from_env().unwrap();
     let topic = format!("sp-api-{tag}-{}", mode);
     let route = format!("r-{topic}");
@@ -554,6 +565,7 @@ async fn kafka(mode: u8) {
     let kafka = sealpost_kafka::Kafka::connect(kcfg.clone())
         .await
         .expect("a Kafka-protocol broker must listen on 127.0.0.1:9092 (.ci/run starts tansu)");
+    let _topic = teardown_kafka::topic(&kcfg, &topic);
     let partitions = kafka.ensure_topic(&topic, 3).await.unwrap();
     store::set_route(&pg, &route, &cfg.kafka_cluster, &topic)
         .await
@@ -576,7 +588,5 @@ async fn kafka(mode: u8) {
     } else {
         applied_once_then_purged(sub, &url, &mut pg, &c, N, poison).await;
     }
-    let _ = kafka.delete_topic(&topic).await;
     drop(pg);
-    drop_db(&url).await;
 }

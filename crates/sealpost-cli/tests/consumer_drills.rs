@@ -8,6 +8,8 @@
 
 #[path = "../../sealpost/tests/common/mod.rs"]
 mod common;
+#[path = "../../sealpost/tests/common/teardown_nats.rs"]
+mod teardown_nats;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -22,7 +24,7 @@ const ADMIN_URL: &str = "host=127.0.0.1 user=postgres dbname=postgres";
 
 /// A fresh database `sealpost_drill_<tag>_<n>` with the schema and the demo tables, a config
 /// pointing at it, and a stream name of its own.
-async fn fresh(tag: &str) -> (Config, tokio_postgres::Client, String, String) {
+async fn fresh(tag: &str) -> (common::TestDb, tokio_postgres::Client, String, String) {
     let n = runtime::owner_id() % 1_000_000;
     let db = format!("sealpost_drill_{tag}_{n}");
     let cfg = common::fresh_database(&db).await;
@@ -172,6 +174,7 @@ fn spawn_consumer(
 #[tokio::test]
 async fn downstream_timeout_rolls_back_retries_later_and_applies_once() {
     let (mut cfg, pg, db, topic) = fresh("timeout").await;
+    let _stream = teardown_nats::stream(&cfg.nats_url, &topic);
     let nats = Nats::connect(&cfg.nats_url, &cfg.nats_cluster, Duration::from_secs(5))
         .await
         .expect("NATS must be running");
@@ -244,6 +247,7 @@ async fn downstream_timeout_rolls_back_retries_later_and_applies_once() {
 #[tokio::test]
 async fn a_permanent_bad_message_is_dead_lettered_after_max_deliveries_and_the_rest_apply_once() {
     let (mut cfg, pg, db, topic) = fresh("poison").await;
+    let _stream = teardown_nats::stream(&cfg.nats_url, &topic);
     let nats = Nats::connect(&cfg.nats_url, &cfg.nats_cluster, Duration::from_secs(5))
         .await
         .expect("NATS must be running");
@@ -341,6 +345,7 @@ async fn a_permanent_bad_message_is_dead_lettered_after_max_deliveries_and_the_r
 #[tokio::test]
 async fn a_hot_key_with_most_of_the_traffic_is_applied_exactly_once() {
     let (mut cfg, pg, db, topic) = fresh("hot").await;
+    let _stream = teardown_nats::stream(&cfg.nats_url, &topic);
     let nats = Nats::connect(&cfg.nats_url, &cfg.nats_cluster, Duration::from_secs(5))
         .await
         .expect("NATS must be running");

@@ -5,13 +5,15 @@
 
 #[path = "../../sealpost/tests/common/mod.rs"]
 mod common;
+#[path = "../../sealpost/tests/common/teardown_nats.rs"]
+mod teardown_nats;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use sealpost::inbox::{self, Delivery, Effect, InboxOutcome};
-use sealpost::runtime::{self, Config};
+use sealpost::runtime;
 use sealpost::store;
 use sealpost_core::envelope::{EventId, PAYLOAD_DOMAIN};
 use sealpost_core::port::{Broker, SendResult};
@@ -30,7 +32,7 @@ async fn send(nats: &Nats, outgoing: &[store::Outgoing]) -> Vec<SendResult> {
 
 /// A database of the test's own (`sealpost_consumers_<tag>`), migrated, with the demo's
 /// consumer tables.
-async fn pg(tag: &str) -> (tokio_postgres::Client, Config) {
+async fn pg(tag: &str) -> (tokio_postgres::Client, common::TestDb) {
     let cfg = common::fresh_database(&format!("sealpost_consumers_{tag}")).await;
     let pg = runtime::pg_connect(&cfg.database_url)
         .await
@@ -81,7 +83,7 @@ async fn effects(pg: &tokio_postgres::Client, consumer: &str) -> (i64, i64) {
 #[tokio::test]
 async fn reordered_and_duplicated_deliveries_apply_once() {
     let _g = LOCK.lock().await;
-    let (mut pg, _) = pg("reorder").await;
+    let (mut pg, _db) = pg("reorder").await;
     let consumer = format!("f8-{}", runtime::owner_id());
     let ids: Vec<EventId> = (0..50)
         .map(|_| EventId(*uuid::Uuid::now_v7().as_bytes()))
@@ -126,7 +128,7 @@ async fn reordered_and_duplicated_deliveries_apply_once() {
 #[tokio::test]
 async fn different_payload_under_a_known_event_id_is_quarantined() {
     let _g = LOCK.lock().await;
-    let (mut pg, _) = pg("quarantine").await;
+    let (mut pg, _db) = pg("quarantine").await;
     let consumer = format!("q-{}", runtime::owner_id());
     let id = EventId(*uuid::Uuid::now_v7().as_bytes());
     let ok = inbox::process(
@@ -181,6 +183,7 @@ async fn consumer_commits_then_loses_its_ack_and_redelivery_has_no_second_effect
     let nats = Nats::connect(&cfg.nats_url, &cfg.nats_cluster, Duration::from_secs(5))
         .await
         .unwrap();
+    let _stream = teardown_nats::stream(&cfg.nats_url, &topic);
     nats.ensure_stream(&topic).await.unwrap();
     // Publish 20 events through the real path.
     let n = 20;

@@ -221,3 +221,82 @@ fn every_test_fault_and_mutant_the_failure_matrix_cites_exists() {
         wrong.join("\n")
     );
 }
+
+/// The README's code blocks marked `<!-- from PATH -->` and the text each one shows: the
+/// fenced block that follows the marker.
+fn readme_blocks(readme: &str) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    let mut lines = readme.lines();
+    while let Some(line) = lines.next() {
+        let Some(path) = line
+            .trim()
+            .strip_prefix("<!-- from ")
+            .and_then(|r| r.strip_suffix(" -->"))
+        else {
+            continue;
+        };
+        let fence = lines.next().unwrap_or_default();
+        assert!(
+            fence.starts_with("```"),
+            "README: `<!-- from {path} -->` must be followed by a code fence, found {fence:?}"
+        );
+        let body: Vec<&str> = lines
+            .by_ref()
+            .take_while(|l| !l.starts_with("```"))
+            .collect();
+        out.push((path.to_string(), body.join("\n")));
+    }
+    out
+}
+
+/// The lines of `source` between `// README:start NAME` and `// README:end NAME` markers,
+/// each region dedented by its first line's indentation, in the order they appear.
+fn marked_regions(source: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut current: Option<Vec<&str>> = None;
+    for line in source.lines() {
+        let t = line.trim();
+        if t.starts_with("// README:start") {
+            current = Some(Vec::new());
+        } else if t.starts_with("// README:end") {
+            let region = current.take().expect("README:end without README:start");
+            let indent = region.first().map_or(0, |l| l.len() - l.trim_start().len());
+            let dedented: Vec<&str> = region
+                .iter()
+                .map(|l| {
+                    if l.len() >= indent {
+                        &l[indent..]
+                    } else {
+                        l.trim_start()
+                    }
+                })
+                .collect();
+            out.push(dedented.join("\n"));
+        } else if let Some(r) = current.as_mut() {
+            r.push(line);
+        }
+    }
+    out
+}
+
+/// The README's examples are the compiled example files, not prose that can drift: every
+/// block marked `<!-- from PATH -->` is, line for line, a `README:start`/`README:end` region
+/// of PATH (which `cargo test --all-targets` and clippy compile).
+#[test]
+fn the_readme_examples_are_the_compiled_example_files() {
+    let root = root();
+    let blocks = readme_blocks(&read(&root.join("README.md")));
+    assert!(
+        blocks.len() >= 2,
+        "the README shows at least the enqueue and dispatch examples"
+    );
+    for (path, body) in blocks {
+        let source = read(&root.join(&path));
+        let regions = marked_regions(&source);
+        assert!(
+            regions.iter().any(|r| r.trim_end() == body.trim_end()),
+            "README block from {path} is not a README:start/README:end region of that file; \
+             copy the region again (dedented) or mark it in the file"
+        );
+    }
+}

@@ -14,13 +14,15 @@
 
 #[path = "../../sealpost/tests/common/mod.rs"]
 mod common;
+#[path = "../../sealpost/tests/common/teardown_nats.rs"]
+mod teardown_nats;
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
 use futures::StreamExt;
 use sealpost::inbox::{self, Effect, InboxOutcome};
-use sealpost::runtime::{self, Config};
+use sealpost::runtime;
 use sealpost_core::envelope::EventId;
 use sealpost_core::inbox::idempotency_key;
 use sealpost_nats::async_nats::jetstream::{self, consumer::pull, Message};
@@ -122,11 +124,12 @@ fn delivered(msg: &Message) -> i64 {
 async fn an_external_effect_keyed_by_the_idempotency_key_happens_once_across_a_redelivery_and_a_retry(
 ) {
     let tag = runtime::owner_id() % 1_000_000;
-    let cfg: Config = common::fresh_database(&format!("sealpost_effects_{tag}")).await;
+    let cfg = common::fresh_database(&format!("sealpost_effects_{tag}")).await;
     let nats = Nats::connect(&cfg.nats_url, &cfg.nats_cluster, Duration::from_secs(5))
         .await
         .expect("NATS must be running");
     let topic = format!("FX{tag}");
+    let _stream = teardown_nats::stream(&cfg.nats_url, &topic);
     // Two events published through the dispatchers (`orders` o-0 and o-1).
     sealpost_cli::consume_bench::prefill(&cfg, &nats, &format!("r-{topic}"), &topic, 2)
         .await

@@ -27,12 +27,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use sealpost::runtime::{self, Config};
+use sealpost::runtime;
 use sealpost::store;
 use sealpost_nats::Nats;
 
 const NATS_SERVER: &str = "/usr/sbin/nats-server";
-const ADMIN_URL: &str = "host=127.0.0.1 user=postgres dbname=test";
 /// The cluster identity frozen into this drill's destinations.
 const CLUSTER: &str = "nats-failover";
 const ROUTE: &str = "orders";
@@ -199,33 +198,8 @@ cluster {{
     }
 }
 
-/// The drill's own database, dropped at the end (also when the drill fails).
-struct Database {
-    name: String,
-}
-
-impl Drop for Database {
-    fn drop(&mut self) {
-        let name = self.name.clone();
-        // A runtime of its own: this may run inside the test's runtime while it unwinds.
-        let _ = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap();
-            rt.block_on(async {
-                if let Ok(admin) = runtime::pg_connect(ADMIN_URL).await {
-                    let _ = admin
-                        .batch_execute(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
-                        .await;
-                }
-            });
-        })
-        .join();
-    }
-}
-
-async fn fresh_database(tag: &str) -> (Database, Config, tokio_postgres::Client) {
+/// The drill's own database, dropped when the guard drops (also when the drill fails).
+async fn fresh_database(tag: &str) -> (common::TestDb, tokio_postgres::Client) {
     let name = format!(
         "sealpost_failover_{tag}_{}",
         runtime::owner_id() % 1_000_000
@@ -233,7 +207,7 @@ async fn fresh_database(tag: &str) -> (Database, Config, tokio_postgres::Client)
     let cfg = common::fresh_database(&name).await;
     let pg = runtime::pg_connect(&cfg.database_url).await.unwrap();
     store::migrate(&pg).await.expect("migrate");
-    (Database { name }, cfg, pg)
+    (cfg, pg)
 }
 
 /// `sealpost dispatch` processes, killed when dropped.
@@ -290,7 +264,7 @@ async fn stream_leader_killed_mid_run() {
     let mut cluster = NatsCluster::start(tag);
     let url = cluster.url();
     println!("cluster: {url}");
-    let (_db, mut cfg, mut pg) = fresh_database(tag).await;
+    let (mut cfg, mut pg) = fresh_database(tag).await;
     cfg.nats_url = url.clone();
     cfg.nats_cluster = CLUSTER.to_string();
     let nats = Nats::connect(&url, CLUSTER, Duration::from_secs(5))

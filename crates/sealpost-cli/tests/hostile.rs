@@ -14,6 +14,12 @@
 
 #[path = "../../sealpost/tests/common/mod.rs"]
 mod common;
+#[path = "../../sealpost/tests/common/teardown_kafka.rs"]
+mod teardown_kafka;
+#[path = "../../sealpost/tests/common/teardown_nats.rs"]
+mod teardown_nats;
+#[path = "../../sealpost/tests/common/teardown_rabbitmq.rs"]
+mod teardown_rabbitmq;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -24,8 +30,6 @@ use sealpost::store::{self, StoreError};
 use sealpost_core::envelope::{EventId, NewEvent, PartitionAlgorithm};
 use sealpost_core::port::Broker;
 use sealpost_core::wire::WireRule;
-
-const ADMIN_URL: &str = "host=127.0.0.1 user=postgres dbname=postgres";
 
 fn event<'a>(aggregate_id: &'a str, event_type: &'a str, tenant: &'a str) -> NewEvent<'a> {
     NewEvent {
@@ -45,15 +49,8 @@ fn new_id() -> EventId {
     EventId(*uuid::Uuid::now_v7().as_bytes())
 }
 
-async fn drop_database(db: &str) {
-    let admin = runtime::pg_connect(ADMIN_URL).await.unwrap();
-    admin
-        .batch_execute(&format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))
-        .await
-        .unwrap();
-}
-
-async fn fresh(tag: &str) -> (Config, tokio_postgres::Client, String) {
+/// The test's database (dropped when the guard drops, also when the test fails).
+async fn fresh(tag: &str) -> (common::TestDb, tokio_postgres::Client) {
     let db = format!(
         "sealpost_hostile_{tag}_{}",
         runtime::owner_id() % 1_000_000_000
@@ -61,7 +58,7 @@ async fn fresh(tag: &str) -> (Config, tokio_postgres::Client, String) {
     let cfg = common::fresh_database(&db).await;
     let pg = runtime::pg_connect(&cfg.database_url).await.unwrap();
     store::migrate(&pg).await.expect("migrate");
-    (cfg.clone(), pg, db)
+    (cfg, pg)
 }
 
 async fn count(pg: &tokio_postgres::Client, sql: &str) -> i64 {
@@ -127,7 +124,7 @@ fn hostile_event<'a>(field: &str, value: &'a str) -> (NewEvent<'a>, &'a str) {
 
 #[tokio::test]
 async fn hostile_strings_are_refused_at_enqueue_with_the_field_and_nothing_is_written() {
-    let (cfg, mut pg, db) = fresh("enqueue").await;
+    let (cfg, mut pg) = fresh("enqueue").await;
     store::set_route(&pg, "orders", &cfg.nats_cluster, "HOSTILE")
         .await
         .unwrap();
@@ -201,8 +198,6 @@ async fn hostile_strings_are_refused_at_enqueue_with_the_field_and_nothing_is_wr
         .await,
         ordinary
     );
-    drop(pg);
-    drop_database(&db).await;
 }
 
 /// What the tests below write into a sealed envelope behind `enqueue`'s back: (column, value).
@@ -347,7 +342,7 @@ async fn every_neighbour_publishes<B: Broker>(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unencodable_row_is_quarantined_alone_on_nats() {
-    let (cfg, mut pg, db) = fresh("nats").await;
+    let (cfg, mut pg) = fresh("nats").await;
     let topic = format!("HOSTILE{}", runtime::owner_id() % 1_000_000_000);
     let nats = sealpost_nats::Nats::connect(
         &cfg.nats_url,
@@ -356,6 +351,7 @@ async fn an_unencodable_row_is_quarantined_alone_on_nats() {
     )
     .await
     .expect("NATS must be running");
+    let _stream = teardown_nats::stream(&cfg.nats_url, &topic);
     nats.ensure_stream(&topic).await.unwrap();
     store::set_route(&pg, "orders", &cfg.nats_cluster, &topic)
         .await
@@ -367,14 +363,11 @@ async fn an_unencodable_row_is_quarantined_alone_on_nats() {
         tampered().len() as u64,
         "the ordinary events and nothing else are at the broker"
     );
-    nats.js.delete_stream(&topic).await.unwrap();
-    drop(pg);
-    drop_database(&db).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unencodable_row_is_quarantined_alone_on_rabbitmq() {
-    let (cfg, mut pg, db) = fresh("rabbitmq").await;
+    let (cfg, mut pg) = fresh("rabbitmq").await;
     let topic = format!("sp-hostile-{}", runtime::owner_id() % 1_000_000_000);
     let rabbit = sealpost_rabbitmq::Rabbit::connect(
         &cfg.rabbitmq_url,
@@ -385,19 +378,17 @@ async fn an_unencodable_row_is_quarantined_alone_on_rabbitmq() {
     .await
     .expect("RabbitMQ must be running at 127.0.0.1:5672 (guest/guest)");
     let consumers = vec!["c1".to_string()];
+    let _destination = teardown_rabbitmq::destination(&cfg.rabbitmq_url, &topic, &consumers);
     rabbit.ensure_destination(&topic, &consumers).await.unwrap();
     store::set_route(&pg, "orders", &cfg.rabbitmq_cluster, &topic)
         .await
         .unwrap();
     every_neighbour_publishes(&cfg, &mut pg, rabbit.clone()).await;
-    rabbit.delete_destination(&topic, &consumers).await.unwrap();
-    drop(pg);
-    drop_database(&db).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unencodable_row_is_quarantined_alone_on_kafka() {
-    let (cfg, mut pg, db) = fresh("kafka").await;
+    let (cfg, mut pg) = fresh("kafka").await;
     let topic = format!("sp-test-hostile-{}", runtime::owner_id() % 1_000_000_000);
     let mut kcfg = sealpost_kafka::KafkaConfig::new(
         &cfg.kafka_brokers,
@@ -406,6 +397,7 @@ async fn an_unencodable_row_is_quarantined_alone_on_kafka() {
     );
     kcfg.client_properties =
         sealpost_kafka::parse_properties(&cfg.kafka_client_properties).unwrap();
+    let _topic = teardown_kafka::topic(&kcfg, &topic);
     let kafka = sealpost_kafka::Kafka::connect(kcfg)
         .await
         .expect("a Kafka-protocol broker must listen on 127.0.0.1:9092 (.ci/run starts tansu)");
@@ -421,7 +413,4 @@ async fn an_unencodable_row_is_quarantined_alone_on_kafka() {
     .await
     .unwrap();
     every_neighbour_publishes(&cfg, &mut pg, kafka.clone()).await;
-    kafka.delete_topic(&topic).await.unwrap();
-    drop(pg);
-    drop_database(&db).await;
 }

@@ -8,6 +8,8 @@
 
 #[path = "../../sealpost/tests/common/mod.rs"]
 mod common;
+#[path = "../../sealpost/tests/common/teardown_kafka.rs"]
+mod teardown_kafka;
 
 use std::collections::HashMap;
 use std::process::{Child, Command, Stdio};
@@ -21,7 +23,6 @@ use sealpost_kafka::rdkafka::message::{Headers, Message};
 use sealpost_kafka::rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use sealpost_kafka::{Kafka, KafkaConfig};
 
-const ADMIN_URL: &str = "host=127.0.0.1 user=postgres dbname=test";
 const PARTITIONS: u32 = 4;
 
 /// The drills run one at a time: tansu takes one record per request here (see `.ci/run`), and
@@ -31,14 +32,15 @@ const PARTITIONS: u32 = 4;
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 struct Drill {
-    db: String,
-    cfg: Config,
+    cfg: common::TestDb,
     pg: tokio_postgres::Client,
-    kafka: Kafka,
     topic: String,
     consumers: Vec<String>,
     dir: std::path::PathBuf,
     children: Vec<Child>,
+    /// The topic; like `cfg` (the database), removed after `Drop::drop` has stopped the
+    /// processes, also when the test failed.
+    _topic: teardown_kafka::Teardown,
 }
 
 impl Drop for Drill {
@@ -48,20 +50,6 @@ impl Drop for Drill {
             let _ = c.wait();
         }
         let _ = std::fs::remove_dir_all(&self.dir);
-        if !self.db.is_empty() {
-            let db = std::mem::take(&mut self.db);
-            let _ = std::thread::spawn(move || {
-                let rt = tokio::runtime::Runtime::new().unwrap();
-                rt.block_on(async {
-                    if let Ok(admin) = runtime::pg_connect(ADMIN_URL).await {
-                        let _ = admin
-                            .batch_execute(&format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))
-                            .await;
-                    }
-                });
-            })
-            .join();
-        }
     }
 }
 
@@ -81,6 +69,7 @@ async fn drill(tag: &str, consumers: &[&str], ordering: EventOrdering) -> Drill 
     );
     kcfg.client_properties =
         sealpost_kafka::parse_properties(&cfg.kafka_client_properties).unwrap();
+    let topic_guard = teardown_kafka::topic(&kcfg, &topic);
     let kafka = Kafka::connect(kcfg)
         .await
         .expect("a Kafka-protocol broker must listen on 127.0.0.1:9092 (.ci/run starts tansu)");
@@ -103,15 +92,14 @@ async fn drill(tag: &str, consumers: &[&str], ordering: EventOrdering) -> Drill 
     let dir = std::env::temp_dir().join(format!("sealpost-kafka-{tag}-{r}"));
     std::fs::create_dir_all(&dir).unwrap();
     Drill {
-        db,
         cfg,
         pg,
-        kafka,
         topic,
         // Consumer ids are Kafka consumer-group ids: one set per drill, never shared.
         consumers: consumers.iter().map(|c| format!("{c}-{r}")).collect(),
         dir,
         children: Vec::new(),
+        _topic: topic_guard,
     }
 }
 
@@ -233,18 +221,10 @@ impl Drill {
         }
     }
 
-    async fn finish(mut self) {
-        for c in &mut self.children {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-        self.kafka.delete_topic(&self.topic).await.unwrap();
-        let db = std::mem::take(&mut self.db);
-        let admin = runtime::pg_connect(ADMIN_URL).await.unwrap();
-        admin
-            .batch_execute(&format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))
-            .await
-            .unwrap();
+    /// Stops the processes and removes the topic and the database (what `Drop` does when a
+    /// test fails before this).
+    async fn finish(self) {
+        drop(self);
     }
 }
 
@@ -344,7 +324,7 @@ async fn dispatcher_killed_between_send_and_receipt_is_resolved_by_the_partition
         streams: Vec::new(),
         scan_max: 0,
     };
-    let report = sealpost_cli::ops::reconcile(&d.pg, None, &opts)
+    let report = sealpost_cli::ops::reconcile(&d.pg, None::<&sealpost::ops::NoScan>, &opts)
         .await
         .unwrap();
     assert!(report.findings.is_empty(), "{:?}", report.findings);

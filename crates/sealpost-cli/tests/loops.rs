@@ -8,6 +8,8 @@
 
 #[path = "../../sealpost/tests/common/mod.rs"]
 mod common;
+#[path = "../../sealpost/tests/common/teardown_nats.rs"]
+mod teardown_nats;
 
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -27,8 +29,9 @@ use sealpost_nats::Nats;
 
 const ADMIN_URL: &str = "host=127.0.0.1 user=postgres dbname=test";
 
-/// A fresh database `sealpost_loops_<tag>` with the schema, and a config pointing at it.
-async fn fresh(tag: &str) -> (Config, tokio_postgres::Client, String) {
+/// A fresh database `sealpost_loops_<tag>` with the schema, and a config pointing at it
+/// (the database is dropped when the returned guard drops).
+async fn fresh(tag: &str) -> (common::TestDb, tokio_postgres::Client, String) {
     let db = format!("sealpost_loops_{tag}");
     let cfg = common::fresh_database(&db).await;
     let pg = runtime::pg_connect(&cfg.database_url).await.unwrap();
@@ -210,6 +213,7 @@ async fn a_send_stalled_past_its_lease_never_leaves_and_the_broker_holds_one_cop
     cfg.ack_timeout_ms = 500;
     let n = nats(&cfg).await;
     let t = topic("stall");
+    let _stream = teardown_nats::stream(&cfg.nats_url, &t);
     short_window_stream(&n, &t, Duration::from_secs(1), -1).await;
     store::set_route(&pg, "orders", &cfg.nats_cluster, &t)
         .await
@@ -320,6 +324,7 @@ async fn rows_that_cannot_leave_back_off_and_do_not_starve_the_rest() {
     let (cfg, mut pg, _) = fresh("neversent").await;
     let n = nats(&cfg).await;
     let good = topic("good");
+    let _stream = teardown_nats::stream(&cfg.nats_url, &good);
     n.ensure_stream(&good).await.unwrap();
     let missing = topic("missing"); // no stream: "deleted"
     store::set_route(&pg, "lost", &cfg.nats_cluster, &missing)
@@ -464,6 +469,7 @@ async fn receipts_and_reports_commit_together_or_not_at_all() {
     let (cfg, mut pg, _) = fresh("submit").await;
     let n = nats(&cfg).await;
     let t = topic("submit");
+    let _stream = teardown_nats::stream(&cfg.nats_url, &t);
     n.ensure_stream(&t).await.unwrap();
     store::set_route(&pg, "orders", &cfg.nats_cluster, &t)
         .await
@@ -545,6 +551,7 @@ async fn guarded_acceptance_falls_back_when_the_row_changed_and_never_accepts_tw
     let (cfg, mut pg, _) = fresh("guarded").await;
     let n = nats(&cfg).await;
     let t = topic("guarded");
+    let _stream = teardown_nats::stream(&cfg.nats_url, &t);
     n.ensure_stream(&t).await.unwrap();
     store::set_route(&pg, "orders", &cfg.nats_cluster, &t)
         .await
@@ -668,6 +675,7 @@ async fn prepared_statements_are_dropped_with_their_connection() {
     let (cfg, mut pg, _) = fresh("prepared").await;
     let n = nats(&cfg).await;
     let t = topic("prepared");
+    let _stream = teardown_nats::stream(&cfg.nats_url, &t);
     n.ensure_stream(&t).await.unwrap();
     store::set_route(&pg, "orders", &cfg.nats_cluster, &t)
         .await
@@ -754,6 +762,7 @@ async fn poison_is_quarantined_with_its_reason_and_released_by_the_operator() {
     cfg.rejection_limit = 2;
     let n = nats(&cfg).await;
     let t = topic("poison");
+    let _stream = teardown_nats::stream(&cfg.nats_url, &t);
     short_window_stream(&n, &t, Duration::from_secs(120), 1_024).await;
     store::set_route(&pg, "orders", &cfg.nats_cluster, &t)
         .await
@@ -835,6 +844,7 @@ async fn an_acknowledged_message_lost_at_the_broker_is_a_finding() {
     cfg.verify_every_ms = 100;
     let n = nats(&cfg).await;
     let t = topic("verify");
+    let _stream = teardown_nats::stream(&cfg.nats_url, &t);
     n.ensure_stream(&t).await.unwrap();
     store::set_route(&pg, "orders", &cfg.nats_cluster, &t)
         .await
@@ -853,7 +863,7 @@ async fn an_acknowledged_message_lost_at_the_broker_is_a_finding() {
     assert!(c.missing.load(Ordering::Relaxed) >= 3);
     let report = sealpost_cli::ops::reconcile(
         &pg,
-        None,
+        None::<&sealpost::ops::NoScan>,
         &sealpost_cli::ops::ReconcileOptions {
             pending_age_s: 3_600,
             unconsumed_age_s: 3_600,
@@ -885,6 +895,7 @@ async fn the_verification_pass_walks_a_backlog_a_window_at_a_time() {
     let (cfg, mut pg, _) = fresh("verifywindow").await;
     let n = nats(&cfg).await;
     let t = topic("verifywindow");
+    let _stream = teardown_nats::stream(&cfg.nats_url, &t);
     n.ensure_stream(&t).await.unwrap();
     // A backlog no dispatcher of this fleet serves (another cluster), committed first, so
     // it lies before the published rows in primary-key (UUIDv7) order.
@@ -940,6 +951,7 @@ async fn a_restore_older_than_the_duplicate_window_adopts_the_copies_at_the_brok
     cfg.ack_timeout_ms = 500;
     let n = nats(&cfg).await;
     let t = topic("restore");
+    let _stream = teardown_nats::stream(&cfg.nats_url, &t);
     short_window_stream(&n, &t, Duration::from_secs(1), -1).await;
     store::set_route(&pg, "orders", &cfg.nats_cluster, &t)
         .await

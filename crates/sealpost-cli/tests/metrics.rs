@@ -5,6 +5,11 @@
 //! database, and the latency histogram's count with the events the process published. Then
 //! a `sealpost consume` process applies them and its scrape shows what its inbox holds.
 
+#[path = "../../sealpost/tests/common/mod.rs"]
+mod common;
+#[path = "../../sealpost/tests/common/teardown_nats.rs"]
+mod teardown_nats;
+
 use std::collections::BTreeMap;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -14,8 +19,6 @@ use sealpost::store;
 use sealpost_core::envelope::{EventId, NewEvent};
 use sealpost_nats::async_nats::jetstream;
 use sealpost_nats::Nats;
-
-const ADMIN_URL: &str = "host=127.0.0.1 user=postgres dbname=test";
 
 /// One scraped sample: metric name, its labels, value.
 #[derive(Debug)]
@@ -158,18 +161,11 @@ async fn dispatch_metrics_match_status_and_the_published_events() {
     let db = format!("sealpost_metrics_{tag}");
     let cluster = format!("metrics-{tag}");
     let topic = format!("METRICS{tag}");
-    let admin = runtime::pg_connect(ADMIN_URL)
-        .await
-        .expect("PostgreSQL must be running");
-    admin
-        .batch_execute(&format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))
-        .await
-        .unwrap();
-    admin
-        .batch_execute(&format!("CREATE DATABASE {db}"))
-        .await
-        .unwrap();
-    let db_url = format!("host=127.0.0.1 user=postgres dbname={db}");
+    // The database and the stream are dropped when the test ends, pass or fail (after the
+    // processes, which are declared later).
+    let test_db = common::fresh_database(&db).await;
+    let db_url = test_db.database_url.clone();
+    let _stream = teardown_nats::shared_stream(&topic);
     let config = std::env::temp_dir().join(format!("sealpost-metrics-{tag}.toml"));
     std::fs::write(
         &config,
@@ -388,8 +384,4 @@ async fn dispatch_metrics_match_status_and_the_published_events() {
     let _ = nats.js.delete_stream(&topic).await;
     drop(pg);
     let _ = std::fs::remove_file(&config);
-    admin
-        .batch_execute(&format!("DROP DATABASE {db} WITH (FORCE)"))
-        .await
-        .unwrap();
 }

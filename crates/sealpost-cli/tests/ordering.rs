@@ -6,6 +6,8 @@
 
 #[path = "../../sealpost/tests/common/mod.rs"]
 mod common;
+#[path = "../../sealpost/tests/common/teardown_nats.rs"]
+mod teardown_nats;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -19,10 +21,9 @@ use sealpost_core::inbox::{decide_apply_order, ApplyOrder};
 use sealpost_core::SendOutcome;
 use sealpost_nats::{Nats, H_EVENT_ID};
 
-const ADMIN_URL: &str = "host=127.0.0.1 user=postgres dbname=test";
-
-/// A fresh database `sealpost_ordering_<tag>_<random>` with the schema.
-async fn fresh(tag: &str) -> (Config, tokio_postgres::Client, String) {
+/// A fresh database `sealpost_ordering_<tag>_<random>` with the schema, dropped when the
+/// guard drops.
+async fn fresh(tag: &str) -> (common::TestDb, tokio_postgres::Client) {
     let db = format!(
         "sealpost_ordering_{tag}_{}",
         runtime::owner_id() % 1_000_000
@@ -30,15 +31,7 @@ async fn fresh(tag: &str) -> (Config, tokio_postgres::Client, String) {
     let cfg = common::fresh_database(&db).await;
     let pg = runtime::pg_connect(&cfg.database_url).await.unwrap();
     store::migrate(&pg).await.expect("migrate");
-    (cfg, pg, db)
-}
-
-async fn drop_db(db: &str) {
-    let admin = runtime::pg_connect(ADMIN_URL).await.unwrap();
-    admin
-        .batch_execute(&format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))
-        .await
-        .unwrap();
+    (cfg, pg)
 }
 
 /// Version `version` of aggregates `0..aggregates`, one transaction per round (the producer
@@ -186,7 +179,7 @@ async fn consume_in_order(
 /// was in flight) and still nothing overtook.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_dispatchers_keep_every_aggregate_in_order() {
-    let (mut cfg, mut pg, db) = fresh("two").await;
+    let (mut cfg, mut pg) = fresh("two").await;
     cfg.batch_size_max = 8;
     let n = Nats::connect(
         &cfg.nats_url,
@@ -196,6 +189,7 @@ async fn two_dispatchers_keep_every_aggregate_in_order() {
     .await
     .expect("NATS must be running");
     let topic = format!("ORDTWO{}", runtime::owner_id() % 1_000_000);
+    let _stream = teardown_nats::stream(&cfg.nats_url, &topic);
     n.ensure_stream(&topic).await.unwrap();
     store::set_route_ordering(
         &pg,
@@ -231,7 +225,6 @@ async fn two_dispatchers_keep_every_aggregate_in_order() {
     }
     assert_eq!(held, 0, "the stream holds every aggregate in version order");
     n.js.delete_stream(&topic).await.unwrap();
-    drop_db(&db).await;
 }
 
 /// Version 1 fails ("never sent"), then its retry's answer is lost (unknown): version 2
@@ -239,7 +232,7 @@ async fn two_dispatchers_keep_every_aggregate_in_order() {
 /// version 1; the stream has 1 before 2.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_then_unknown_earlier_event_holds_back_the_later_one() {
-    let (cfg, mut pg, db) = fresh("unknown").await;
+    let (cfg, mut pg) = fresh("unknown").await;
     let n = Nats::connect(
         &cfg.nats_url,
         &cfg.nats_cluster,
@@ -248,6 +241,7 @@ async fn a_failed_then_unknown_earlier_event_holds_back_the_later_one() {
     .await
     .expect("NATS must be running");
     let topic = format!("ORDUNK{}", runtime::owner_id() % 1_000_000);
+    let _stream = teardown_nats::stream(&cfg.nats_url, &topic);
     n.ensure_stream(&topic).await.unwrap();
     store::set_route_ordering(
         &pg,
@@ -323,5 +317,4 @@ async fn a_failed_then_unknown_earlier_event_holds_back_the_later_one() {
     assert_eq!(applied.get("o-0"), Some(&vec![1, 2]));
     assert_eq!(held, 0);
     n.js.delete_stream(&topic).await.unwrap();
-    drop_db(&db).await;
 }

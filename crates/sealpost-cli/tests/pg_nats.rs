@@ -6,10 +6,12 @@
 
 #[path = "../../sealpost/tests/common/mod.rs"]
 mod common;
+#[path = "../../sealpost/tests/common/teardown_nats.rs"]
+mod teardown_nats;
 
 use std::time::Duration;
 
-use sealpost::runtime::{self, Config};
+use sealpost::runtime;
 use sealpost::store::{self, Accepted, OutcomeReport};
 use sealpost_core::claim::SendOutcome;
 use sealpost_core::envelope::{EventId, NewEvent};
@@ -32,7 +34,18 @@ struct Env {
     pg: tokio_postgres::Client,
     nats: Nats,
     topic: String,
-    cfg: Config,
+    cfg: common::TestDb,
+    /// This test's streams, deleted when it ends.
+    streams: Vec<teardown_nats::Teardown>,
+}
+
+impl Env {
+    /// Creates stream `topic` for this test only.
+    async fn ensure_stream(&mut self, topic: &str) {
+        self.streams
+            .push(teardown_nats::stream(&self.cfg.nats_url, topic));
+        self.nats.ensure_stream(topic).await.expect("stream");
+    }
 }
 
 async fn env(tag: &str) -> Env {
@@ -52,12 +65,14 @@ async fn env(tag: &str) -> Env {
     )
     .await
     .expect("NATS must be running");
+    let streams = vec![teardown_nats::stream(&cfg.nats_url, &topic)];
     nats.ensure_stream(&topic).await.expect("stream");
     Env {
         pg,
         nats,
         topic,
         cfg,
+        streams,
     }
 }
 
@@ -168,7 +183,7 @@ async fn dispatch_publishes_with_one_primary_and_route_revision_keeps_frozen_des
     let ids = enqueue_n(&mut e.pg, 3).await;
     // F6: the route policy is revised after commit, before send.
     let other = format!("{}X", e.topic);
-    e.nats.ensure_stream(&other).await.unwrap();
+    e.ensure_stream(&other).await;
     store::set_route(&e.pg, "orders", &e.cfg.nats_cluster, &other)
         .await
         .unwrap();
@@ -424,7 +439,7 @@ async fn migration_refused_while_unknown_and_old_receipt_after_migration_is_a_co
     let _g = LOCK.lock().await;
     let mut e = env("mig").await;
     let new_topic = format!("{}M", e.topic);
-    e.nats.ensure_stream(&new_topic).await.unwrap();
+    e.ensure_stream(&new_topic).await;
     store::set_route(&e.pg, "orders-v2", &e.cfg.nats_cluster, &new_topic)
         .await
         .unwrap();

@@ -9,6 +9,8 @@ use std::time::{Duration, Instant};
 
 #[path = "../../sealpost/tests/common/mod.rs"]
 mod common;
+#[path = "../../sealpost/tests/common/teardown_nats.rs"]
+mod teardown_nats;
 
 use sealpost::runtime;
 use sealpost::store;
@@ -44,6 +46,9 @@ struct Drill {
     topic: String,
     dir: std::path::PathBuf,
     children: Vec<Child>,
+    // Dropped after `Drop::drop` has stopped the processes and restarted NATS.
+    _stream: teardown_nats::Teardown,
+    _db: common::TestDb,
 }
 
 impl Drop for Drill {
@@ -54,6 +59,7 @@ impl Drop for Drill {
         }
         // Whatever happened, leave NATS running for the next test.
         let _ = Command::new("start-stop-daemon").args(NATS_START).status();
+        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 
@@ -73,6 +79,7 @@ async fn drill(tag: &str, n: usize) -> Drill {
     let nats = Nats::connect(&cfg.nats_url, &cfg.nats_cluster, Duration::from_secs(5))
         .await
         .expect("NATS");
+    let stream = teardown_nats::stream(&cfg.nats_url, &topic);
     nats.ensure_stream(&topic).await.expect("stream");
     let payload = vec![b'p'; 200];
     let mut i = 0;
@@ -89,11 +96,13 @@ async fn drill(tag: &str, n: usize) -> Drill {
     std::fs::create_dir_all(&dir).unwrap();
     Drill {
         pg,
-        database_url: cfg.database_url,
+        database_url: cfg.database_url.clone(),
         nats,
         topic,
         dir,
         children: Vec::new(),
+        _stream: stream,
+        _db: cfg,
     }
 }
 

@@ -8,27 +8,28 @@
 
 #[path = "../../sealpost/tests/common/mod.rs"]
 mod common;
+#[path = "../../sealpost/tests/common/teardown_rabbitmq.rs"]
+mod teardown_rabbitmq;
 
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use sealpost::runtime::{self, Config};
+use sealpost::runtime;
 use sealpost::store;
 use sealpost_rabbitmq::lapin::options::QueueDeclareOptions;
 use sealpost_rabbitmq::lapin::types::FieldTable;
 use sealpost_rabbitmq::{queue_name, Rabbit};
 
-const ADMIN_URL: &str = "host=127.0.0.1 user=postgres dbname=test";
-
 struct Drill {
-    db: String,
-    cfg: Config,
+    cfg: common::TestDb,
     pg: tokio_postgres::Client,
-    rabbit: Rabbit,
     topic: String,
     consumers: Vec<String>,
     dir: std::path::PathBuf,
     children: Vec<Child>,
+    /// The exchange and queues; like `cfg` (the database), removed after `Drop::drop` has
+    /// stopped the processes.
+    _destination: teardown_rabbitmq::Teardown,
 }
 
 impl Drop for Drill {
@@ -38,21 +39,8 @@ impl Drop for Drill {
             let _ = c.wait();
         }
         let _ = std::fs::remove_dir_all(&self.dir);
-        if !self.db.is_empty() {
-            // A failed test still removes its database (finish() empties `db` when done).
-            let db = std::mem::take(&mut self.db);
-            let _ = std::thread::spawn(move || {
-                let rt = tokio::runtime::Runtime::new().unwrap();
-                rt.block_on(async {
-                    if let Ok(admin) = runtime::pg_connect(ADMIN_URL).await {
-                        let _ = admin
-                            .batch_execute(&format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))
-                            .await;
-                    }
-                });
-            })
-            .join();
-        }
+        // Then the fields: the exchange and queues, and the database (also when the test
+        // failed).
     }
 }
 
@@ -77,6 +65,8 @@ async fn drill(tag: &str, n: usize, consumers: &[&str], bind: bool) -> Drill {
     .expect("RabbitMQ must be running at 127.0.0.1:5672 (guest/guest)");
     let consumers: Vec<String> = consumers.iter().map(|c| c.to_string()).collect();
     let bound = if bind { consumers.clone() } else { Vec::new() };
+    // Every consumer's queue: `sealpost consume` declares an unbound one's too.
+    let destination = teardown_rabbitmq::destination(&cfg.rabbitmq_url, &topic, &consumers);
     rabbit.ensure_destination(&topic, &bound).await.unwrap();
     let payload = br#"{"order_id":"x","total_cents":1}"#.to_vec();
     let mut i = 0;
@@ -92,14 +82,13 @@ async fn drill(tag: &str, n: usize, consumers: &[&str], bind: bool) -> Drill {
     let dir = std::env::temp_dir().join(format!("sealpost-rabbitmq-{tag}-{r}"));
     std::fs::create_dir_all(&dir).unwrap();
     Drill {
-        db,
         cfg,
         pg,
-        rabbit,
         topic,
         consumers,
         dir,
         children: Vec::new(),
+        _destination: destination,
     }
 }
 
@@ -222,21 +211,10 @@ impl Drill {
         }
     }
 
-    async fn finish(mut self) {
-        for c in &mut self.children {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-        self.rabbit
-            .delete_destination(&self.topic, &self.consumers)
-            .await
-            .unwrap();
-        let db = std::mem::take(&mut self.db);
-        let admin = runtime::pg_connect(ADMIN_URL).await.unwrap();
-        admin
-            .batch_execute(&format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))
-            .await
-            .unwrap();
+    /// Stops the processes and removes the exchange, the queues and the database (what
+    /// `Drop` does when a test fails before this).
+    async fn finish(self) {
+        drop(self);
     }
 }
 
@@ -305,7 +283,7 @@ async fn dispatcher_killed_between_send_and_receipt_retries_to_the_same_exchange
         streams: Vec::new(),
         scan_max: 0,
     };
-    let report = sealpost_cli::ops::reconcile(&d.pg, None, &opts)
+    let report = sealpost_cli::ops::reconcile(&d.pg, None::<&sealpost::ops::NoScan>, &opts)
         .await
         .unwrap();
     assert!(report.findings.is_empty(), "{:?}", report.findings);

@@ -5,6 +5,11 @@
 //! a database restored from a `pg_dump` taken mid-run republishes under the same event ids
 //! with zero second effects (F11, R21). Every test has its own databases and stream.
 
+#[path = "../../sealpost/tests/common/mod.rs"]
+mod common;
+#[path = "../../sealpost/tests/common/teardown_nats.rs"]
+mod teardown_nats;
+
 use std::collections::BTreeSet;
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -78,32 +83,15 @@ async fn wait_for(what: &str, limit: Duration, mut f: impl AsyncFnMut() -> bool)
     }
 }
 
-const ADMIN_URL: &str = "host=127.0.0.1 user=postgres dbname=postgres";
-
-/// A fresh database `sealpost_ret_<tag>` with the schema and the demo tables.
-async fn fresh_db(tag: &str) -> (String, tokio_postgres::Client) {
-    let db = format!("sealpost_ret_{tag}");
-    let admin = runtime::pg_connect(ADMIN_URL)
-        .await
-        .expect("PostgreSQL must be running");
-    admin
-        .batch_execute(&format!("CREATE DATABASE {db}"))
-        .await
-        .expect("create the test database");
-    let url = format!("host=127.0.0.1 user=postgres dbname={db}");
+/// A fresh database `sealpost_ret_<tag>` with the schema and the demo tables: its URL, a
+/// client, and the guard that drops it when the test ends (pass or fail).
+async fn fresh_db(tag: &str) -> (String, tokio_postgres::Client, common::TestDb) {
+    let db = common::fresh_database(&format!("sealpost_ret_{tag}")).await;
+    let url = db.database_url.clone();
     let pg = runtime::pg_connect(&url).await.unwrap();
     store::migrate(&pg).await.expect("migrate");
     sealpost_cli::demo::prepare(&pg).await.unwrap();
-    (url, pg)
-}
-
-async fn drop_db(url: &str) {
-    let db = url.rsplit('=').next().unwrap();
-    let admin = runtime::pg_connect(ADMIN_URL).await.unwrap();
-    admin
-        .batch_execute(&format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))
-        .await
-        .unwrap();
+    (url, pg, db)
 }
 
 async fn watermark(outbox: &tokio_postgres::Client, consumer: &str, stream: &str) -> Option<i64> {
@@ -125,8 +113,8 @@ async fn watermark(outbox: &tokio_postgres::Client, consumer: &str, stream: &str
 #[tokio::test]
 async fn purge_waits_for_reported_consumers_the_restore_point_and_the_audit_retention() {
     let tag = runtime::owner_id() % 1_000_000;
-    let (outbox_url, mut pg) = fresh_db(&format!("{tag}_outbox")).await;
-    let (consumer_url, cpg) = fresh_db(&format!("{tag}_consumer")).await;
+    let (outbox_url, mut pg, _outbox_db) = fresh_db(&format!("{tag}_outbox")).await;
+    let (consumer_url, cpg, _consumer_db) = fresh_db(&format!("{tag}_consumer")).await;
     let mut cfg = Config::from_env().unwrap();
     cfg.database_url = consumer_url.clone();
     cfg.outbox_database_url = outbox_url.clone();
@@ -139,6 +127,7 @@ async fn purge_waits_for_reported_consumers_the_restore_point_and_the_audit_rete
     let nats = Nats::connect(&cfg.nats_url, &cfg.nats_cluster, Duration::from_secs(5))
         .await
         .unwrap();
+    let _stream = teardown_nats::stream(&cfg.nats_url, &topic);
     nats.ensure_stream(&topic).await.unwrap();
     let n = 30;
     let ids = enqueue(&mut pg, &route, n).await;
@@ -329,9 +318,6 @@ async fn purge_waits_for_reported_consumers_the_restore_point_and_the_audit_rete
     ca.await.unwrap().unwrap();
     cb.await.unwrap().unwrap();
     let _ = nats.js.delete_stream(&topic).await;
-    drop((pg, cpg));
-    drop_db(&outbox_url).await;
-    drop_db(&consumer_url).await;
 }
 
 #[test]
@@ -379,7 +365,9 @@ async fn restore_from_a_dump_taken_mid_run_keeps_event_ids_and_has_no_second_eff
     let outbox_db = "sealpost_f11";
     psql("test", &format!("DROP DATABASE IF EXISTS {outbox_db}"));
     psql("test", &format!("CREATE DATABASE {outbox_db}"));
-    let (consumer_url, cpg) = fresh_db(&format!("{}_f11c", runtime::owner_id() % 1_000_000)).await;
+    let _outbox_db = common::drop_database_guard(outbox_db);
+    let (consumer_url, cpg, _consumer_db) =
+        fresh_db(&format!("{}_f11c", runtime::owner_id() % 1_000_000)).await;
     let mut consumer_cfg = Config::from_env().unwrap();
     consumer_cfg.database_url = consumer_url.clone();
     let mut cfg = consumer_cfg.clone();
@@ -395,6 +383,7 @@ async fn restore_from_a_dump_taken_mid_run_keeps_event_ids_and_has_no_second_eff
     let nats = Nats::connect(&cfg.nats_url, &cfg.nats_cluster, Duration::from_secs(5))
         .await
         .unwrap();
+    let _stream = teardown_nats::stream(&cfg.nats_url, &topic);
     nats.ensure_stream(&topic).await.unwrap();
     let n = 200;
     let ids = enqueue(&mut pg, "orders", n).await;
@@ -549,13 +538,12 @@ async fn restore_from_a_dump_taken_mid_run_keeps_event_ids_and_has_no_second_eff
     );
     psql("test", &format!("DROP DATABASE IF EXISTS {outbox_db}"));
     drop(cpg);
-    drop_db(&consumer_url).await;
 }
 
 #[tokio::test]
 async fn reconcile_reports_out_of_band_ids_and_unconsumed_events() {
     let _g = LOCK.lock().await;
-    let (url, mut pg) = fresh_db(&format!("{}_rec", runtime::owner_id() % 1_000_000)).await;
+    let (url, mut pg, _db) = fresh_db(&format!("{}_rec", runtime::owner_id() % 1_000_000)).await;
     let mut cfg = Config::from_env().unwrap();
     cfg.database_url = url.clone();
     let topic = format!("O{}", runtime::owner_id() % 1_000_000);
@@ -566,6 +554,7 @@ async fn reconcile_reports_out_of_band_ids_and_unconsumed_events() {
     let nats = Nats::connect(&cfg.nats_url, &cfg.nats_cluster, Duration::from_secs(5))
         .await
         .unwrap();
+    let _stream = teardown_nats::stream(&cfg.nats_url, &topic);
     nats.ensure_stream(&topic).await.unwrap();
     let ids = enqueue(&mut pg, &route, 5).await;
     let mut published = 0;
@@ -637,6 +626,4 @@ async fn reconcile_reports_out_of_band_ids_and_unconsumed_events() {
         .iter()
         .any(|f| f.kind == "pending_over_age" || f.kind == "unknown_over_age"));
     let _ = nats.js.delete_stream(&topic).await;
-    drop(pg);
-    drop_db(&url).await;
 }

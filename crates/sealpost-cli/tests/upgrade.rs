@@ -6,11 +6,16 @@
 //! every row that can be published is, each exactly once at the broker, and the quarantined
 //! row waits for its operator. The database and the stream are this test's own.
 
+#[path = "../../sealpost/tests/common/mod.rs"]
+mod common;
+#[path = "../../sealpost/tests/common/teardown_nats.rs"]
+mod teardown_nats;
+
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use sealpost::runtime::{self, Config, Counters};
+use sealpost::runtime::{self, Counters};
 use sealpost::store;
 use sealpost_core::envelope::{
     Destination, EventId, NewEvent, PartitionAlgorithm, RoutePolicy, SealedEnvelope,
@@ -20,8 +25,6 @@ use sealpost_core::row::AttemptStatus;
 use sealpost_core::state::State;
 use sealpost_nats::Nats;
 use uuid::Uuid;
-
-const ADMIN_URL: &str = "host=127.0.0.1 user=postgres dbname=test";
 
 /// The v1 column layout of one envelope row, as the version-2 code wrote it.
 const V1_INSERT: &str = "INSERT INTO sealpost.envelope (event_id, member, envelope_generation,
@@ -176,19 +179,8 @@ async fn a_v1_database_with_rows_in_every_state_upgrades_in_place_and_the_protoc
     let tag = runtime::owner_id() % 1_000_000;
     let db = format!("sealpost_upgrade_{tag}");
     let topic = format!("UPGRADE{tag}");
-    let admin = runtime::pg_connect(ADMIN_URL)
-        .await
-        .expect("PostgreSQL must be running");
-    admin
-        .batch_execute(&format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))
-        .await
-        .unwrap();
-    admin
-        .batch_execute(&format!("CREATE DATABASE {db}"))
-        .await
-        .unwrap();
-    let mut cfg = Config::from_env().expect("default config");
-    cfg.database_url = format!("host=127.0.0.1 user=postgres dbname={db}");
+    // Both dropped when the test ends, pass or fail.
+    let mut cfg = common::fresh_database(&db).await;
     // Short leases, so the expired SENDING row is taken over within the test (the ACK
     // timeout, which is also the send margin, must stay below the lease).
     cfg.lease_ms = 3_000;
@@ -209,6 +201,7 @@ async fn a_v1_database_with_rows_in_every_state_upgrades_in_place_and_the_protoc
     )
     .await
     .expect("NATS must be running");
+    let _stream = teardown_nats::stream(&cfg.nats_url, &topic);
     nats.ensure_stream(&topic).await.unwrap();
     store::set_route(&pg, "orders", &cfg.nats_cluster, &topic)
         .await
@@ -507,9 +500,4 @@ async fn a_v1_database_with_rows_in_every_state_upgrades_in_place_and_the_protoc
         "the copy the v1 attempt left at the broker fills the slot"
     );
     let _ = nats.js.delete_stream(&topic).await;
-    drop(pg);
-    admin
-        .batch_execute(&format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))
-        .await
-        .unwrap();
 }

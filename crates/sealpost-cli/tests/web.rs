@@ -9,6 +9,11 @@
 //! ports. It needs `chromedriver` and `chromium` (`apt-get install -y chromium
 //! chromium-driver`; or set `CHROMEDRIVER`). With `SEALPOST_WEB_SCREENSHOT=PATH` it saves a screenshot of the page.
 
+#[path = "../../sealpost/tests/common/mod.rs"]
+mod common;
+#[path = "../../sealpost/tests/common/teardown_nats.rs"]
+mod teardown_nats;
+
 use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -24,7 +29,6 @@ use sealpost_nats::async_nats::jetstream;
 use sealpost_nats::Nats;
 use serde_json::Value;
 
-const ADMIN_URL: &str = "host=127.0.0.1 user=postgres dbname=postgres";
 const TOKEN: &str = "web-test-operator-token";
 
 /// A child process (chromedriver, `sealpost serve`) killed when the test ends, pass or fail.
@@ -34,37 +38,6 @@ impl Drop for Killed {
     fn drop(&mut self) {
         let _ = self.0.kill();
         let _ = self.0.wait();
-    }
-}
-
-/// Drops the test's database and deletes its stream when the test ends, pass or fail.
-struct Cleanup {
-    db: String,
-    nats_url: String,
-    stream: String,
-}
-
-impl Drop for Cleanup {
-    fn drop(&mut self) {
-        let (db, url, stream) = (self.db.clone(), self.nats_url.clone(), self.stream.clone());
-        // A runtime of its own: the test's runtime may be shutting down.
-        let _ = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("runtime");
-            rt.block_on(async {
-                if let Ok(c) = sealpost_nats::async_nats::connect(&url).await {
-                    let _ = jetstream::new(c).delete_stream(&stream).await;
-                }
-                if let Ok(admin) = runtime::pg_connect(ADMIN_URL).await {
-                    let _ = admin
-                        .batch_execute(&format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))
-                        .await;
-                }
-            });
-        })
-        .join();
     }
 }
 
@@ -295,26 +268,10 @@ async fn the_status_page_shows_the_status_traces_and_releases_only_with_the_toke
     assert!(driver_path.is_file());
 
     let tag = format!("{}", runtime::owner_id() % 1_000_000_000);
-    let db = format!("sealpost_web_{tag}");
-    let admin = runtime::pg_connect(ADMIN_URL)
-        .await
-        .expect("PostgreSQL must be running");
-    admin
-        .batch_execute(&format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))
-        .await
-        .unwrap();
-    admin
-        .batch_execute(&format!("CREATE DATABASE {db}"))
-        .await
-        .unwrap();
-    let mut cfg = Config::from_env().expect("default config");
+    // Both removed when the test ends, pass or fail (dropped after the processes below).
+    let mut cfg = common::fresh_database(&format!("sealpost_web_{tag}")).await;
     let stream = format!("WEB{tag}");
-    let _cleanup = Cleanup {
-        db: db.clone(),
-        nats_url: cfg.nats_url.clone(),
-        stream: stream.clone(),
-    };
-    cfg.database_url = format!("host=127.0.0.1 user=postgres dbname={db}");
+    let _stream = teardown_nats::stream(&cfg.nats_url, &stream);
     cfg.rejection_limit = 2;
     let mut pg = runtime::pg_connect(&cfg.database_url).await.unwrap();
     store::migrate(&pg).await.unwrap();

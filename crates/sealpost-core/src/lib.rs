@@ -19,6 +19,7 @@ pub mod receipt;
 pub mod reconcile;
 pub mod reconciler;
 pub mod row;
+pub mod secret;
 pub mod state;
 pub mod subscription;
 pub mod wire;

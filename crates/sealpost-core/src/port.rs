@@ -278,6 +278,35 @@ pub trait Broker: Send + Sync + 'static {
     ) -> impl Future<Output = Lookup> + Send;
 }
 
+/// One message read back by a stream scan: a Sealpost event (its id from the envelope
+/// headers) or a message without them (described by the adapter, e.g. its subject).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ScannedMessage {
+    /// A message carrying a Sealpost event id.
+    Event(EventId),
+    /// A message without Sealpost headers: something published out of band.
+    Foreign(String),
+}
+
+/// Reads a destination stream from its start, for the reconciliation report's fourth set
+/// (R19: event ids at the broker that the outbox never committed). Optional: an adapter
+/// that cannot read a stream back does not implement it.
+pub trait StreamScan: Send + Sync {
+    /// A cursor over one stream.
+    type Cursor: StreamCursor;
+
+    /// Opens a cursor at the start of `stream`; `None` when the stream does not exist or
+    /// cannot be read.
+    fn open_scan(&self, stream: &str) -> impl Future<Output = Option<Self::Cursor>> + Send;
+}
+
+/// A cursor of [`StreamScan`].
+pub trait StreamCursor: Send {
+    /// The next message and how many the stream held after it when it was read (0: this
+    /// was the last); `None` at the end or when nothing came within the adapter's wait.
+    fn next_message(&mut self) -> impl Future<Output = Option<(ScannedMessage, u64)>> + Send;
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

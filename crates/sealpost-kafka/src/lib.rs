@@ -46,14 +46,24 @@
 //! the answer is [`Lookup::Unqueryable`] ("cannot be asked"), and the reconciler retries to the
 //! same destination (R14). An event id that is not a UUIDv7 is scanned from the partition's
 //! start, and is unqueryable once retention has deleted anything.
+//!
+//! **TLS and credentials.** librdkafka is built with OpenSSL (`security.protocol` `SSL` or
+//! `SASL_SSL`, `ssl.ca.location`, `ssl.certificate.location`, `ssl.key.location`; SASL
+//! `PLAIN`, `SCRAM-SHA-256`, `SCRAM-SHA-512`), all set through
+//! [`KafkaConfig::client_properties`]. The SASL password can come from a file instead
+//! ([`KafkaConfig::sasl_password_file`], read at connect). No error or log line of this
+//! adapter carries a secret property's value ([`create_client`], the `Debug` of
+//! [`KafkaConfig`]); a connect that fails says librdkafka's last error (a failed TLS
+//! handshake or SASL authentication is otherwise only "all brokers down").
 
 mod subscription;
 
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
-use rdkafka::client::DefaultClientContext;
-use rdkafka::config::ClientConfig;
+use rdkafka::client::{ClientContext, DefaultClientContext};
+use rdkafka::config::{ClientConfig, FromClientConfig, FromClientConfigAndContext};
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
@@ -92,12 +102,26 @@ pub const DEADLINE_MARGIN: Duration = Duration::from_millis(1_500);
 #[derive(Debug, thiserror::Error)]
 pub enum KafkaAdapterError {
     /// The client could not be created or the cluster did not answer.
-    #[error("cannot connect to Kafka at {brokers}: {source}; is the broker running and `kafka_brokers` right (host:port[,host:port])?")]
+    #[error("cannot connect to Kafka at {brokers}: {cause}{last}; is the broker running and `kafka_brokers` right (host:port[,host:port])? With TLS or SASL: `security.protocol`, `ssl.ca.location`, `sasl.mechanism`, `sasl.username` and the password")]
     Connect {
-        /// Bootstrap servers tried.
+        /// Bootstrap servers tried (credentials removed).
         brokers: String,
+        /// The cause as librdkafka words it, with the values of the secret client properties
+        /// scrubbed (librdkafka quotes a value it refuses).
+        cause: String,
         /// Cause.
         source: KafkaError,
+        /// librdkafka's last error before giving up (`; last error: ...`), or empty.
+        last: String,
+    },
+    /// A setting is wrong (e.g. the SASL password file); names the option and a file's path,
+    /// never a secret.
+    #[error("Kafka option `{option}`: {detail}")]
+    Setting {
+        /// The option (config key).
+        option: &'static str,
+        /// What is wrong.
+        detail: String,
     },
     /// Creating, deleting or describing a topic failed.
     #[error("Kafka {what}: {detail}")]
@@ -109,8 +133,9 @@ pub enum KafkaAdapterError {
     },
 }
 
-/// Settings of the adapter.
-#[derive(Clone, Debug)]
+/// Settings of the adapter. Its `Debug` shows the client properties with their secrets
+/// (`sasl.password`, ...) redacted.
+#[derive(Clone)]
 pub struct KafkaConfig {
     /// Bootstrap servers, `host:port[,host:port]`.
     pub brokers: String,
@@ -127,7 +152,121 @@ pub struct KafkaConfig {
     /// librdkafka properties set on every client this adapter creates, after its own (e.g.
     /// `security.protocol`, or `batch.num.messages=1` for tansu 0.6, see docs/operations.md).
     pub client_properties: Vec<(String, String)>,
+    /// A file holding the SASL password (`sasl.password`), read at connect; its trailing line
+    /// break is dropped. Not together with a `sasl.password` property.
+    pub sasl_password_file: Option<PathBuf>,
 }
+
+impl std::fmt::Debug for KafkaConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let properties: Vec<(&str, &str)> = self
+            .client_properties
+            .iter()
+            .map(|(k, v)| {
+                let shown = if sealpost_core::secret::is_secret_key(k) {
+                    sealpost_core::secret::REDACTED
+                } else {
+                    v.as_str()
+                };
+                (k.as_str(), shown)
+            })
+            .collect();
+        f.debug_struct("KafkaConfig")
+            .field("brokers", &self.brokers)
+            .field("cluster", &self.cluster)
+            .field("ack_timeout", &self.ack_timeout)
+            .field("lookup_clock_margin_ms", &self.lookup_clock_margin_ms)
+            .field("lookup_scan_max", &self.lookup_scan_max)
+            .field("client_id", &self.client_id)
+            .field("client_properties", &properties)
+            .field("sasl_password_file", &self.sasl_password_file)
+            .finish()
+    }
+}
+
+/// Whether librdkafka property `key` holds a secret (a password, a client secret, a private
+/// key given inline): its value is never shown.
+pub fn is_secret(key: &str) -> bool {
+    sealpost_core::secret::is_secret_key(key)
+}
+
+/// The properties with the SASL password read from `sasl_password_file` (if given) added as
+/// `sasl.password`. Errors name the file, never its contents.
+// `KafkaAdapterError` carries rdkafka's error; this runs once per connect, where the size of
+// an error costs nothing.
+#[allow(clippy::result_large_err)]
+pub fn with_secrets(
+    properties: &[(String, String)],
+    sasl_password_file: Option<&Path>,
+) -> Result<Vec<(String, String)>, KafkaAdapterError> {
+    let mut out = properties.to_vec();
+    let Some(path) = sasl_password_file else {
+        return Ok(out);
+    };
+    let bad = |detail: String| KafkaAdapterError::Setting {
+        option: "kafka_sasl_password_file",
+        detail,
+    };
+    if properties.iter().any(|(k, _)| k == "sasl.password") {
+        return Err(bad(format!(
+            "{} is set and kafka_client_properties has sasl.password too; keep one",
+            path.display()
+        )));
+    }
+    let bytes =
+        std::fs::read(path).map_err(|e| bad(format!("cannot read {}: {e}", path.display())))?;
+    let text = String::from_utf8(bytes)
+        .map_err(|_| bad(format!("{} is not UTF-8 text", path.display())))?;
+    let password = text.trim_end_matches(['\n', '\r']);
+    if password.is_empty() {
+        return Err(bad(format!("{} is empty", path.display())));
+    }
+    out.push(("sasl.password".to_string(), password.to_string()));
+    Ok(out)
+}
+
+/// `e` with the value of a secret property replaced by `***` (rdkafka's configuration error
+/// shows the value it refused).
+pub fn scrub(e: KafkaError) -> KafkaError {
+    match e {
+        KafkaError::ClientConfig(code, desc, key, _) if is_secret(&key) => {
+            KafkaError::ClientConfig(code, desc, key, "***".to_string())
+        }
+        e => e,
+    }
+}
+
+/// Creates a client from `c`; a configuration error never shows a secret's value.
+pub fn create_client<T: FromClientConfig>(c: &ClientConfig) -> Result<T, KafkaError> {
+    c.create().map_err(scrub)
+}
+
+/// The producer's client context: librdkafka's errors are logged and the last one (other
+/// than "all brokers down") is kept, so a connect that fails can say why (a failed TLS
+/// handshake or SASL authentication shows up only there). Clones share the record.
+#[derive(Clone, Default)]
+pub struct LinkContext {
+    last: std::sync::Arc<std::sync::Mutex<Option<String>>>,
+}
+
+impl LinkContext {
+    /// librdkafka's last error, if any.
+    pub fn last_error(&self) -> Option<String> {
+        self.last.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+}
+
+impl ClientContext for LinkContext {
+    fn error(&self, error: KafkaError, reason: &str) {
+        tracing::warn!(%error, reason, "librdkafka error");
+        if error.rdkafka_error_code() != Some(RDKafkaErrorCode::AllBrokersDown) {
+            *self.last.lock().unwrap_or_else(|p| p.into_inner()) =
+                Some(format!("{error}: {reason}"));
+        }
+    }
+}
+
+type LinkProducer = FutureProducer<LinkContext>;
 
 impl KafkaConfig {
     /// Defaults for `brokers` and `cluster`: 60 s clock margin, 1,000,000 records per lookup.
@@ -140,6 +279,7 @@ impl KafkaConfig {
             lookup_scan_max: 1_000_000,
             client_id: format!("sealpost-{}", std::process::id()),
             client_properties: Vec::new(),
+            sasl_password_file: None,
         }
     }
 }
@@ -150,10 +290,16 @@ impl KafkaConfig {
 #[derive(Clone)]
 pub struct Kafka {
     cfg: KafkaConfig,
-    producer: std::sync::Arc<std::sync::RwLock<FutureProducer>>,
+    /// `cfg.client_properties` with the secrets read from their files.
+    props: std::sync::Arc<[(String, String)]>,
+    producer: std::sync::Arc<std::sync::RwLock<LinkProducer>>,
 }
 
-fn new_producer(cfg: &KafkaConfig) -> Result<FutureProducer, KafkaError> {
+fn new_producer(
+    cfg: &KafkaConfig,
+    props: &[(String, String)],
+    context: LinkContext,
+) -> Result<LinkProducer, KafkaError> {
     let timeout_ms = cfg.ack_timeout.as_millis().max(1_000).to_string();
     let mut c = client_config(cfg);
     c.set("acks", "all")
@@ -162,7 +308,7 @@ fn new_producer(cfg: &KafkaConfig) -> Result<FutureProducer, KafkaError> {
         .set("request.timeout.ms", &timeout_ms)
         .set("linger.ms", "2")
         .set("queue.buffering.max.messages", "1000000");
-    with_properties(c, cfg).create()
+    LinkProducer::from_config_and_context(&with_properties(c, props), context).map_err(scrub)
 }
 
 fn client_config(cfg: &KafkaConfig) -> ClientConfig {
@@ -174,23 +320,41 @@ fn client_config(cfg: &KafkaConfig) -> ClientConfig {
 }
 
 /// Applies the user's properties last (they win over the adapter's).
-fn with_properties(mut c: ClientConfig, cfg: &KafkaConfig) -> ClientConfig {
-    for (k, v) in &cfg.client_properties {
+fn with_properties(mut c: ClientConfig, props: &[(String, String)]) -> ClientConfig {
+    for (k, v) in props {
         c.set(k, v);
     }
     c
 }
 
-/// Parses `key=value[,key=value]` (the `KAFKA_CLIENT_PROPERTIES` form).
+/// `text` with the value of every secret client property (`sasl.password`, ...,
+/// [`sealpost_core::secret::is_secret_key`]) replaced.
+fn scrub_secrets(text: &str, properties: &[(String, String)]) -> String {
+    let secrets: Vec<&str> = properties
+        .iter()
+        .filter(|(k, _)| sealpost_core::secret::is_secret_key(k))
+        .map(|(_, v)| v.as_str())
+        .collect();
+    sealpost_core::secret::scrub(text, &secrets)
+}
+
+/// Parses `key=value[,key=value]` (the `KAFKA_CLIENT_PROPERTIES` form). An error names the
+/// entry by its position and never quotes it: it could be part of a password.
 pub fn parse_properties(s: &str) -> Result<Vec<(String, String)>, String> {
     s.split(',')
         .map(str::trim)
         .filter(|p| !p.is_empty())
-        .map(|p| {
+        .enumerate()
+        .map(|(i, p)| {
             p.split_once('=')
                 .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
                 .filter(|(k, _)| !k.is_empty())
-                .ok_or_else(|| format!("`{p}`: expected key=value"))
+                .ok_or_else(|| {
+                    format!(
+                        "entry {} is not key=value (entries are comma-separated, so a value cannot hold a comma)",
+                        i + 1
+                    )
+                })
         })
         .collect()
 }
@@ -205,13 +369,21 @@ fn topology(what: impl Into<String>) -> impl FnOnce(KafkaError) -> KafkaAdapterE
 
 impl Kafka {
     /// Creates the producer and checks that the cluster answers a metadata request.
+    /// The SASL password file is read here.
     pub async fn connect(cfg: KafkaConfig) -> Result<Kafka, KafkaAdapterError> {
-        let producer = new_producer(&cfg).map_err(|source| KafkaAdapterError::Connect {
-            brokers: cfg.brokers.clone(),
+        let props: std::sync::Arc<[(String, String)]> =
+            with_secrets(&cfg.client_properties, cfg.sasl_password_file.as_deref())?.into();
+        let context = LinkContext::default();
+        let connect = |source: KafkaError, last: Option<String>| KafkaAdapterError::Connect {
+            brokers: sealpost_core::secret::redact_url(&cfg.brokers),
+            cause: scrub_secrets(&source.to_string(), &props),
             source,
-        })?;
+            last: last
+                .map(|l| format!("; last error: {}", scrub_secrets(&l, &props)))
+                .unwrap_or_default(),
+        };
+        let producer = new_producer(&cfg, &props, context.clone()).map_err(|e| connect(e, None))?;
         let p = producer.clone();
-        let brokers = cfg.brokers.clone();
         tokio::task::spawn_blocking(move || {
             p.client().fetch_metadata(None, Duration::from_secs(10))
         })
@@ -220,15 +392,16 @@ impl Kafka {
             what: "checking the connection".into(),
             detail: e.to_string(),
         })?
-        .map_err(|source| KafkaAdapterError::Connect { brokers, source })?;
+        .map_err(|e| connect(e, context.last_error()))?;
         Ok(Kafka {
             cfg,
+            props,
             producer: std::sync::Arc::new(std::sync::RwLock::new(producer)),
         })
     }
 
     /// The current producer, replaced first if librdkafka declared it failed for good.
-    fn producer(&self) -> FutureProducer {
+    fn producer(&self) -> LinkProducer {
         let current = self
             .producer
             .read()
@@ -241,7 +414,7 @@ impl Kafka {
         if slot.client().fatal_error().is_none() {
             return slot.clone(); // another batch replaced it already
         }
-        match new_producer(&self.cfg) {
+        match new_producer(&self.cfg, &self.props, LinkContext::default()) {
             Ok(p) => {
                 tracing::warn!(%code, %why, "Kafka producer failed for good; replaced with a new one");
                 *slot = p.clone();
@@ -270,8 +443,7 @@ impl Kafka {
             return Ok(n);
         }
         let admin: AdminClient<DefaultClientContext> =
-            with_properties(client_config(&self.cfg), &self.cfg)
-                .create()
+            create_client(&with_properties(client_config(&self.cfg), &self.props))
                 .map_err(topology("creating an admin client"))?;
         let t = NewTopic::new(topic, partitions as i32, TopicReplication::Fixed(1));
         let r = admin
@@ -307,8 +479,7 @@ impl Kafka {
     /// Deletes `topic` (tests, demos).
     pub async fn delete_topic(&self, topic: &str) -> Result<(), KafkaAdapterError> {
         let admin: AdminClient<DefaultClientContext> =
-            with_properties(client_config(&self.cfg), &self.cfg)
-                .create()
+            create_client(&with_properties(client_config(&self.cfg), &self.props))
                 .map_err(topology("creating an admin client"))?;
         admin
             .delete_topics(&[topic], &AdminOptions::new())
@@ -367,7 +538,7 @@ impl Kafka {
             .set("enable.auto.commit", "false")
             .set("enable.auto.offset.store", "false")
             .set("auto.offset.reset", "earliest");
-        let consumer: BaseConsumer = match with_properties(c, &self.cfg).create() {
+        let consumer: BaseConsumer = match create_client(&with_properties(c, &self.props)) {
             Ok(c) => c,
             Err(e) => {
                 tracing::warn!(error = %e, "Kafka lookup: cannot create a consumer");
@@ -689,5 +860,29 @@ mod tests {
         let mut v4 = id;
         v4.0[6] = 0x40 | (v4.0[6] & 0x0f);
         assert_eq!(event_id_unix_ms(v4), None);
+    }
+
+    #[test]
+    fn properties_errors_and_debug_never_show_a_secret() {
+        // A password holding a comma leaves a piece without `=`: named by position only.
+        let e = parse_properties("sasl.username=app,sasl.password=hun,ter2").unwrap_err();
+        assert!(e.contains("entry 3") && !e.contains("ter2"), "{e}");
+        let mut cfg = KafkaConfig::new("127.0.0.1:9092", "k", Duration::from_secs(5));
+        cfg.client_properties =
+            parse_properties("sasl.username=app,sasl.password=hunter2,ssl.key.password=k3y")
+                .unwrap();
+        let debug = format!("{cfg:?}");
+        assert!(
+            !debug.contains("hunter2") && !debug.contains("k3y"),
+            "{debug}"
+        );
+        assert!(debug.contains("\"sasl.username\", \"app\""), "{debug}");
+        assert_eq!(
+            scrub_secrets(
+                "Invalid value \"hunter2\" for \"sasl.password\"",
+                &cfg.client_properties
+            ),
+            "Invalid value \"***\" for \"sasl.password\""
+        );
     }
 }

@@ -33,8 +33,8 @@ use sealpost_core::subscription::{
 };
 
 use crate::{
-    client_config, header_str, with_properties, KafkaAdapterError, KafkaConfig, H_EVENT_ID,
-    H_MEMBER, H_PAYLOAD_DIGEST,
+    client_config, create_client, header_str, scrub_secrets, with_properties, with_secrets,
+    KafkaAdapterError, KafkaConfig, H_EVENT_ID, H_MEMBER, H_PAYLOAD_DIGEST,
 };
 
 /// How long a fetch waits for more records once the first arrived.
@@ -69,13 +69,17 @@ fn consumer(
         .set("enable.auto.offset.store", "false")
         .set("auto.offset.reset", "earliest")
         .set("session.timeout.ms", "10000");
-    let c: StreamConsumer =
-        with_properties(c, cfg)
-            .create()
-            .map_err(|source| KafkaAdapterError::Connect {
-                brokers: cfg.brokers.clone(),
-                source,
-            })?;
+    // The user's properties and the SASL password file, applied last; a configuration
+    // error never shows a secret's value.
+    let props = with_secrets(&cfg.client_properties, cfg.sasl_password_file.as_deref())?;
+    let c: StreamConsumer = create_client(&with_properties(c, &props)).map_err(|source| {
+        KafkaAdapterError::Connect {
+            brokers: sealpost_core::secret::redact_url(&cfg.brokers),
+            cause: scrub_secrets(&source.to_string(), &props),
+            source,
+            last: String::new(),
+        }
+    })?;
     c.subscribe(&[topic])
         .map_err(|e| KafkaAdapterError::Topology {
             what: format!("subscribing group `{group}` to topic `{topic}`"),

@@ -3,6 +3,9 @@
 //! Sealpost's headers, the partition a Java client would choose, the bounded lookup, refusals
 //! and the deadline. Every test uses its own topic and deletes it at the end.
 
+#[path = "../../sealpost/tests/common/teardown_kafka.rs"]
+mod teardown_kafka;
+
 use std::time::{Duration, Instant};
 
 use rdkafka::consumer::{BaseConsumer, Consumer};
@@ -120,6 +123,8 @@ fn header(m: &rdkafka::message::OwnedMessage, name: &str) -> Option<String> {
 async fn a_receipt_names_the_frozen_partition_and_the_record_carries_the_envelope() {
     let t = topic("ack");
     let kafka = connect().await;
+    // Deleted when the test ends, pass or fail.
+    let _topic = teardown_kafka::topic(kafka.config(), &t);
     assert_eq!(kafka.ensure_topic(&t, 4).await.unwrap(), 4);
     let caps = kafka.capabilities();
     assert!(caps.lookup_by_event_id && caps.per_key_ordering && !caps.create_if_absent);
@@ -165,6 +170,8 @@ async fn a_receipt_names_the_frozen_partition_and_the_record_carries_the_envelop
 async fn sealposts_partition_is_the_one_the_java_partitioner_chooses() {
     let t = topic("java");
     let kafka = connect().await;
+    // Deleted when the test ends, pass or fail.
+    let _topic = teardown_kafka::topic(kafka.config(), &t);
     kafka.ensure_topic(&t, 6).await.unwrap();
     let p: FutureProducer = ClientConfig::new()
         .set("bootstrap.servers", brokers())
@@ -193,6 +200,8 @@ async fn sealposts_partition_is_the_one_the_java_partitioner_chooses() {
 async fn more_partitions_than_frozen_move_no_aggregate() {
     let t = topic("grow");
     let kafka = connect().await;
+    // Deleted when the test ends, pass or fail.
+    let _topic = teardown_kafka::topic(kafka.config(), &t);
     kafka.ensure_topic(&t, 8).await.unwrap();
     for i in 0..30 {
         let key = format!("order-{i}");
@@ -214,6 +223,8 @@ async fn more_partitions_than_frozen_move_no_aggregate() {
 async fn lookup_finds_the_stored_record_and_proves_an_unsent_one_absent() {
     let t = topic("lookup");
     let kafka = connect().await;
+    // Deleted when the test ends, pass or fail.
+    let _topic = teardown_kafka::topic(kafka.config(), &t);
     kafka.ensure_topic(&t, 2).await.unwrap();
     let d = destination(&t, "order-7", 2);
     let reqs: Vec<SendRequest> = (0..50).map(|i| request(&d, 500 + i, b"{}")).collect();
@@ -249,6 +260,8 @@ async fn lookup_finds_the_stored_record_and_proves_an_unsent_one_absent() {
 async fn an_oversized_payload_is_refused_and_a_passed_deadline_sends_nothing() {
     let t = topic("refuse");
     let kafka = connect().await;
+    // Deleted when the test ends, pass or fail.
+    let _topic = teardown_kafka::topic(kafka.config(), &t);
     kafka.ensure_topic(&t, 1).await.unwrap();
     let d = destination(&t, "order-1", 1);
     let big = vec![b'x'; 2 * 1024 * 1024];
@@ -312,6 +325,8 @@ async fn an_unreachable_broker_is_a_clear_error() {
 async fn an_unencodable_message_is_refused_alone_and_its_batch_is_sent() {
     let t = topic("enc");
     let kafka = connect().await;
+    // Deleted when the test ends, pass or fail.
+    let _topic = teardown_kafka::topic(kafka.config(), &t);
     assert_eq!(kafka.ensure_topic(&t, 1).await.unwrap(), 1);
     let d = destination(&t, "k", 1);
     let mut reqs: Vec<SendRequest> = (0..4).map(|i| request(&d, 10 + i, b"{}")).collect();

@@ -58,8 +58,8 @@ use async_nats::{HeaderMap, ServerError};
 use sealpost_core::encoding::Digest;
 use sealpost_core::envelope::{Destination, EventId};
 use sealpost_core::port::{
-    encode_request, may_leave, Broker, Capabilities, NeverSentReason, RefusalKind, SendRequest,
-    SendResult,
+    encode_request, may_leave, Broker, Capabilities, NeverSentReason, RefusalKind, ScannedMessage,
+    SendRequest, SendResult, StreamCursor, StreamScan,
 };
 use sealpost_core::receipt::{Receipt, ReceiptSource};
 use sealpost_core::reconcile::Lookup;
@@ -98,7 +98,8 @@ pub enum NatsError {
     /// Could not connect.
     #[error("cannot connect to NATS at {url}: {source}; {hint}")]
     Connect {
-        /// URL tried.
+        /// URL tried, without its password or token
+        /// ([`sealpost_core::secret::redact_url`]).
         url: String,
         /// Cause.
         source: async_nats::ConnectError,
@@ -334,7 +335,7 @@ impl Nats {
             .connect(server_urls(url))
             .await
             .map_err(|source| NatsError::Connect {
-                url: url.to_string(),
+                url: sealpost_core::secret::redact_url(url),
                 hint: options.hint(&source),
                 source,
             })?;
@@ -646,6 +647,51 @@ impl Broker for Nats {
         }
         self.lookup_topic(&destination.topic, event_id, member)
             .await
+    }
+}
+
+/// A stream read from its start by an ordered consumer (the reconciliation report's
+/// out-of-band check): a message's event id comes from its `Sealpost-Event-Id` header.
+pub struct NatsScan {
+    messages: jetstream::consumer::pull::Ordered,
+}
+
+impl StreamScan for Nats {
+    type Cursor = NatsScan;
+
+    async fn open_scan(&self, stream: &str) -> Option<NatsScan> {
+        use jetstream::consumer::{pull, DeliverPolicy};
+        let st = self.js.get_stream(stream).await.ok()?;
+        let c = st
+            .create_consumer(pull::OrderedConfig {
+                deliver_policy: DeliverPolicy::All,
+                ..Default::default()
+            })
+            .await
+            .ok()?;
+        Some(NatsScan {
+            messages: c.messages().await.ok()?,
+        })
+    }
+}
+
+impl StreamCursor for NatsScan {
+    /// Waits up to 500 ms for the next message.
+    async fn next_message(&mut self) -> Option<(ScannedMessage, u64)> {
+        use futures::StreamExt;
+        let next = tokio::time::timeout(Duration::from_millis(500), self.messages.next()).await;
+        let Ok(Some(Ok(m))) = next else { return None };
+        let left = m.info().map_or(0, |i| i.pending);
+        let id = m
+            .headers
+            .as_ref()
+            .and_then(|h| h.get(H_EVENT_ID))
+            .and_then(|v| EventId::parse(v.as_str()));
+        let msg = match id {
+            Some(id) => ScannedMessage::Event(id),
+            None => ScannedMessage::Foreign(m.subject.to_string()),
+        };
+        Some((msg, left))
     }
 }
 

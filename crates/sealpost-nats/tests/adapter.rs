@@ -2,6 +2,9 @@
 //! database: how each broker answer maps to a [`SendResult`], the deadline, and the lookup.
 //! The permission and connection cases run a private `nats-server` on a free port.
 
+#[path = "../../sealpost/tests/common/teardown_nats.rs"]
+mod teardown_nats;
+
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -49,12 +52,15 @@ fn later() -> Instant {
     Instant::now() + Duration::from_secs(30)
 }
 
-async fn connect(topic: &str) -> Nats {
+/// The adapter, with stream `topic` made for the test: deleted when the guard drops (also
+/// when the test fails).
+async fn connect(topic: &str) -> (Nats, teardown_nats::Teardown) {
     let nats = Nats::connect(&nats_url(), CLUSTER, Duration::from_secs(2))
         .await
         .expect("NATS must be running");
+    let guard = teardown_nats::stream(&nats_url(), topic);
     nats.ensure_stream(topic).await.expect("stream");
-    nats
+    (nats, guard)
 }
 
 /// A fresh stream name per test run.
@@ -78,7 +84,7 @@ async fn stream_messages(nats: &Nats, topic: &str) -> u64 {
 #[tokio::test]
 async fn capabilities_declare_lookup_window_and_create_if_absent() {
     let t = topic("CAP");
-    let nats = connect(&t).await;
+    let (nats, _stream) = connect(&t).await;
     assert_eq!(nats.cluster(), CLUSTER);
     let c = nats.capabilities();
     assert!(c.lookup_by_event_id && c.create_if_absent && !c.per_key_ordering);
@@ -89,7 +95,7 @@ async fn capabilities_declare_lookup_window_and_create_if_absent() {
 #[tokio::test]
 async fn receipt_duplicate_already_stored_and_lookup() {
     let t = topic("RCP");
-    let nats = connect(&t).await;
+    let (nats, _stream) = connect(&t).await;
     let d = destination(CLUSTER, &t);
     let r = request(&d, b"{\"x\":1}");
     let first = match nats.send_batch(vec![r.clone()], later()).await.remove(0) {
@@ -144,7 +150,7 @@ async fn receipt_duplicate_already_stored_and_lookup() {
 #[tokio::test]
 async fn nothing_leaves_after_the_deadline_or_for_another_cluster_or_stream() {
     let t = topic("DL");
-    let nats = connect(&t).await;
+    let (nats, _stream) = connect(&t).await;
     let d = destination(CLUSTER, &t);
     let late = request(&d, b"{}");
     assert_eq!(
@@ -328,7 +334,7 @@ async fn not_permitted_is_a_refusal_and_a_lost_connection_sends_nothing() {
 #[tokio::test]
 async fn an_unencodable_message_is_refused_alone_and_its_batch_is_sent() {
     let t = topic("ENC");
-    let nats = connect(&t).await;
+    let (nats, _stream) = connect(&t).await;
     let d = destination(CLUSTER, &t);
     let mut reqs: Vec<SendRequest> = (0..4).map(|_| request(&d, b"{}")).collect();
     reqs[1].envelope.aggregate_id = "o-1\r\nX-Evil: 1".into();

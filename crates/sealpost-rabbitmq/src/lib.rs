@@ -43,6 +43,10 @@
 //! `SamePosition`, and the confirm of a retry (a new attempt) after an unknown outcome is
 //! `SecondCopy`, recorded as evidence of a second stored copy: exactly what happened. The
 //! consumer reports the same position (the attempt-id header) for what it applies.
+//!
+//! **TLS and credentials.** `amqps://` over rustls (ring) against a CA file, a client
+//! certificate, the password from a file: [`RabbitOptions`], [`Rabbit::connect_with`],
+//! [`open_connection`].
 
 mod subscription;
 
@@ -68,7 +72,12 @@ use sealpost_core::reconcile::Lookup;
 use tokio::sync::{Mutex, Semaphore};
 
 pub use lapin;
+pub use options::{open_connection, RabbitOptions};
 pub use subscription::{ConsumeError, RabbitSubscription};
+
+use options::Target;
+
+mod options;
 
 /// Header: event id.
 pub const H_EVENT_ID: &str = "Sealpost-Event-Id";
@@ -92,12 +101,24 @@ const CONFIRMS_IN_FLIGHT_MAX: usize = 8_192;
 #[derive(Debug, thiserror::Error)]
 pub enum RabbitError {
     /// Could not connect or open a channel.
-    #[error("cannot connect to RabbitMQ at {url}: {source}; is rabbitmq-server running, and are the URL's user, password and vhost right?")]
+    #[error("cannot connect to RabbitMQ at {url}: {source}; {hint}")]
     Connect {
-        /// URL tried (password removed).
+        /// URL tried, without its password ([`sealpost_core::secret::redact_url`]).
         url: String,
+        /// What to check, in terms of the options ([`RabbitOptions`]).
+        hint: String,
         /// Cause.
         source: lapin::Error,
+    },
+    /// A TLS or credential setting is wrong: a file missing, unreadable or not what it should
+    /// hold, or settings that do not go together. Names the option (the `sealpost` config
+    /// key), and a file's path, never a secret.
+    #[error("RabbitMQ option `{option}`: {detail}")]
+    Setting {
+        /// The option (config key).
+        option: &'static str,
+        /// What is wrong.
+        detail: String,
     },
     /// Declaring or deleting an exchange, a queue or a binding failed.
     #[error("RabbitMQ {what}: {source}")]
@@ -114,20 +135,6 @@ pub fn queue_name(topic: &str, consumer: &str) -> String {
     format!("{topic}.{consumer}")
 }
 
-/// `url` without its password, for messages.
-fn redact(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(s), Some(at)) if at > s => {
-            let cred = &url[s + 3..at];
-            match cred.split_once(':') {
-                Some((user, _)) => format!("{}{user}:***{}", &url[..s + 3], &url[at..]),
-                None => url.to_string(),
-            }
-        }
-        _ => url.to_string(),
-    }
-}
-
 /// One open connection and its publishing channel (publisher confirms on).
 struct Link {
     conn: Arc<Connection>,
@@ -140,7 +147,7 @@ struct Link {
 #[derive(Clone)]
 pub struct Rabbit {
     cluster: String,
-    url: String,
+    target: Arc<Target>,
     name: String,
     ack_timeout: Duration,
     link: Arc<Mutex<Option<Link>>>,
@@ -148,17 +155,17 @@ pub struct Rabbit {
     inflight: Arc<Semaphore>,
 }
 
-async fn open(url: &str, name: &str) -> Result<Link, RabbitError> {
+async fn open(target: &Target, name: &str) -> Result<Link, RabbitError> {
     let err = |source| RabbitError::Connect {
-        url: redact(url),
+        url: target.shown.clone(),
+        hint: "opening the publishing channel".into(),
         source,
     };
-    let conn = Connection::connect(
-        url,
+    let conn = options::dial(
+        target,
         ConnectionProperties::default().with_connection_name(LongString::from(name)),
     )
-    .await
-    .map_err(err)?;
+    .await?;
     let channel = conn.create_channel().await.map_err(err)?;
     channel
         .confirm_select(ConfirmSelectOptions::default())
@@ -180,10 +187,23 @@ impl Rabbit {
         ack_timeout: Duration,
         name: &str,
     ) -> Result<Rabbit, RabbitError> {
-        let link = open(url, name).await?;
+        Rabbit::connect_with(url, cluster, ack_timeout, name, &RabbitOptions::default()).await
+    }
+
+    /// [`Rabbit::connect`] with TLS and credentials ([`RabbitOptions`]): every file is read
+    /// and checked first (a wrong one is named); reconnects reuse what was read.
+    pub async fn connect_with(
+        url: &str,
+        cluster: &str,
+        ack_timeout: Duration,
+        name: &str,
+        options: &RabbitOptions,
+    ) -> Result<Rabbit, RabbitError> {
+        let target = Arc::new(options.prepare(url)?);
+        let link = open(&target, name).await?;
         Ok(Rabbit {
             cluster: cluster.to_string(),
-            url: url.to_string(),
+            target,
             name: name.to_string(),
             ack_timeout,
             link: Arc::new(Mutex::new(Some(link))),
@@ -223,7 +243,7 @@ impl Rabbit {
             }
         }
         *link = None;
-        let l = open(&self.url, &self.name)
+        let l = open(&self.target, &self.name)
             .await
             .map_err(|e| e.to_string())?;
         tracing::info!(connection = %self.name, "RabbitMQ connection reopened");
@@ -241,9 +261,12 @@ impl Rabbit {
         match conn {
             Some(c) if c.status().connected() => c.create_channel().await,
             _ => {
-                let l = open(&self.url, &self.name).await.map_err(|e| match e {
+                let l = open(&self.target, &self.name).await.map_err(|e| match e {
                     RabbitError::Connect { source, .. } | RabbitError::Topology { source, .. } => {
                         source
+                    }
+                    RabbitError::Setting { .. } => {
+                        lapin::Error::from(std::io::Error::other(e.to_string()))
                     }
                 })?;
                 let ch = l.conn.create_channel().await?;
@@ -720,11 +743,18 @@ mod tests {
 
     #[test]
     fn passwords_stay_out_of_messages() {
+        use sealpost_core::secret::redact_url as redact;
         assert_eq!(
             redact("amqp://guest:secret@127.0.0.1:5672/%2f"),
             "amqp://guest:***@127.0.0.1:5672/%2f"
         );
         assert_eq!(redact("amqp://127.0.0.1"), "amqp://127.0.0.1");
+        // An unencoded `@` in the password (the old rule kept the user and cut at the last
+        // `@`; this one too, but it also covers an unencoded `/`).
+        assert_eq!(
+            redact("amqp://guest:se/cr@t@127.0.0.1/%2f"),
+            "amqp://guest:***@127.0.0.1/%2f"
+        );
     }
 
     #[test]

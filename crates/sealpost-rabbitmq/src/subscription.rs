@@ -39,7 +39,10 @@ use sealpost_core::subscription::{
     Subscription,
 };
 
-use crate::{declare_queue, delivered_count, delivery_of, queue_name, redact, RabbitError};
+use crate::{
+    declare_queue, delivered_count, delivery_of, open_connection, queue_name, RabbitError,
+    RabbitOptions,
+};
 
 /// Why a subscription needs reopening.
 #[derive(Debug, thiserror::Error)]
@@ -63,6 +66,8 @@ const LINGER: Duration = Duration::from_millis(50);
 /// One consumer's queue on one exchange.
 pub struct RabbitSubscription {
     url: String,
+    /// TLS and credentials, kept for reconnects.
+    options: RabbitOptions,
     topic: String,
     consumer_id: String,
     settle_ms: u64,
@@ -84,19 +89,28 @@ struct Link {
     consumer: lapin::Consumer,
 }
 
-async fn open(url: &str, topic: &str, consumer_id: &str) -> Result<Link, RabbitError> {
-    let connect = |source| RabbitError::Connect {
-        url: redact(url),
-        source,
-    };
+async fn open(
+    url: &str,
+    options: &RabbitOptions,
+    topic: &str,
+    consumer_id: &str,
+) -> Result<Link, RabbitError> {
     let name = format!("sealpost-consume-{consumer_id}-{}", std::process::id());
-    let conn = Connection::connect(
+    // TLS, client certificate and password file as the options say; the error names the
+    // option to check and never a secret.
+    let conn = open_connection(
         url,
+        options,
         ConnectionProperties::default().with_connection_name(LongString::from(name)),
     )
-    .await
-    .map_err(connect)?;
-    let channel = conn.create_channel().await.map_err(connect)?;
+    .await?;
+    let channel = conn
+        .create_channel()
+        .await
+        .map_err(|source| RabbitError::Topology {
+            what: "opening the consuming channel".into(),
+            source,
+        })?;
     let topo = |what: String| move |source| RabbitError::Topology { what, source };
     channel
         .exchange_declare(
@@ -138,16 +152,18 @@ impl RabbitSubscription {
     /// message may still reach the queue (the dispatchers' lease plus the confirm timeout).
     pub async fn subscribe(
         url: &str,
+        options: &RabbitOptions,
         topic: &str,
         consumer_id: &str,
         settle_ms: u64,
     ) -> Result<RabbitSubscription, RabbitError> {
         Ok(RabbitSubscription {
             url: url.to_string(),
+            options: options.clone(),
             topic: topic.to_string(),
             consumer_id: consumer_id.to_string(),
             settle_ms,
-            link: open(url, topic, consumer_id).await?,
+            link: open(url, options, topic, consumer_id).await?,
             stash: VecDeque::new(),
             held: Arc::new(AtomicUsize::new(0)),
             seen_max: 0,
@@ -378,7 +394,7 @@ impl Subscription for RabbitSubscription {
 
     /// A new connection; what this one held unsettled comes back to the queue.
     async fn reconnect(&mut self) -> Result<(), ConsumeError> {
-        self.link = open(&self.url, &self.topic, &self.consumer_id).await?;
+        self.link = open(&self.url, &self.options, &self.topic, &self.consumer_id).await?;
         self.stash.clear();
         Ok(())
     }

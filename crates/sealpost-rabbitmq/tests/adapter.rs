@@ -3,6 +3,9 @@
 //! consumer sees, the deadline, and the lookup that cannot be asked. Every test uses its own
 //! exchange and queues and deletes them at the end.
 
+#[path = "../../sealpost/tests/common/teardown_rabbitmq.rs"]
+mod teardown_rabbitmq;
+
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
@@ -68,6 +71,8 @@ async fn connect(name: &str) -> Rabbit {
 #[tokio::test]
 async fn a_confirm_is_a_receipt_at_the_attempt_and_the_consumer_sees_the_headers() {
     let t = topic("ack");
+    // The exchange and queue `c1`, removed when the test ends (pass or fail).
+    let _destination = teardown_rabbitmq::destination(&url(), &t, &["c1"]);
     let rabbit = connect(&t).await;
     let consumers = vec!["c1".to_string()];
     rabbit.ensure_destination(&t, &consumers).await.unwrap();
@@ -143,6 +148,8 @@ async fn rabbit_channel() -> sealpost_rabbitmq::lapin::Channel {
 #[tokio::test]
 async fn an_unroutable_message_is_a_refusal_in_the_brokers_words() {
     let t = topic("noroute");
+    // The exchange and queue `c1`, removed when the test ends (pass or fail).
+    let _destination = teardown_rabbitmq::destination(&url(), &t, &["c1"]);
     let rabbit = connect(&t).await;
     // The exchange exists, but no queue is bound.
     rabbit.ensure_destination(&t, &[]).await.unwrap();
@@ -175,6 +182,8 @@ async fn an_unroutable_message_is_a_refusal_in_the_brokers_words() {
 #[tokio::test]
 async fn a_missing_exchange_wrong_cluster_and_passed_deadline_are_never_sent() {
     let t = topic("missing");
+    // The exchange and queue `c1`, removed when the test ends (pass or fail).
+    let _destination = teardown_rabbitmq::destination(&url(), &t, &["c1"]);
     let rabbit = connect(&t).await;
     let d = destination(CLUSTER, &t, "k");
     let out = rabbit.send_batch(vec![request(&d, 1, b"x")], later()).await;
@@ -220,6 +229,8 @@ async fn a_missing_exchange_wrong_cluster_and_passed_deadline_are_never_sent() {
 #[tokio::test]
 async fn an_unencodable_message_is_refused_alone_and_its_batch_is_sent() {
     let t = topic("enc");
+    // The exchange and queue `c1`, removed when the test ends (pass or fail).
+    let _destination = teardown_rabbitmq::destination(&url(), &t, &["c1"]);
     let rabbit = connect(&t).await;
     let consumers = vec!["c1".to_string()];
     rabbit.ensure_destination(&t, &consumers).await.unwrap();

@@ -7,7 +7,9 @@
 pub mod consumer;
 pub mod inbox;
 pub mod observe;
+pub mod ops;
 pub mod runtime;
+pub mod secret;
 #[cfg(feature = "sqlx")]
 pub mod sqlx_store;
 pub mod store;

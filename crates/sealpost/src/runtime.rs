@@ -18,16 +18,26 @@ use sealpost_core::reconciler::{
 };
 use sealpost_core::ReceiptVerdict;
 
+use std::fmt;
+
 use crate::observe;
+use crate::secret;
 use crate::store::{self, Accepted, StoreError, Submitted};
 
 /// Runtime configuration. Every field has a default; `DATABASE_URL` and `NATS_URL` override
-/// the file ([`Config::apply_env`]).
-#[derive(Clone, Debug, serde::Deserialize)]
+/// the file ([`Config::apply_env`]). Its `Debug` shows the URLs redacted
+/// ([`crate::secret`]), never a password or token.
+#[derive(Clone, serde::Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
     /// PostgreSQL connection string.
     pub database_url: String,
+    /// File holding the password of `database_url` (`DATABASE_PASSWORD_FILE`): read by
+    /// [`Config::apply_secret_files`] and appended to `database_url` as its `password`, so the
+    /// password need not be in the connection string, the file or the environment. One
+    /// trailing newline is ignored. It applies to `database_url` only, not to
+    /// `outbox_database_url`.
+    pub database_password_file: String,
     /// NATS URL.
     pub nats_url: String,
     /// Cluster identity of the NATS connection (frozen into destinations).
@@ -104,6 +114,16 @@ pub struct Config {
     pub rabbitmq_url: String,
     /// Cluster identity of the RabbitMQ connection (frozen into destinations).
     pub rabbitmq_cluster: String,
+    /// PEM file of the CA that signs the RabbitMQ broker's certificate; required by an
+    /// `amqps://` URL, and the only CA trusted.
+    pub rabbitmq_tls_ca_file: String,
+    /// PEM client certificate for a broker that verifies its peers (with
+    /// `rabbitmq_tls_key_file`).
+    pub rabbitmq_tls_cert_file: String,
+    /// PEM private key of `rabbitmq_tls_cert_file`.
+    pub rabbitmq_tls_key_file: String,
+    /// File holding the password of the `rabbitmq_url`'s user (the URL then has none).
+    pub rabbitmq_password_file: String,
     /// Kafka bootstrap servers, `host:port[,host:port]` (`KAFKA_BROKERS` overrides it).
     pub kafka_brokers: String,
     /// Cluster identity of the Kafka connection (frozen into destinations).
@@ -119,12 +139,15 @@ pub struct Config {
     /// librdkafka properties for every Kafka client, `key=value[,key=value]`
     /// (`KAFKA_CLIENT_PROPERTIES` overrides it).
     pub kafka_client_properties: String,
+    /// File holding the SASL password (librdkafka's `sasl.password`), read at connect.
+    pub kafka_sasl_password_file: String,
 }
 
 impl Default for Config {
     fn default() -> Self {
         Config {
             database_url: "host=127.0.0.1 user=postgres dbname=test".to_string(),
+            database_password_file: String::new(),
             nats_url: "nats://127.0.0.1:4222".to_string(),
             nats_cluster: "nats-local".to_string(),
             nats_tls_ca_file: String::new(),
@@ -159,19 +182,140 @@ impl Default for Config {
             broker: "nats".to_string(),
             rabbitmq_url: "amqp://guest:guest@127.0.0.1:5672/%2f".to_string(),
             rabbitmq_cluster: "rabbitmq-local".to_string(),
+            rabbitmq_tls_ca_file: String::new(),
+            rabbitmq_tls_cert_file: String::new(),
+            rabbitmq_tls_key_file: String::new(),
+            rabbitmq_password_file: String::new(),
             kafka_brokers: "127.0.0.1:9092".to_string(),
             kafka_cluster: "kafka-local".to_string(),
             kafka_partitions: 6,
             kafka_lookup_clock_margin_ms: 60_000,
             kafka_lookup_scan_max: 1_000_000,
             kafka_client_properties: String::new(),
+            kafka_sasl_password_file: String::new(),
         }
+    }
+}
+
+impl fmt::Debug for Config {
+    /// Every field, the connection strings, URLs and Kafka properties redacted
+    /// ([`crate::secret`]). The destructuring names every field, so a new one cannot be
+    /// forgotten here.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let Config {
+            database_url,
+            database_password_file,
+            nats_url,
+            nats_cluster,
+            nats_tls_ca_file,
+            nats_tls_cert_file,
+            nats_tls_key_file,
+            nats_require_tls,
+            nats_creds_file,
+            nats_nkey_seed_file,
+            nats_user,
+            nats_password_file,
+            nats_token_file,
+            lease_ms,
+            batch_size_max,
+            ack_timeout_ms,
+            idle_poll_ms,
+            rejection_limit,
+            reconcile_batch_max,
+            reconcile_every_ms,
+            lookups_in_flight_max,
+            unknown_check_every_ms,
+            verify_every_ms,
+            verify_batch_max,
+            unknown_alert_s,
+            drill_pause_after_publish_ms,
+            consumer_ack_wait_ms,
+            drill_skip_consumer_ack,
+            consumer_max_deliveries,
+            consumer_effect_timeout_ms,
+            consumer_progress_every_ms,
+            outbox_database_url,
+            required_consumers,
+            broker,
+            rabbitmq_url,
+            rabbitmq_cluster,
+            rabbitmq_tls_ca_file,
+            rabbitmq_tls_cert_file,
+            rabbitmq_tls_key_file,
+            rabbitmq_password_file,
+            kafka_brokers,
+            kafka_cluster,
+            kafka_partitions,
+            kafka_lookup_clock_margin_ms,
+            kafka_lookup_scan_max,
+            kafka_client_properties,
+            kafka_sasl_password_file,
+        } = self;
+        f.debug_struct("Config")
+            .field("database_url", &secret::redact_dsn(database_url))
+            .field("database_password_file", database_password_file)
+            .field("nats_url", &secret::redact_url(nats_url))
+            .field("nats_cluster", nats_cluster)
+            .field("nats_tls_ca_file", nats_tls_ca_file)
+            .field("nats_tls_cert_file", nats_tls_cert_file)
+            .field("nats_tls_key_file", nats_tls_key_file)
+            .field("nats_require_tls", nats_require_tls)
+            .field("nats_creds_file", nats_creds_file)
+            .field("nats_nkey_seed_file", nats_nkey_seed_file)
+            .field("nats_user", nats_user)
+            .field("nats_password_file", nats_password_file)
+            .field("nats_token_file", nats_token_file)
+            .field("lease_ms", lease_ms)
+            .field("batch_size_max", batch_size_max)
+            .field("ack_timeout_ms", ack_timeout_ms)
+            .field("idle_poll_ms", idle_poll_ms)
+            .field("rejection_limit", rejection_limit)
+            .field("reconcile_batch_max", reconcile_batch_max)
+            .field("reconcile_every_ms", reconcile_every_ms)
+            .field("lookups_in_flight_max", lookups_in_flight_max)
+            .field("unknown_check_every_ms", unknown_check_every_ms)
+            .field("verify_every_ms", verify_every_ms)
+            .field("verify_batch_max", verify_batch_max)
+            .field("unknown_alert_s", unknown_alert_s)
+            .field("drill_pause_after_publish_ms", drill_pause_after_publish_ms)
+            .field("consumer_ack_wait_ms", consumer_ack_wait_ms)
+            .field("drill_skip_consumer_ack", drill_skip_consumer_ack)
+            .field("consumer_max_deliveries", consumer_max_deliveries)
+            .field("consumer_effect_timeout_ms", consumer_effect_timeout_ms)
+            .field("consumer_progress_every_ms", consumer_progress_every_ms)
+            .field(
+                "outbox_database_url",
+                &secret::redact_dsn(outbox_database_url),
+            )
+            .field("required_consumers", required_consumers)
+            .field("broker", broker)
+            .field("rabbitmq_url", &secret::redact_url(rabbitmq_url))
+            .field("rabbitmq_cluster", rabbitmq_cluster)
+            .field("rabbitmq_tls_ca_file", rabbitmq_tls_ca_file)
+            .field("rabbitmq_tls_cert_file", rabbitmq_tls_cert_file)
+            .field("rabbitmq_tls_key_file", rabbitmq_tls_key_file)
+            .field("rabbitmq_password_file", rabbitmq_password_file)
+            .field("kafka_brokers", &secret::redact_url(kafka_brokers))
+            .field("kafka_cluster", kafka_cluster)
+            .field("kafka_partitions", kafka_partitions)
+            .field("kafka_lookup_clock_margin_ms", kafka_lookup_clock_margin_ms)
+            .field("kafka_lookup_scan_max", kafka_lookup_scan_max)
+            .field(
+                "kafka_client_properties",
+                &secret::redact_properties(kafka_client_properties),
+            )
+            .field("kafka_sasl_password_file", kafka_sasl_password_file)
+            .finish()
     }
 }
 
 /// Configuration errors name the offending key.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
+    /// A secret file (`database_password_file`) cannot be used; names the file, never what it
+    /// holds.
+    #[error(transparent)]
+    SecretFile(#[from] secret::SecretFileError),
     /// A value out of range.
     #[error("config key `{key}`: {message}")]
     Invalid {
@@ -185,11 +329,17 @@ pub enum ConfigError {
 impl Config {
     /// Applies `DATABASE_URL` and `NATS_URL` (and `NATS_TLS_CA_FILE`, `NATS_TLS_CERT_FILE`,
     /// `NATS_TLS_KEY_FILE`, `NATS_REQUIRE_TLS`, `NATS_CREDS_FILE`, `NATS_NKEY_SEED_FILE`,
-    /// `NATS_USER`, `NATS_PASSWORD_FILE`, `NATS_TOKEN_FILE`, ...) from the environment, when
+    /// `NATS_USER`, `NATS_PASSWORD_FILE`, `NATS_TOKEN_FILE`, `RABBITMQ_URL`,
+    /// `RABBITMQ_TLS_CA_FILE`, `RABBITMQ_TLS_CERT_FILE`, `RABBITMQ_TLS_KEY_FILE`,
+    /// `RABBITMQ_PASSWORD_FILE`, `KAFKA_BROKERS`, `KAFKA_CLIENT_PROPERTIES`,
+    /// `KAFKA_SASL_PASSWORD_FILE`) from the environment, when
     /// set, over whatever the configuration says.
     pub fn apply_env(&mut self) {
         if let Ok(v) = std::env::var("DATABASE_URL") {
             self.database_url = v;
+        }
+        if let Ok(v) = std::env::var("DATABASE_PASSWORD_FILE") {
+            self.database_password_file = v;
         }
         if let Ok(v) = std::env::var("NATS_URL") {
             self.nats_url = v;
@@ -203,6 +353,14 @@ impl Config {
             ("NATS_USER", &mut self.nats_user),
             ("NATS_PASSWORD_FILE", &mut self.nats_password_file),
             ("NATS_TOKEN_FILE", &mut self.nats_token_file),
+            ("RABBITMQ_TLS_CA_FILE", &mut self.rabbitmq_tls_ca_file),
+            ("RABBITMQ_TLS_CERT_FILE", &mut self.rabbitmq_tls_cert_file),
+            ("RABBITMQ_TLS_KEY_FILE", &mut self.rabbitmq_tls_key_file),
+            ("RABBITMQ_PASSWORD_FILE", &mut self.rabbitmq_password_file),
+            (
+                "KAFKA_SASL_PASSWORD_FILE",
+                &mut self.kafka_sasl_password_file,
+            ),
         ] {
             if let Ok(v) = std::env::var(name) {
                 *slot = v;
@@ -236,10 +394,27 @@ impl Config {
         }
     }
 
-    /// The defaults, then the environment ([`Config::apply_env`]), validated.
+    /// Reads `database_password_file`, if set, and appends its secret to `database_url` as
+    /// its `password` ([`secret::with_password`]: it wins over a password the string holds).
+    /// Call it once, after the file and the environment are applied; the error names the
+    /// file, never its contents.
+    pub fn apply_secret_files(&mut self) -> Result<(), ConfigError> {
+        if !self.database_password_file.is_empty() {
+            let password = secret::read_secret_file(
+                "database_password_file",
+                std::path::Path::new(&self.database_password_file),
+            )?;
+            self.database_url = secret::with_password(&self.database_url, &password);
+        }
+        Ok(())
+    }
+
+    /// The defaults, then the environment ([`Config::apply_env`]), the secret files
+    /// ([`Config::apply_secret_files`]), validated.
     pub fn from_env() -> Result<Config, ConfigError> {
         let mut c = Config::default();
         c.apply_env();
+        c.apply_secret_files()?;
         c.validate()?;
         Ok(c)
     }
@@ -322,11 +497,15 @@ pub enum RunError {
     Broker(Box<dyn std::error::Error + Send + Sync>),
     /// Cannot connect to Postgres.
     #[error(
-        "cannot connect to PostgreSQL ({url}): {source}; is it running, and is DATABASE_URL right?"
+        "cannot connect to PostgreSQL ({server}): {cause}; is it running, and is DATABASE_URL right?"
     )]
     Connect {
-        /// URL.
-        url: String,
+        /// The connection string redacted ([`secret::redact_dsn`]): host, port, user and
+        /// database, never the password.
+        server: String,
+        /// The cause and its causes, with the password scrubbed should a library have quoted
+        /// it.
+        cause: String,
         /// Cause.
         source: tokio_postgres::Error,
     },
@@ -339,20 +518,37 @@ impl RunError {
     }
 }
 
+/// How long a connect may take when the connection string sets no `connect_timeout`: an
+/// unreachable host that drops packets fails after this, not after the kernel's minutes.
+pub const CONNECT_TIMEOUT_DEFAULT: Duration = Duration::from_secs(10);
+
 /// Opens a Postgres connection and drives it on a task, over TLS as the connection string's
-/// `sslmode` says (libpq's meanings, default `prefer`; see [`crate::tls`]).
+/// `sslmode` says (libpq's meanings, default `prefer`; see [`crate::tls`]). A connect takes
+/// at most the string's `connect_timeout`, [`CONNECT_TIMEOUT_DEFAULT`] without one. Its
+/// errors carry the connection string redacted, never the password.
 pub async fn pg_connect(url: &str) -> Result<tokio_postgres::Client, RunError> {
     // libpq's sslmode, sslrootcert, sslcert and sslkey (and PGSSL*), over rustls.
-    let pg = crate::tls::pg_tls(url)?;
+    let mut pg = crate::tls::pg_tls(url)?;
+    if pg.config.get_connect_timeout().is_none() {
+        pg.config.connect_timeout(CONNECT_TIMEOUT_DEFAULT);
+    }
     let (client, conn) = match pg.config.connect(pg.connector.clone()).await {
         Ok(c) => c,
         Err(source) => {
             return Err(match pg.explain(&source) {
                 Some(tls) => RunError::Tls(tls),
-                None => RunError::Connect {
-                    url: url.to_string(),
-                    source,
-                },
+                None => {
+                    let password = pg
+                        .config
+                        .get_password()
+                        .map(String::from_utf8_lossy)
+                        .unwrap_or_default();
+                    RunError::Connect {
+                        server: secret::redact_dsn(url),
+                        cause: secret::scrub(&with_causes(&source), &[&password]),
+                        source,
+                    }
+                }
             })
         }
     };
@@ -362,6 +558,22 @@ pub async fn pg_connect(url: &str) -> Result<tokio_postgres::Client, RunError> {
         }
     });
     Ok(client)
+}
+
+/// An error and its causes, `: `-separated, each cause once (tokio-postgres's `Display`
+/// may or may not repeat its cause).
+fn with_causes(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut next = e.source();
+    while let Some(cause) = next {
+        let c = cause.to_string();
+        if !text.ends_with(&c) {
+            text.push_str(": ");
+            text.push_str(&c);
+        }
+        next = cause.source();
+    }
+    text
 }
 
 /// Counters shared by loops for progress lines.
@@ -551,7 +763,11 @@ pub async fn dispatcher<B: Broker>(
                     Err(e) => {
                         tracing::warn!(error = %e, "claim failed; retrying after a pause");
                         if pg.is_closed() {
-                            pg = reconnect(&cfg).await;
+                            let Some(c) = reconnect(&cfg, &stop).await else {
+                                stopped_while_down("dispatcher");
+                                return Ok(());
+                            };
+                            pg = c;
                             held.forget_statements();
                         }
                         m.handle_claim_failed(ms_since(epoch));
@@ -606,7 +822,11 @@ pub async fn dispatcher<B: Broker>(
                     Err(e) => {
                         tracing::warn!(error = %e, "receipt transaction failed; the machine retries it");
                         if pg.is_closed() {
-                            pg = reconnect(&cfg).await;
+                            let Some(c) = reconnect(&cfg, &stop).await else {
+                                stopped_while_down("dispatcher");
+                                return Ok(());
+                            };
+                            pg = c;
                             held.forget_statements();
                         }
                         false
@@ -653,14 +873,35 @@ fn sent_results(
 /// How often a sleeping loop looks at its stop flag.
 const STOP_CHECK_MS: u64 = 200;
 
-/// Reconnects to PostgreSQL, waiting between tries until it answers.
-async fn reconnect(cfg: &Config) -> tokio_postgres::Client {
+/// Logs that a loop stopped while PostgreSQL was unreachable: what it held is left to the
+/// leases (the reconciler resolves a row whose send's outcome was not recorded).
+fn stopped_while_down(role: &str) {
+    tracing::warn!(
+        role,
+        "stopped while PostgreSQL is unreachable; the rows it held are left to their leases and the reconciler"
+    );
+}
+
+/// Pause between two connects while PostgreSQL is unreachable.
+const RECONNECT_PAUSE_MS: u64 = 1_000;
+
+/// Reconnects to PostgreSQL, waiting [`RECONNECT_PAUSE_MS`] between tries until it answers,
+/// or `None` once `stop` is set (looked at every [`STOP_CHECK_MS`], so a stopped process
+/// does not wait for a database that is down). The error logged is redacted
+/// ([`RunError::Connect`]).
+async fn reconnect(cfg: &Config, stop: &AtomicBool) -> Option<tokio_postgres::Client> {
     loop {
+        if stop.load(Ordering::Relaxed) {
+            return None;
+        }
         match pg_connect(&cfg.database_url).await {
-            Ok(c) => return c,
+            Ok(c) => return Some(c),
             Err(e) => {
                 tracing::warn!(error = %e, "PostgreSQL unreachable; retrying in 1 s");
-                tokio::time::sleep(Duration::from_secs(1)).await;
+                let until = Instant::now() + Duration::from_millis(RECONNECT_PAUSE_MS);
+                while Instant::now() < until && !stop.load(Ordering::Relaxed) {
+                    tokio::time::sleep(Duration::from_millis(STOP_CHECK_MS)).await;
+                }
             }
         }
     }
@@ -704,7 +945,11 @@ pub async fn reconciler<B: Broker>(
                         Err(e) => {
                             tracing::warn!(error = %e, "reconcile claim failed");
                             if pg.is_closed() {
-                                pg = reconnect(&cfg).await;
+                                let Some(c) = reconnect(&cfg, &stop).await else {
+                                    stopped_while_down("reconciler");
+                                    return Ok(());
+                                };
+                                pg = c;
                             }
                             m.handle_claim_failed(ms_since(epoch));
                         }
@@ -733,7 +978,11 @@ pub async fn reconciler<B: Broker>(
                             // The row's reconciler lease runs out and a later scan takes it.
                             tracing::warn!(event_id = %item.event_id, error = %e, "reconcile failed");
                             if pg.is_closed() {
-                                pg = reconnect(&cfg).await;
+                                let Some(c) = reconnect(&cfg, &stop).await else {
+                                    stopped_while_down("reconciler");
+                                    return Ok(());
+                                };
+                                pg = c;
                             }
                         }
                     }

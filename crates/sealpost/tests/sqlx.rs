@@ -119,13 +119,4 @@ async fn sqlx_enqueue_refuses_hostile_strings_naming_the_field() {
         .unwrap()
         .get(0);
     assert_eq!(n, 0, "nothing written");
-    drop(conn);
-    drop(pg);
-    let admin = runtime::pg_connect("host=127.0.0.1 user=postgres dbname=postgres")
-        .await
-        .unwrap();
-    admin
-        .batch_execute("DROP DATABASE IF EXISTS sealpost_sqlx_hostile WITH (FORCE)")
-        .await
-        .unwrap();
 }
