@@ -11,6 +11,7 @@ use futures::future::BoxFuture;
 use sealpost::consumer::{self, CancellationToken, Databases, Delivery, HandlerError, Options};
 use sealpost_nats::{Nats, NatsSubscription};
 
+// README:start consume-handler
 /// The handler: every write goes through `tx`, the inbox transaction.
 fn ship<'a>(
     tx: &'a tokio_postgres::Transaction<'a>,
@@ -30,6 +31,7 @@ fn ship<'a>(
         Ok(())
     })
 }
+// README:end consume-handler
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
@@ -43,6 +45,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     sealpost::store::migrate(&pg).await?; // the inbox tables
     pg.batch_execute("CREATE TABLE IF NOT EXISTS shipments (event_id uuid, event_type text, idempotency_key text)")
         .await?;
+    // README:start consume-run
     let nats = Nats::connect(&url, "nats-local", Duration::from_secs(5)).await?;
     let sub =
         NatsSubscription::subscribe(&nats, &stream, &consumer_id, Duration::from_secs(10)).await?;
@@ -57,5 +60,6 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         outbox_url: None,
     };
     consumer::run(sub, databases, Options::new(consumer_id), ship, shutdown).await?;
+    // README:end consume-run
     Ok(())
 }
