@@ -9,6 +9,9 @@
 //! The hot-key drill on each broker: 80% of the events on one aggregate, two instances of one
 //! consumer, each event applied once. The downstream-timeout drill on each broker: the handler of one event hangs past the time
 //! limit, is rolled back alone and retried, and applies once when the downstream recovers.
+//! The example binaries (`examples/consume_{nats,rabbitmq,kafka}.rs`) run as a service
+//! would run them: each applies a backlog once with its handler, reports its watermark, the
+//! real `sealpost purge --consumer C` then purges every row, and SIGINT stops it cleanly.
 //! Each test has its own database and destination.
 
 use std::time::{Duration, Instant};
@@ -395,6 +398,103 @@ async fn hot_key<S: Subscription + 'static>(
     );
 }
 
+/// The example binary `examples/<example>.rs`, run as a service would run it: over a
+/// published backlog of `n` events its handler writes `n` distinct rows (`shipments`), it
+/// reports its watermark so that the real `sealpost purge --consumer C` purges every row
+/// (no `--no-consumers`), and Ctrl-C (SIGINT) stops it cleanly. The examples are built by
+/// `cargo test --all-targets` (`.ci/run`); run alone, build them first.
+async fn example_binary(
+    example: &str,
+    topic: &str,
+    consumer_id: &str,
+    url: &str,
+    pg: &mut tokio_postgres::Client,
+    n: usize,
+) {
+    let exe = std::env::current_exe().unwrap();
+    let bin = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .unwrap()
+        .join("examples")
+        .join(example);
+    assert!(
+        bin.exists(),
+        "{} is missing: build the examples first (`cargo build --release -p sealpost-cli --examples`, or `cargo test --all-targets`)",
+        bin.display()
+    );
+    let mut child = std::process::Command::new(&bin)
+        .args([topic, consumer_id])
+        .env("DATABASE_URL", url)
+        .stdin(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    struct Kill(u32);
+    impl Drop for Kill {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("kill")
+                .args(["-KILL", &self.0.to_string()])
+                .status();
+        }
+    }
+    let _kill = Kill(child.id());
+    let required = vec![consumer_id.to_string()];
+    wait_for(
+        "the example applied every event and reported its watermark",
+        Duration::from_secs(90),
+        async || {
+            let mut o = ops::PurgeOptions::new(&required, 0);
+            o.dry_run = true;
+            ops::purge(pg, &o).await.unwrap().purged == n as u64
+        },
+    )
+    .await;
+    let rows = pg
+        .query_one(
+            "SELECT count(*), count(DISTINCT event_id), count(DISTINCT idempotency_key) FROM shipments",
+            &[],
+        )
+        .await
+        .unwrap();
+    let n = n as i64;
+    assert_eq!((rows.get(0), rows.get(1), rows.get(2)), (n, n, n));
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_sealpost"))
+        .args([
+            "purge",
+            "--consumer",
+            consumer_id,
+            "--replay-window-s",
+            "0",
+            "--json",
+        ])
+        .env("DATABASE_URL", url)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["purged"], serde_json::json!(n), "{report}");
+    std::process::Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{example} did not stop on SIGINT"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(status.success(), "{example} exited with {status}");
+}
+
 const N: usize = 200;
 
 #[tokio::test]
@@ -417,6 +517,11 @@ async fn nats_permanent_bad_message_dead_lettered_and_passed() {
     nats(1).await;
 }
 
+#[tokio::test]
+async fn nats_example_binary_applies_a_backlog_once_and_purge_follows() {
+    nats(4).await;
+}
+
 async fn nats(mode: u8) {
     let poison = mode == 1;
     let tag = runtime::owner_id() % 1_000_000;
@@ -435,6 +540,9 @@ async fn nats(mode: u8) {
     let _stream = teardown_nats::stream(&cfg.nats_url, &topic);
     publish(&mut pg, &nats, &route, N, mode == 3).await;
     let c = format!("api-{topic}");
+    if mode == 4 {
+        return example_binary("consume_nats", &topic, &c, &url, &mut pg, N).await;
+    }
     let sub =
         sealpost_nats::NatsSubscription::subscribe(&nats, &topic, &c, Duration::from_secs(10))
             .await
@@ -473,6 +581,11 @@ async fn rabbitmq_permanent_bad_message_dead_lettered_and_passed() {
     rabbitmq(1).await;
 }
 
+#[tokio::test]
+async fn rabbitmq_example_binary_applies_a_backlog_once_and_purge_follows() {
+    rabbitmq(4).await;
+}
+
 async fn rabbitmq(mode: u8) {
     let poison = mode == 1;
     let tag = runtime::owner_id() % 1_000_000;
@@ -499,6 +612,9 @@ async fn rabbitmq(mode: u8) {
         .await
         .unwrap();
     publish(&mut pg, &rabbit, &route, N, mode == 3).await;
+    if mode == 4 {
+        return example_binary("consume_rabbitmq", &topic, &c, &url, &mut pg, N).await;
+    }
     // The test's dispatcher sends at once: a settle time of 1 s covers it.
     let sub = sealpost_rabbitmq::RabbitSubscription::subscribe(
         &cfg.rabbitmq_url,
@@ -548,6 +664,11 @@ async fn kafka_permanent_bad_message_dead_lettered_and_passed() {
     kafka(1).await;
 }
 
+#[tokio::test]
+async fn kafka_example_binary_applies_a_backlog_once_and_purge_follows() {
+    kafka(4).await;
+}
+
 async fn kafka(mode: u8) {
     let poison = mode == 1;
     let tag = runtime::owner_id() % 1_000_000;
@@ -579,6 +700,9 @@ async fn kafka(mode: u8) {
     .unwrap();
     publish(&mut pg, &kafka, &route, N, mode == 3).await;
     let c = format!("api-{tag}-{}", mode);
+    if mode == 4 {
+        return example_binary("consume_kafka", &topic, &c, &url, &mut pg, N).await;
+    }
     let sub = sealpost_kafka::KafkaSubscription::subscribe(&kcfg, &topic, &c).unwrap();
     if mode == 3 {
         let second = sealpost_kafka::KafkaSubscription::subscribe(&kcfg, &topic, &c).unwrap();
