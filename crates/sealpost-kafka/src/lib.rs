@@ -109,8 +109,8 @@ pub enum KafkaAdapterError {
         /// The cause as librdkafka words it, with the values of the secret client properties
         /// scrubbed (librdkafka quotes a value it refuses).
         cause: String,
-        /// Cause.
-        source: KafkaError,
+        /// Cause (boxed: the error stays small on every `Result` path).
+        source: Box<KafkaError>,
         /// librdkafka's last error before giving up (`; last error: ...`), or empty.
         last: String,
     },
@@ -377,7 +377,7 @@ impl Kafka {
         let connect = |source: KafkaError, last: Option<String>| KafkaAdapterError::Connect {
             brokers: sealpost_core::secret::redact_url(&cfg.brokers),
             cause: scrub_secrets(&source.to_string(), &props),
-            source,
+            source: Box::new(source),
             last: last
                 .map(|l| format!("; last error: {}", scrub_secrets(&l, &props)))
                 .unwrap_or_default(),

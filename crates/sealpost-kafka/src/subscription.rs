@@ -76,7 +76,7 @@ fn consumer(
         KafkaAdapterError::Connect {
             brokers: sealpost_core::secret::redact_url(&cfg.brokers),
             cause: scrub_secrets(&source.to_string(), &props),
-            source,
+            source: Box::new(source),
             last: String::new(),
         }
     })?;
