@@ -150,18 +150,18 @@ fn is_url(dsn: &str) -> bool {
 }
 
 /// One `key=value` of the key=value form.
-struct Pair<'a> {
-    key: &'a str,
+pub(crate) struct Pair<'a> {
+    pub(crate) key: &'a str,
     /// The value, unquoted and unescaped.
-    value: String,
+    pub(crate) value: String,
     /// The pair as written.
-    text: &'a str,
+    pub(crate) text: &'a str,
 }
 
 /// The key=value form, tokenized the way tokio-postgres (and libpq) does: whitespace around
 /// `=`, values bare or in single quotes, a backslash escaping the next character. `None`
-/// when it does not tokenize.
-fn key_value_pairs(dsn: &str) -> Option<Vec<Pair<'_>>> {
+/// when it does not tokenize. Shared with [`crate::tls`].
+pub(crate) fn key_value_pairs(dsn: &str) -> Option<Vec<Pair<'_>>> {
     let mut it = dsn.char_indices().peekable();
     let mut pairs = Vec::new();
     loop {

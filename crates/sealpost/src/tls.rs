@@ -753,56 +753,31 @@ fn split_url(dsn: &str) -> Option<(String, TlsKeys)> {
     Some((rest, keys))
 }
 
-/// The key=value form, tokenized the way tokio-postgres (and libpq) does: whitespace
-/// around `=`, values bare or in single quotes, a backslash escaping the next character.
+/// The key=value form, tokenized as [`crate::secret::key_value_pairs`] does (the way
+/// tokio-postgres and libpq do); a bare empty value (`key=` at the end) does not tokenize.
 fn split_key_value(dsn: &str) -> Option<(String, TlsKeys)> {
-    let mut it = dsn.char_indices().peekable();
     let mut keys = TlsKeys::default();
     let mut kept: Vec<&str> = Vec::new();
-    loop {
-        while it.next_if(|(_, c)| c.is_whitespace()).is_some() {}
-        let Some(&(start, _)) = it.peek() else {
-            break;
-        };
-        while it
-            .next_if(|&(_, c)| !c.is_whitespace() && c != '=')
-            .is_some()
-        {}
-        let key_end = it.peek().map_or(dsn.len(), |&(i, _)| i);
-        let key = &dsn[start..key_end];
-        if key.is_empty() {
+    for p in crate::secret::key_value_pairs(dsn)? {
+        if p.value.is_empty() && !p.text.ends_with('\'') {
             return None;
         }
-        while it.next_if(|(_, c)| c.is_whitespace()).is_some() {}
-        it.next_if(|&(_, c)| c == '=')?;
-        while it.next_if(|(_, c)| c.is_whitespace()).is_some() {}
-        let mut value = String::new();
-        if it.next_if(|&(_, c)| c == '\'').is_some() {
-            loop {
-                match it.next()?.1 {
-                    '\'' => break,
-                    '\\' => value.push(it.next()?.1),
-                    c => value.push(c),
-                }
-            }
-        } else {
-            while let Some((_, c)) = it.next_if(|(_, c)| !c.is_whitespace()) {
-                if c == '\\' {
-                    if let Some((_, escaped)) = it.next() {
-                        value.push(escaped);
-                    }
-                } else {
-                    value.push(c);
-                }
-            }
-            if value.is_empty() {
-                return None;
-            }
-        }
-        let end = it.peek().map_or(dsn.len(), |&(i, _)| i);
-        if !keys.take(key, value) {
-            kept.push(&dsn[start..end]);
+        if !keys.take(p.key, p.value) {
+            kept.push(p.text);
         }
     }
     Some((kept.join(" "), keys))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_key_value_form_keeps_what_is_not_tls_and_refuses_a_bare_empty_value() {
+        let (rest, _) = split_key_value("host=h sslmode=require password='a b' dbname=x").unwrap();
+        assert_eq!(rest, "host=h password='a b' dbname=x");
+        assert!(split_key_value("host=h dbname=").is_none());
+        assert_eq!(split_key_value("host=''").unwrap().0, "host=''");
+    }
 }
