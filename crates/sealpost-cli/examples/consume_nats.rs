@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use futures::future::BoxFuture;
 use sealpost::consumer::{self, CancellationToken, Databases, Delivery, HandlerError, Options};
+use sealpost::pg::PgConnector;
 use sealpost_nats::{Nats, NatsSubscription};
 
 // README:start consume-handler
@@ -55,10 +56,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         let _ = tokio::signal::ctrl_c().await;
         stop.cancel();
     });
-    let databases = Databases {
-        inbox_url: db,
-        outbox_url: None,
-    };
+    let databases = Databases::new(PgConnector::new(db)); // or the service's own pool
     consumer::run(sub, databases, Options::new(consumer_id), ship, shutdown).await?;
     // README:end consume-run
     Ok(())

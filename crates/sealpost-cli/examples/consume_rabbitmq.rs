@@ -7,6 +7,7 @@
 
 use futures::future::BoxFuture;
 use sealpost::consumer::{self, CancellationToken, Databases, Delivery, HandlerError, Options};
+use sealpost::pg::PgConnector;
 use sealpost_rabbitmq::RabbitSubscription;
 
 /// The handler: every write goes through `tx`, the inbox transaction.
@@ -53,10 +54,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         let _ = tokio::signal::ctrl_c().await;
         stop.cancel();
     });
-    let databases = Databases {
-        inbox_url: db,
-        outbox_url: None,
-    };
+    let databases = Databases::new(PgConnector::new(db)); // or the service's own pool
     consumer::run(sub, databases, Options::new(consumer_id), ship, shutdown).await?;
     Ok(())
 }

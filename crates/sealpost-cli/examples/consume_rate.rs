@@ -13,7 +13,6 @@ use std::time::Duration;
 
 use sealpost::runtime::{self, Config};
 use sealpost_cli::consume_bench;
-use sealpost_nats::Nats;
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -32,12 +31,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut cfg = base.clone();
     // A later key wins in a key=value connection string.
     cfg.database_url = format!("{} dbname={db}", base.database_url);
-    let nats = Nats::connect(
-        &cfg.nats_url,
-        &cfg.nats_cluster,
-        Duration::from_millis(cfg.ack_timeout_ms),
-    )
-    .await?;
+    let nats = sealpost_nats::NatsConfig::from_env()
+        .connect(Duration::from_millis(cfg.ack_timeout_ms))
+        .await?;
     let topic = format!("CRATE{}", runtime::owner_id() % 1_000_000);
     eprintln!("publishing {events} events to {topic} ...");
     consume_bench::prefill(&cfg, &nats, &format!("r-{topic}"), &topic, events).await?;

@@ -38,8 +38,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::config::Settings;
 use async_nats::jetstream::message::PublishMessage;
-use sealpost::runtime::{self, Config, Counters, RunError};
+use sealpost::runtime::CancellationToken;
+use sealpost::runtime::{self, Counters, RunError};
 use sealpost::store::{self, StoreError};
 use sealpost_core::envelope::{
     Destination, EventId, EventOrdering, PartitionAlgorithm, RoutePolicy, PAYLOAD_DOMAIN,
@@ -479,20 +481,28 @@ async fn latencies(
 
 /// A running fleet of dispatchers and a reconciler.
 struct Fleet {
-    stop: Arc<AtomicBool>,
+    stop: CancellationToken,
     tasks: Vec<JoinHandle<Result<(), RunError>>>,
 }
 
 impl Fleet {
-    fn start(cfg: &Config, nats: &Nats, dispatchers: usize) -> Fleet {
+    fn start(cfg: &Settings, nats: &Nats, dispatchers: usize) -> Fleet {
         Fleet::start_on(cfg, &Arc::new(nats.clone()), dispatchers)
     }
 
-    fn start_on<B: Broker>(cfg: &Config, broker: &Arc<B>, dispatchers: usize) -> Fleet {
-        let stop = Arc::new(AtomicBool::new(false));
+    fn start_on<B: Broker>(cfg: &Settings, broker: &Arc<B>, dispatchers: usize) -> Fleet {
+        let stop = CancellationToken::new();
         let counters = Arc::new(Counters::default());
         // As in production, a reconciler runs beside the dispatchers.
-        let tasks = runtime::spawn_fleet(cfg, broker, dispatchers, true, &stop, &counters);
+        let tasks = runtime::spawn_fleet(
+            cfg,
+            &crate::config::pg_source(cfg),
+            broker,
+            dispatchers,
+            true,
+            &stop,
+            &counters,
+        );
         Fleet { stop, tasks }
     }
 
@@ -502,7 +512,7 @@ impl Fleet {
     }
 
     async fn stop(self) -> Result<(), RunError> {
-        self.stop.store(true, Ordering::Relaxed);
+        self.stop.cancel();
         for t in self.tasks {
             t.await.expect("dispatcher panicked")?;
         }
@@ -545,7 +555,7 @@ async fn fleet_error(fleet: Fleet) -> RunError {
 const SETTLE_MS: i64 = 2_000;
 
 async fn produce(
-    cfg: Config,
+    cfg: Settings,
     route: String,
     payload: Vec<u8>,
     rate_per_s: u64,
@@ -704,7 +714,7 @@ const NAIVE_FAILED_BATCHES_MAX: u32 = 50;
 /// rolls the batch back and it is sent again (the broker's duplicate window absorbs the
 /// copies already stored); it is counted, never ignored. Ends when no row is unsent.
 async fn naive_relay(
-    cfg: Config,
+    cfg: Settings,
     nats: Nats,
     table: String,
     topic: String,
@@ -840,7 +850,7 @@ struct Relay {
 /// `relays` relays into its own stream.
 async fn naive_phase(
     pg: &tokio_postgres::Client,
-    cfg: &Config,
+    cfg: &Settings,
     nats: &Nats,
     relay: &Relay,
     events: u64,
@@ -901,7 +911,7 @@ async fn naive_phase(
 }
 
 /// Runs the benchmark, then removes what it created (also when a phase failed).
-pub async fn run(mut cfg: Config, args: BenchArgs, json: bool) -> Result<BenchReport, RunError> {
+pub async fn run(mut cfg: Settings, args: BenchArgs, json: bool) -> Result<BenchReport, RunError> {
     cfg.idle_poll_ms = 2;
     let mut pg = runtime::pg_connect(&cfg.database_url).await?;
     store::migrate(&pg).await?;
@@ -922,13 +932,13 @@ pub async fn run(mut cfg: Config, args: BenchArgs, json: bool) -> Result<BenchRe
     };
     // A cluster name of its own: the dispatchers claim only this run's rows, and "is the
     // backlog gone" is one probe of the claim index.
-    cfg.nats_cluster = format!("bench{tag}");
-    store::set_route(&pg, &names.route, &cfg.nats_cluster, &names.topic).await?;
+    cfg.nats.cluster = format!("bench{tag}");
+    store::set_route(&pg, &names.route, &cfg.nats.cluster, &names.topic).await?;
     let nats = Nats::connect_with(
-        &cfg.nats_url,
-        &cfg.nats_cluster,
+        &cfg.nats.url,
+        &cfg.nats.cluster,
         Duration::from_millis(cfg.ack_timeout_ms),
-        &crate::brokers::nats_options(&cfg),
+        &cfg.nats.security,
     )
     .await
     .map_err(RunError::broker)?;
@@ -967,7 +977,7 @@ struct Names {
 
 async fn phases(
     pg: &mut tokio_postgres::Client,
-    cfg: &Config,
+    cfg: &Settings,
     nats: &Nats,
     names: &Names,
     args: BenchArgs,
@@ -1013,7 +1023,7 @@ async fn phases(
     let a_start_ms = store::db_now_ms(&*pg).await? as i64;
     let window = DrainWindow::open(pg).await;
     let fleet = Fleet::start(cfg, nats, args.dispatchers);
-    if !wait_drained(pg, &cfg.nats_cluster, i64::MAX, &fleet).await? {
+    if !wait_drained(pg, &cfg.nats.cluster, i64::MAX, &fleet).await? {
         return Err(fleet_error(fleet).await);
     }
     let (cpu, checkpoints_during_drain) = window.close(pg, args.events).await;
@@ -1066,14 +1076,14 @@ async fn phases(
         args.latency_s,
         backlog_gone.clone(),
     ));
-    if !wait_drained(pg, &cfg.nats_cluster, b_start_ms, &fleet).await? {
+    if !wait_drained(pg, &cfg.nats.cluster, b_start_ms, &fleet).await? {
         producers.abort();
         return Err(fleet_error(fleet).await);
     }
     backlog_gone.store(true, Ordering::Relaxed);
     say("load phase: backlog gone; producers continue".to_string());
     let (produced, load_s) = producers.await.expect("producers panicked")?;
-    if !wait_drained(pg, &cfg.nats_cluster, i64::MAX, &fleet).await? {
+    if !wait_drained(pg, &cfg.nats.cluster, i64::MAX, &fleet).await? {
         return Err(fleet_error(fleet).await);
     }
     fleet.stop().await?;
@@ -1236,7 +1246,7 @@ pub struct BrokerDrain {
 #[allow(clippy::too_many_arguments)]
 async fn drain_on<B: Broker>(
     pg: &mut tokio_postgres::Client,
-    cfg: &Config,
+    cfg: &Settings,
     broker: &Arc<B>,
     route: &str,
     topic: &str,
@@ -1266,7 +1276,7 @@ async fn drain_on<B: Broker>(
 /// per broker only (the careful relay of the main bench is NATS-only). A broker that cannot be
 /// reached is reported as skipped, with the reason.
 pub async fn per_broker(
-    mut cfg: Config,
+    mut cfg: Settings,
     events: u64,
     payload_bytes: usize,
     dispatchers: usize,
@@ -1292,7 +1302,7 @@ pub async fn per_broker(
         ));
         let r: Result<f64, RunError> = match name {
             "nats" => {
-                cfg.nats_cluster = cluster.clone();
+                cfg.nats.cluster = cluster.clone();
                 match crate::brokers::connect_nats(&cfg).await {
                     Err(e) => Err(e),
                     Ok(nats) => {
@@ -1315,7 +1325,7 @@ pub async fn per_broker(
                 }
             }
             "rabbitmq" => {
-                cfg.rabbitmq_cluster = cluster.clone();
+                cfg.rabbitmq.cluster = cluster.clone();
                 match crate::brokers::connect_rabbitmq(&cfg, "bench").await {
                     Err(e) => Err(e),
                     Ok(rabbit) => {
@@ -1342,13 +1352,13 @@ pub async fn per_broker(
                 }
             }
             _ => {
-                cfg.kafka_cluster = cluster.clone();
+                cfg.kafka.cluster = cluster.clone();
                 match crate::brokers::connect_kafka(&cfg, "bench").await {
                     Err(e) => Err(e),
                     Ok(kafka) => {
                         store::set_route(&pg, &route, &cluster, &topic).await?;
                         let n = kafka
-                            .ensure_topic(&topic, cfg.kafka_partitions)
+                            .ensure_topic(&topic, cfg.kafka.partitions)
                             .await
                             .map_err(RunError::broker)?;
                         store::set_route_partitions(

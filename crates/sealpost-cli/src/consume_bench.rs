@@ -3,11 +3,13 @@
 //! it has applied them all. `sealpost bench` reports the figure as `consume_events_per_s`;
 //! [`prefill`] fills a topic through the real dispatch path for a stand-alone measurement.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use sealpost::runtime::{self, Config, Counters, RunError};
+use sealpost::runtime::CancellationToken;
+use sealpost::runtime::Config;
+use sealpost::runtime::{self, Counters, RunError};
 use sealpost::store::{self, StoreError};
 use sealpost_nats::Nats;
 
@@ -34,7 +36,7 @@ pub async fn measure(cfg: &Config, nats: &Nats, topic: &str, events: u64) -> Res
     let admin = runtime::pg_connect(&cfg.database_url).await?;
     crate::demo::prepare(&admin).await?;
     let consumer_id = format!("consume-bench-{}", runtime::owner_id());
-    let stop = Arc::new(AtomicBool::new(false));
+    let stop = CancellationToken::new();
     let applied = Arc::new(AtomicU64::new(0));
     let started = Instant::now();
     let mut task = tokio::spawn(crate::consumer::run(
@@ -64,7 +66,7 @@ pub async fn measure(cfg: &Config, nats: &Nats, topic: &str, events: u64) -> Res
             break Err(stalled(n, events, topic));
         }
     };
-    stop.store(true, Ordering::Relaxed);
+    stop.cancel();
     if !task.is_finished() {
         task.await.expect("consumer task panicked")?;
     }
@@ -125,7 +127,13 @@ pub async fn prefill(
 ) -> Result<(), RunError> {
     let mut pg = runtime::pg_connect(&cfg.database_url).await?;
     store::migrate(&pg).await?;
-    store::set_route(&pg, route, &cfg.nats_cluster, topic).await?;
+    store::set_route(
+        &pg,
+        route,
+        sealpost_core::port::Broker::cluster(nats),
+        topic,
+    )
+    .await?;
     nats.ensure_stream(topic).await.map_err(RunError::broker)?;
     let mut i = 0;
     while i < events {
@@ -151,12 +159,20 @@ pub async fn prefill(
         tx.commit().await.map_err(db)?;
         i += m;
     }
-    let stop = Arc::new(AtomicBool::new(false));
+    let stop = CancellationToken::new();
     let counters = Arc::new(Counters::default());
     let broker = Arc::new(nats.clone());
     let mut fleet_cfg = cfg.clone();
     fleet_cfg.idle_poll_ms = 2;
-    let tasks = runtime::spawn_fleet(&fleet_cfg, &broker, 2, true, &stop, &counters);
+    let tasks = runtime::spawn_fleet(
+        &fleet_cfg,
+        &crate::config::pg_source(&fleet_cfg),
+        &broker,
+        2,
+        true,
+        &stop,
+        &counters,
+    );
     loop {
         let left: i64 = pg
             .query_one(
@@ -173,7 +189,7 @@ pub async fn prefill(
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    stop.store(true, Ordering::Relaxed);
+    stop.cancel();
     for t in tasks {
         t.await.expect("dispatcher task panicked")?;
     }

@@ -6,84 +6,86 @@
 //! ([`run_kafka`]). Fetching, the inbox, settlements, dead letters, the watermark reports,
 //! reconnects and metrics are the library's; every decision is the core's.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::config::Settings;
 use futures::future::BoxFuture;
 use sealpost::consumer::{
     CancellationToken, Databases, Delivery as Event, Handler, HandlerError, Options,
 };
 use sealpost::inbox::Delivery;
-use sealpost::runtime::{pg_connect, Config, RunError};
+use sealpost::runtime::Config;
+use sealpost::runtime::{pg_connect, RunError};
 use sealpost_core::envelope::PAYLOAD_DOMAIN;
 use sealpost_core::subscription::Subscription;
 use sealpost_core::Digest;
 use sealpost_nats::async_nats::jetstream::Message;
 use sealpost_nats::{Nats, NatsSubscription};
 
-/// Runs the example consumer `consumer_id` on the NATS stream `topic` until `stop` is set,
+/// Runs the example consumer `consumer_id` on the NATS stream `topic` until `shutdown` is cancelled,
 /// counting each effect applied in `consumed`.
 pub async fn run(
     cfg: Config,
     nats: Nats,
     consumer_id: String,
     topic: String,
-    stop: Arc<AtomicBool>,
+    shutdown: CancellationToken,
     consumed: Arc<AtomicU64>,
 ) -> Result<(), RunError> {
     let ack_wait = Duration::from_millis(cfg.consumer_ack_wait_ms);
     let sub = NatsSubscription::subscribe(&nats, &topic, &consumer_id, ack_wait)
         .await
         .map_err(RunError::broker)?;
-    serve(&cfg, sub, consumer_id, stop, consumed).await
+    serve(&cfg, sub, consumer_id, shutdown, consumed).await
 }
 
 /// Runs the example consumer `consumer_id` on the RabbitMQ exchange `topic` (its own quorum
-/// queue `<topic>.<consumer>`, declared if missing) until `stop` is set.
+/// queue `<topic>.<consumer>`, declared if missing) until `shutdown` is cancelled.
 pub async fn run_rabbitmq(
-    cfg: Config,
+    cfg: Settings,
     consumer_id: String,
     topic: String,
-    stop: Arc<AtomicBool>,
+    shutdown: CancellationToken,
     consumed: Arc<AtomicU64>,
 ) -> Result<(), RunError> {
     // A message's attempt id is allocated at its claim; it reaches the queue within the
     // lease (R9) and the confirm's time.
     let settle_ms = cfg.lease_ms + cfg.ack_timeout_ms;
     let sub = sealpost_rabbitmq::RabbitSubscription::subscribe(
-        &cfg.rabbitmq_url,
-        &crate::brokers::rabbitmq_options(&cfg),
+        &cfg.rabbitmq.url,
+        &cfg.rabbitmq.security,
         &topic,
         &consumer_id,
         settle_ms,
     )
     .await
     .map_err(RunError::broker)?;
-    serve(&cfg, sub, consumer_id, stop, consumed).await
+    serve(&cfg, sub, consumer_id, shutdown, consumed).await
 }
 
 /// Runs the example consumer `consumer_id` (its consumer group) on the Kafka topic `topic`
-/// until `stop` is set.
+/// until `shutdown` is cancelled.
 pub async fn run_kafka(
-    cfg: Config,
+    cfg: Settings,
     consumer_id: String,
     topic: String,
-    stop: Arc<AtomicBool>,
+    shutdown: CancellationToken,
     consumed: Arc<AtomicU64>,
 ) -> Result<(), RunError> {
-    let k = crate::brokers::kafka_config(&cfg, "consume")?;
+    let k = crate::brokers::kafka_config(&cfg, "consume");
     let sub = sealpost_kafka::KafkaSubscription::subscribe(&k, &topic, &consumer_id)
         .map_err(RunError::broker)?;
-    serve(&cfg, sub, consumer_id, stop, consumed).await
+    serve(&cfg, sub, consumer_id, shutdown, consumed).await
 }
 
-/// Runs the demo's handler over `subscription` until `stop` is set.
+/// Runs the demo's handler over `subscription` until `shutdown` is cancelled.
 pub async fn serve<S: Subscription>(
     cfg: &Config,
     subscription: S,
     consumer_id: String,
-    stop: Arc<AtomicBool>,
+    shutdown: CancellationToken,
     consumed: Arc<AtomicU64>,
 ) -> Result<(), RunError> {
     let pg = pg_connect(&cfg.database_url).await?;
@@ -92,30 +94,14 @@ pub async fn serve<S: Subscription>(
     let mut options = Options::from_config(cfg, consumer_id.clone());
     options.effect = "fulfil".to_string();
     options.applied = consumed;
-    let shutdown = CancellationToken::new();
-    let watcher = {
-        let shutdown = shutdown.clone();
-        tokio::spawn(async move {
-            while !shutdown.is_cancelled() {
-                if stop.load(Ordering::Relaxed) {
-                    shutdown.cancel();
-                    break;
-                }
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        })
-    };
-    let r = sealpost::consumer::run(
+    sealpost::consumer::run(
         subscription,
         Databases::from_config(cfg),
         options,
         Fulfil { consumer_id },
-        shutdown.clone(),
+        shutdown,
     )
-    .await;
-    shutdown.cancel();
-    let _ = watcher.await;
-    r
+    .await
 }
 
 /// The demo's effect: one `demo_fulfilment` row per event (consumer, event id, the order id

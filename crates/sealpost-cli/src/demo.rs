@@ -4,13 +4,15 @@
 //! saying which part bounded the run (the writers' commits, the publication or the
 //! consumers), then the status and the reconciliation report.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use sealpost_core::envelope::{EventId, NewEvent};
 
-use sealpost::runtime::{self, Config, Counters, RunError};
+use crate::config::Settings;
+use sealpost::runtime::CancellationToken;
+use sealpost::runtime::{self, Counters, RunError};
 use sealpost::store;
 use sealpost_nats::Nats;
 
@@ -131,10 +133,10 @@ async fn applied_this_run(
 }
 
 /// Points the demo's route at `topic` with `durability` (before [`run`]).
-pub async fn set_durability(cfg: &Config, topic: &str, durability: &str) -> Result<(), RunError> {
+pub async fn set_durability(cfg: &Settings, topic: &str, durability: &str) -> Result<(), RunError> {
     let admin = runtime::pg_connect(&cfg.database_url).await?;
     store::migrate(&admin).await?;
-    store::set_route(&admin, ROUTE, &cfg.nats_cluster, topic).await?;
+    store::set_route(&admin, ROUTE, &cfg.nats.cluster, topic).await?;
     store::set_route_durability(&admin, ROUTE, durability).await?;
     Ok(())
 }
@@ -206,7 +208,7 @@ pub fn bounded_by(t: &Timeline, orders: u64, writers: u64) -> String {
 
 /// Runs the demo; returns true when every event ended `PUBLISHED` and every consumer
 /// applied each of this run's events exactly once.
-pub async fn run(cfg: Config, opts: DemoOptions) -> Result<bool, RunError> {
+pub async fn run(cfg: Settings, opts: DemoOptions) -> Result<bool, RunError> {
     use std::io::IsTerminal;
     let DemoOptions {
         orders,
@@ -247,7 +249,7 @@ pub async fn run(cfg: Config, opts: DemoOptions) -> Result<bool, RunError> {
         )
         .await?;
     }
-    let stop = Arc::new(AtomicBool::new(false));
+    let stop = CancellationToken::new();
     let counters = Arc::new(Counters::default());
     let consumed: Vec<Arc<AtomicU64>> = (0..consumers)
         .map(|_| Arc::new(AtomicU64::new(0)))
@@ -265,11 +267,18 @@ pub async fn run(cfg: Config, opts: DemoOptions) -> Result<bool, RunError> {
                 .await
                 .map_err(RunError::broker)?;
             let broker = Arc::new(nats.clone());
-            let mut tasks =
-                runtime::spawn_fleet(&cfg, &broker, dispatchers, true, &stop, &counters);
+            let mut tasks = runtime::spawn_fleet(
+                &cfg,
+                &crate::config::pg_source(&cfg),
+                &broker,
+                dispatchers,
+                true,
+                &stop,
+                &counters,
+            );
             for (c, id) in consumer_ids.iter().enumerate() {
                 tasks.push(tokio::spawn(crate::consumer::run(
-                    cfg.clone(),
+                    cfg.run.clone(),
                     nats.clone(),
                     id.clone(),
                     topic.to_string(),
@@ -288,8 +297,15 @@ pub async fn run(cfg: Config, opts: DemoOptions) -> Result<bool, RunError> {
                 .ensure_destination(topic, &consumer_ids)
                 .await
                 .map_err(RunError::broker)?;
-            let mut tasks =
-                runtime::spawn_fleet(&cfg, &Arc::new(rabbit), dispatchers, true, &stop, &counters);
+            let mut tasks = runtime::spawn_fleet(
+                &cfg,
+                &crate::config::pg_source(&cfg),
+                &Arc::new(rabbit),
+                dispatchers,
+                true,
+                &stop,
+                &counters,
+            );
             for (c, id) in consumer_ids.iter().enumerate() {
                 tasks.push(tokio::spawn(crate::consumer::run_rabbitmq(
                     cfg.clone(),
@@ -307,7 +323,7 @@ pub async fn run(cfg: Config, opts: DemoOptions) -> Result<bool, RunError> {
             // The route freezes the partition count the topic has (created with
             // `kafka_partitions` if new): Kafka's default partitioner over that count.
             let n = kafka
-                .ensure_topic(topic, cfg.kafka_partitions)
+                .ensure_topic(topic, cfg.kafka.partitions)
                 .await
                 .map_err(RunError::broker)?;
             store::set_route_partitions(
@@ -316,8 +332,15 @@ pub async fn run(cfg: Config, opts: DemoOptions) -> Result<bool, RunError> {
                 sealpost_core::envelope::PartitionAlgorithm::KafkaMurmur2 { partitions: n },
             )
             .await?;
-            let mut tasks =
-                runtime::spawn_fleet(&cfg, &Arc::new(kafka), dispatchers, true, &stop, &counters);
+            let mut tasks = runtime::spawn_fleet(
+                &cfg,
+                &crate::config::pg_source(&cfg),
+                &Arc::new(kafka),
+                dispatchers,
+                true,
+                &stop,
+                &counters,
+            );
             for (c, id) in consumer_ids.iter().enumerate() {
                 tasks.push(tokio::spawn(crate::consumer::run_kafka(
                     cfg.clone(),
@@ -417,7 +440,7 @@ pub async fn run(cfg: Config, opts: DemoOptions) -> Result<bool, RunError> {
     for w in writers {
         w.await.expect("writer task panicked")?;
     }
-    stop.store(true, Ordering::Relaxed);
+    stop.cancel();
     for t in tasks {
         t.await.expect("dispatcher task panicked")?;
     }

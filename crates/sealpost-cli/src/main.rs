@@ -1,14 +1,14 @@
 //! The `sealpost` command: the simulator, schema migrations, dispatchers, the reconciler,
 //! the demo and status.
 
-use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
-use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use sealpost::runtime::{self, Config, Counters};
+use sealpost::runtime::CancellationToken;
+use sealpost::runtime::{self, Counters};
 use sealpost::store;
 use sealpost_cli::brokers::{self, BrokerKind};
+use sealpost_cli::config::Settings;
 use sealpost_nats::Nats;
 
 mod simulate;
@@ -22,14 +22,14 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 #[derive(Parser, Debug)]
 #[command(name = "sealpost", version, about = "Sealpost transactional outbox")]
 struct Cli {
-    /// TOML config file (keys: database_url, database_password_file, nats_url, nats_cluster, lease_ms, batch_size_max,
-    /// ack_timeout_ms, idle_poll_ms, rejection_limit, reconcile_batch_max, reconcile_every_ms,
+    /// TOML config file: top-level keys database_url, database_password_file, lease_ms,
+    /// batch_size_max, ack_timeout_ms, idle_poll_ms, error_backoff_ms, error_backoff_max_ms,
+    /// submit_tries_max, rejection_limit, reconcile_batch_max, reconcile_every_ms,
     /// lookups_in_flight_max, unknown_check_every_ms, verify_every_ms, verify_batch_max,
-    /// unknown_alert_s, consumer_max_deliveries, consumer_effect_timeout_ms,
-    /// consumer_progress_every_ms, outbox_database_url, required_consumers, broker, rabbitmq_url,
-    /// rabbitmq_cluster, kafka_brokers, kafka_cluster, kafka_partitions,
-    /// kafka_lookup_clock_margin_ms, kafka_lookup_scan_max; see
-    /// docs/operations.md).
+    /// unknown_alert_s, consumer_*, outbox_database_url, required_consumers, broker; tables
+    /// [nats] (url, cluster, [nats.security]), [rabbitmq] (url, cluster,
+    /// [rabbitmq.security]), [kafka] (brokers, cluster, partitions, client_properties, ...);
+    /// see docs/operations.md.
     #[arg(long, global = true, env = "SEALPOST_CONFIG")]
     config: Option<String>,
     #[command(subcommand)]
@@ -295,15 +295,10 @@ enum Cmd {
 }
 
 /// The NATS adapter for the configured cluster (the error says what to check).
-async fn connect_nats(cfg: &Config) -> Result<Nats, String> {
-    Nats::connect_with(
-        &cfg.nats_url,
-        &cfg.nats_cluster,
-        Duration::from_millis(cfg.ack_timeout_ms),
-        &sealpost_cli::brokers::nats_options(cfg),
-    )
-    .await
-    .map_err(|x| x.to_string())
+async fn connect_nats(cfg: &Settings) -> Result<Nats, String> {
+    sealpost_cli::brokers::connect_nats(cfg)
+        .await
+        .map_err(|x| x.to_string())
 }
 
 fn main() {
@@ -362,7 +357,7 @@ fn main() {
     }
 }
 
-async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
+async fn run(cmd: Cmd, cfg: Settings) -> Result<i32, String> {
     let e = |x: runtime::RunError| x.to_string();
     match cmd {
         Cmd::Simulate(_) | Cmd::Capacity { .. } => unreachable!("handled without a runtime"),
@@ -392,7 +387,7 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
                     "route {name} -> {cluster}/{topic}, ordering {} (generation {g})",
                     ordering.name()
                 );
-                if cluster == cfg.kafka_cluster || partitions.is_some() {
+                if cluster == cfg.kafka.cluster || partitions.is_some() {
                     let n = match partitions {
                         Some(0) => return Err("--partitions: must be at least 1".into()),
                         Some(n) => n,
@@ -402,7 +397,7 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
                             .partition_count(topic)
                             .await
                             .map_err(|x| x.to_string())?
-                            .ok_or_else(|| format!("--route `{r}`: Kafka topic `{topic}` does not exist at {}; create it, or pass --partitions N to freeze N partitions", cfg.kafka_brokers))?,
+                            .ok_or_else(|| format!("--route `{r}`: Kafka topic `{topic}` does not exist at {}; create it, or pass --partitions N to freeze N partitions", cfg.kafka.brokers))?,
                     };
                     let alg =
                         sealpost_core::envelope::PartitionAlgorithm::KafkaMurmur2 { partitions: n };
@@ -431,11 +426,12 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
         } => {
             let kind = BrokerKind::choose(broker.as_deref(), &cfg)?;
             sealpost_cli::metrics::start(&cfg, &metrics, true)?;
-            let stop = Arc::new(AtomicBool::new(false));
+            let stop = CancellationToken::new();
             let counters = Arc::new(Counters::default());
             let tasks = match kind {
                 BrokerKind::Nats => runtime::spawn_fleet(
                     &cfg,
+                    &sealpost_cli::config::pg_source(&cfg),
                     &Arc::new(connect_nats(&cfg).await?),
                     dispatchers,
                     !no_reconciler,
@@ -444,6 +440,7 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
                 ),
                 BrokerKind::Rabbitmq => runtime::spawn_fleet(
                     &cfg,
+                    &sealpost_cli::config::pg_source(&cfg),
                     &Arc::new(
                         brokers::connect_rabbitmq(&cfg, "dispatch")
                             .await
@@ -456,6 +453,7 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
                 ),
                 BrokerKind::Kafka => runtime::spawn_fleet(
                     &cfg,
+                    &sealpost_cli::config::pg_source(&cfg),
                     &Arc::new(brokers::connect_kafka(&cfg, "dispatch").await.map_err(e)?),
                     dispatchers,
                     !no_reconciler,
@@ -467,7 +465,7 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
             tokio::spawn(async move {
                 let _ = tokio::signal::ctrl_c().await;
                 tracing::warn!("shutting down: finishing the batches in flight");
-                s2.store(true, std::sync::atomic::Ordering::Relaxed);
+                s2.cancel();
             });
             for t in tasks {
                 t.await.map_err(|x| x.to_string())?.map_err(e)?;
@@ -608,17 +606,17 @@ async fn run(cmd: Cmd, cfg: Config) -> Result<i32, String> {
             sealpost_cli::metrics::start(&cfg, &metrics, false)?;
             let pg = runtime::pg_connect(&cfg.database_url).await.map_err(e)?;
             store::migrate(&pg).await.map_err(|x| x.to_string())?;
-            let stop = Arc::new(AtomicBool::new(false));
+            let stop = CancellationToken::new();
             let s2 = stop.clone();
             tokio::spawn(async move {
                 let _ = tokio::signal::ctrl_c().await;
-                s2.store(true, std::sync::atomic::Ordering::Relaxed);
+                s2.cancel();
             });
             let consumed = Arc::new(std::sync::atomic::AtomicU64::new(0));
             match kind {
                 BrokerKind::Nats => {
                     let nats = connect_nats(&cfg).await?;
-                    sealpost_cli::consumer::run(cfg, nats, consumer, topic, stop, consumed)
+                    sealpost_cli::consumer::run(cfg.run, nats, consumer, topic, stop, consumed)
                         .await
                         .map_err(e)?
                 }

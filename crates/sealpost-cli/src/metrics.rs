@@ -12,7 +12,8 @@ use std::time::{Duration, Instant};
 use metrics::{counter, gauge};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
 use sealpost::observe;
-use sealpost::runtime::{self, Config};
+use sealpost::runtime;
+use sealpost::runtime::Config;
 
 /// The metrics flags shared by `dispatch`, `consume` and `demo`.
 #[derive(clap::Args, Clone, Debug)]

@@ -25,7 +25,12 @@ async fn a_small_bench_runs_every_phase_and_both_relays_publish_everything() {
         load_backlog: 500,
         retained: 1_000,
     };
-    let r = bench::run(cfg.clone(), args, true).await;
+    let r = bench::run(
+        sealpost_cli::config::Settings::from_run(cfg.clone()).unwrap(),
+        args,
+        true,
+    )
+    .await;
     // What the run leaves in the outbox (the test database is the bench's alone).
     let left = async {
         let pg = runtime::pg_connect(&cfg.database_url).await.ok()?;

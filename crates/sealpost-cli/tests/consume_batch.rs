@@ -10,12 +10,13 @@ mod common;
 mod teardown_nats;
 
 use std::collections::BTreeSet;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use sealpost::inbox::{self, BatchEffect, BatchOutcome, Delivery, Effect, InboxOutcome};
 use sealpost::runtime;
+use sealpost::runtime::CancellationToken;
 use sealpost::store;
 use sealpost_core::envelope::{EventId, PAYLOAD_DOMAIN};
 use sealpost_core::Digest;
@@ -419,11 +420,15 @@ async fn a_batch_quarantines_exactly_what_process_quarantines() {
 #[tokio::test]
 async fn the_consumer_naks_a_failing_message_and_applies_it_once_when_it_can() {
     let (cfg, pg) = fresh("consumer").await;
-    let nats = Nats::connect(&cfg.nats_url, &cfg.nats_cluster, Duration::from_secs(5))
-        .await
-        .expect("NATS must be running");
+    let nats = Nats::connect(
+        &common::nats_url(),
+        common::NATS_CLUSTER,
+        Duration::from_secs(5),
+    )
+    .await
+    .expect("NATS must be running");
     let topic = format!("CBATCH{}", runtime::owner_id() % 1_000_000);
-    let _stream = teardown_nats::stream(&cfg.nats_url, &topic);
+    let _stream = teardown_nats::stream(&common::nats_url(), &topic);
     let n = 40u64;
     sealpost_cli::consume_bench::prefill(&cfg, &nats, &format!("r-{topic}"), &topic, n)
         .await
@@ -440,7 +445,7 @@ async fn the_consumer_naks_a_failing_message_and_applies_it_once_when_it_can() {
         .await
         .unwrap();
     let consumer = format!("batch-{topic}");
-    let stop = Arc::new(AtomicBool::new(false));
+    let stop = CancellationToken::new();
     let applied = Arc::new(AtomicU64::new(0));
     let mut c = cfg.clone();
     c.consumer_ack_wait_ms = 30_000; // a redelivery within the test comes from the nak
@@ -498,7 +503,7 @@ async fn the_consumer_naks_a_failing_message_and_applies_it_once_when_it_can() {
         assert!(Instant::now() < deadline, "never drained: {i:?}");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    stop.store(true, Ordering::Relaxed);
+    stop.cancel();
     task.await.unwrap().unwrap();
     assert_eq!(state(&pg, &consumer).await, (n as i64, n as i64, n as i64));
     assert!(has_inbox_row(&pg, &consumer, poison).await);

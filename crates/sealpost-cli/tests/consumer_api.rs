@@ -27,7 +27,7 @@ mod teardown_rabbitmq;
 
 use futures::future::BoxFuture;
 use sealpost::consumer::{self, CancellationToken, Databases, Delivery, HandlerError, Options};
-use sealpost::runtime::{self, Config};
+use sealpost::runtime;
 use sealpost::store::{self, Accepted};
 use sealpost_cli::ops;
 use sealpost_core::port::{Broker, SendResult};
@@ -169,10 +169,7 @@ async fn applied_once_then_purged<S: Subscription + 'static>(
     let applied = options.applied.clone();
     let task = tokio::spawn(consumer::run(
         sub,
-        Databases {
-            inbox_url: url.to_string(),
-            outbox_url: None,
-        },
+        Databases::from_urls(url, None),
         options,
         record,
         shutdown.clone(),
@@ -286,10 +283,7 @@ async fn downstream_timeout<S: Subscription + 'static>(
     options.progress_every_ms = 200;
     let task = tokio::spawn(consumer::run(
         sub,
-        Databases {
-            inbox_url: url.to_string(),
-            outbox_url: None,
-        },
+        Databases::from_urls(url, None),
         options,
         record,
         shutdown.clone(),
@@ -357,10 +351,7 @@ async fn hot_key<S: Subscription + 'static>(
         .map(|sub| {
             tokio::spawn(consumer::run(
                 sub,
-                Databases {
-                    inbox_url: url.to_string(),
-                    outbox_url: None,
-                },
+                Databases::from_urls(url, None),
                 Options::new(consumer_id),
                 record,
                 shutdown.clone(),
@@ -526,18 +517,20 @@ async fn nats(mode: u8) {
     let poison = mode == 1;
     let tag = runtime::owner_id() % 1_000_000;
     let (url, mut pg, _db) = fresh_db(&format!("nats_{tag}_{}", mode)).await;
-    let cfg = Config::from_env().unwrap();
     let topic = format!("API{tag}P{}", mode);
     let route = format!("r-{topic}");
-    store::set_route(&pg, &route, &cfg.nats_cluster, &topic)
+    store::set_route(&pg, &route, common::NATS_CLUSTER, &topic)
         .await
         .unwrap();
-    let nats =
-        sealpost_nats::Nats::connect(&cfg.nats_url, &cfg.nats_cluster, Duration::from_secs(5))
-            .await
-            .unwrap();
+    let nats = sealpost_nats::Nats::connect(
+        &common::nats_url(),
+        common::NATS_CLUSTER,
+        Duration::from_secs(5),
+    )
+    .await
+    .unwrap();
     nats.ensure_stream(&topic).await.unwrap();
-    let _stream = teardown_nats::stream(&cfg.nats_url, &topic);
+    let _stream = teardown_nats::stream(&common::nats_url(), &topic);
     publish(&mut pg, &nats, &route, N, mode == 3).await;
     let c = format!("api-{topic}");
     if mode == 4 {
@@ -590,15 +583,14 @@ async fn rabbitmq(mode: u8) {
     let poison = mode == 1;
     let tag = runtime::owner_id() % 1_000_000;
     let (url, mut pg, _db) = fresh_db(&format!("rabbit_{tag}_{}", mode)).await;
-    let cfg = Config::from_env().unwrap();
     let topic = format!("sp-api-{tag}-{}", mode);
     let route = format!("r-{topic}");
-    store::set_route(&pg, &route, &cfg.rabbitmq_cluster, &topic)
+    store::set_route(&pg, &route, common::RABBITMQ_CLUSTER, &topic)
         .await
         .unwrap();
     let rabbit = sealpost_rabbitmq::Rabbit::connect(
-        &cfg.rabbitmq_url,
-        &cfg.rabbitmq_cluster,
+        &common::rabbitmq_url(),
+        common::RABBITMQ_CLUSTER,
         Duration::from_secs(5),
         &format!("sealpost-test-api-{tag}"),
     )
@@ -606,7 +598,7 @@ async fn rabbitmq(mode: u8) {
     .expect("RabbitMQ must be running at 127.0.0.1:5672 (guest/guest)");
     let c = format!("api-{tag}-{}", mode);
     let _destination =
-        teardown_rabbitmq::destination(&cfg.rabbitmq_url, &topic, std::slice::from_ref(&c));
+        teardown_rabbitmq::destination(&common::rabbitmq_url(), &topic, std::slice::from_ref(&c));
     rabbit
         .ensure_destination(&topic, std::slice::from_ref(&c))
         .await
@@ -617,7 +609,7 @@ async fn rabbitmq(mode: u8) {
     }
     // The test's dispatcher sends at once: a settle time of 1 s covers it.
     let sub = sealpost_rabbitmq::RabbitSubscription::subscribe(
-        &cfg.rabbitmq_url,
+        &common::rabbitmq_url(),
         &Default::default(),
         &topic,
         &c,
@@ -627,7 +619,7 @@ async fn rabbitmq(mode: u8) {
     .unwrap();
     if mode == 3 {
         let second = sealpost_rabbitmq::RabbitSubscription::subscribe(
-            &cfg.rabbitmq_url,
+            &common::rabbitmq_url(),
             &Default::default(),
             &topic,
             &c,
@@ -673,22 +665,21 @@ async fn kafka(mode: u8) {
     let poison = mode == 1;
     let tag = runtime::owner_id() % 1_000_000;
     let (url, mut pg, _db) = fresh_db(&format!("kafka_{tag}_{}", mode)).await;
-    let cfg = Config::from_env().unwrap();
     let topic = format!("sp-api-{tag}-{}", mode);
     let route = format!("r-{topic}");
     let mut kcfg = sealpost_kafka::KafkaConfig::new(
-        &cfg.kafka_brokers,
-        &cfg.kafka_cluster,
+        &common::kafka_brokers(),
+        common::KAFKA_CLUSTER,
         Duration::from_secs(5),
     );
     kcfg.client_properties =
-        sealpost_kafka::parse_properties(&cfg.kafka_client_properties).unwrap();
+        sealpost_kafka::parse_properties(&common::kafka_client_properties()).unwrap();
     let kafka = sealpost_kafka::Kafka::connect(kcfg.clone())
         .await
         .expect("a Kafka-protocol broker must listen on 127.0.0.1:9092 (.ci/run starts tansu)");
     let _topic = teardown_kafka::topic(&kcfg, &topic);
     let partitions = kafka.ensure_topic(&topic, 3).await.unwrap();
-    store::set_route(&pg, &route, &cfg.kafka_cluster, &topic)
+    store::set_route(&pg, &route, common::KAFKA_CLUSTER, &topic)
         .await
         .unwrap();
     store::set_route_partitions(

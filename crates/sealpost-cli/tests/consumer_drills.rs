@@ -11,10 +11,11 @@ mod common;
 #[path = "../../sealpost/tests/common/teardown_nats.rs"]
 mod teardown_nats;
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use sealpost::runtime::CancellationToken;
 use sealpost::runtime::{self, Config, Counters};
 use sealpost::store;
 use sealpost_nats::async_nats::jetstream;
@@ -48,7 +49,7 @@ async fn drop_db(db: &str) {
 async fn publish(cfg: &Config, nats: &Nats, topic: &str, keys: &[String]) {
     let mut pg = runtime::pg_connect(&cfg.database_url).await.unwrap();
     let route = format!("r-{topic}");
-    store::set_route(&pg, &route, &cfg.nats_cluster, topic)
+    store::set_route(&pg, &route, common::NATS_CLUSTER, topic)
         .await
         .unwrap();
     nats.ensure_stream(topic).await.unwrap();
@@ -70,9 +71,17 @@ async fn publish(cfg: &Config, nats: &Nats, topic: &str, keys: &[String]) {
     let tx = pg.transaction().await.unwrap();
     store::enqueue_many(&tx, &route, &batch).await.unwrap();
     tx.commit().await.unwrap();
-    let stop = Arc::new(AtomicBool::new(false));
+    let stop = CancellationToken::new();
     let counters = Arc::new(Counters::default());
-    let tasks = runtime::spawn_fleet(cfg, &Arc::new(nats.clone()), 2, true, &stop, &counters);
+    let tasks = runtime::spawn_fleet(
+        cfg,
+        &common::pg_source(cfg),
+        &Arc::new(nats.clone()),
+        2,
+        true,
+        &stop,
+        &counters,
+    );
     wait_for("publication", Duration::from_secs(60), async || {
         count(
             &pg,
@@ -82,7 +91,7 @@ async fn publish(cfg: &Config, nats: &Nats, topic: &str, keys: &[String]) {
             == 0
     })
     .await;
-    stop.store(true, Ordering::Relaxed);
+    stop.cancel();
     for t in tasks {
         t.await.unwrap().unwrap();
     }
@@ -159,7 +168,7 @@ fn spawn_consumer(
     nats: &Nats,
     consumer: &str,
     topic: &str,
-    stop: &Arc<AtomicBool>,
+    stop: &CancellationToken,
 ) -> tokio::task::JoinHandle<Result<(), runtime::RunError>> {
     tokio::spawn(sealpost_cli::consumer::run(
         cfg.clone(),
@@ -174,10 +183,14 @@ fn spawn_consumer(
 #[tokio::test]
 async fn downstream_timeout_rolls_back_retries_later_and_applies_once() {
     let (mut cfg, pg, db, topic) = fresh("timeout").await;
-    let _stream = teardown_nats::stream(&cfg.nats_url, &topic);
-    let nats = Nats::connect(&cfg.nats_url, &cfg.nats_cluster, Duration::from_secs(5))
-        .await
-        .expect("NATS must be running");
+    let _stream = teardown_nats::stream(&common::nats_url(), &topic);
+    let nats = Nats::connect(
+        &common::nats_url(),
+        common::NATS_CLUSTER,
+        Duration::from_secs(5),
+    )
+    .await
+    .expect("NATS must be running");
     let n = 30;
     let keys: Vec<String> = (0..n).map(|i| format!("o-{i}")).collect();
     publish(&cfg, &nats, &topic, &keys).await;
@@ -204,7 +217,7 @@ async fn downstream_timeout_rolls_back_retries_later_and_applies_once() {
     cfg.consumer_max_deliveries = 1_000; // the timeout drill must not dead-letter
     cfg.consumer_ack_wait_ms = 30_000; // redeliveries within the test come from the naks
     let consumer = format!("t-{topic}");
-    let stop = Arc::new(AtomicBool::new(false));
+    let stop = CancellationToken::new();
     let task = spawn_consumer(&cfg, &nats, &consumer, &topic, &stop);
     // Everything else applies; o-7 times out, is rolled back and comes back, again and again.
     wait_for(
@@ -235,7 +248,7 @@ async fn downstream_timeout_rolls_back_retries_later_and_applies_once() {
         i.num_ack_pending == 0 && i.num_pending == 0
     })
     .await;
-    stop.store(true, Ordering::Relaxed);
+    stop.cancel();
     task.await.unwrap().unwrap();
     let (applied, dead) = nothing_lost_nothing_twice(&pg, &consumer).await;
     assert_eq!((applied, dead), (n as i64, 0));
@@ -247,10 +260,14 @@ async fn downstream_timeout_rolls_back_retries_later_and_applies_once() {
 #[tokio::test]
 async fn a_permanent_bad_message_is_dead_lettered_after_max_deliveries_and_the_rest_apply_once() {
     let (mut cfg, pg, db, topic) = fresh("poison").await;
-    let _stream = teardown_nats::stream(&cfg.nats_url, &topic);
-    let nats = Nats::connect(&cfg.nats_url, &cfg.nats_cluster, Duration::from_secs(5))
-        .await
-        .expect("NATS must be running");
+    let _stream = teardown_nats::stream(&common::nats_url(), &topic);
+    let nats = Nats::connect(
+        &common::nats_url(),
+        common::NATS_CLUSTER,
+        Duration::from_secs(5),
+    )
+    .await
+    .expect("NATS must be running");
     let n = 40;
     let keys: Vec<String> = (0..n).map(|i| format!("o-{i}")).collect();
     publish(&cfg, &nats, &topic, &keys).await;
@@ -269,7 +286,7 @@ async fn a_permanent_bad_message_is_dead_lettered_after_max_deliveries_and_the_r
     cfg.consumer_ack_wait_ms = 30_000;
     cfg.consumer_progress_every_ms = 200;
     let consumer = format!("p-{topic}");
-    let stop = Arc::new(AtomicBool::new(false));
+    let stop = CancellationToken::new();
     let task = spawn_consumer(&cfg, &nats, &consumer, &topic, &stop);
     // The consumer moves on: nothing pending, nothing waiting for an ack.
     wait_for("the stream consumed", Duration::from_secs(60), async || {
@@ -288,7 +305,7 @@ async fn a_permanent_bad_message_is_dead_lettered_after_max_deliveries_and_the_r
         .is_some_and(|r| r.get::<_, i64>(0) == n as i64 + 1)
     })
     .await;
-    stop.store(true, Ordering::Relaxed);
+    stop.cancel();
     task.await.unwrap().unwrap();
     let (applied, dead) = nothing_lost_nothing_twice(&pg, &consumer).await;
     assert_eq!((applied, dead), (n as i64 - 1, 1));
@@ -345,10 +362,14 @@ async fn a_permanent_bad_message_is_dead_lettered_after_max_deliveries_and_the_r
 #[tokio::test]
 async fn a_hot_key_with_most_of_the_traffic_is_applied_exactly_once() {
     let (mut cfg, pg, db, topic) = fresh("hot").await;
-    let _stream = teardown_nats::stream(&cfg.nats_url, &topic);
-    let nats = Nats::connect(&cfg.nats_url, &cfg.nats_cluster, Duration::from_secs(5))
-        .await
-        .expect("NATS must be running");
+    let _stream = teardown_nats::stream(&common::nats_url(), &topic);
+    let nats = Nats::connect(
+        &common::nats_url(),
+        common::NATS_CLUSTER,
+        Duration::from_secs(5),
+    )
+    .await
+    .expect("NATS must be running");
     let n = 1_000;
     // 80% of the events on one aggregate.
     let keys: Vec<String> = (0..n)
@@ -378,7 +399,7 @@ async fn a_hot_key_with_most_of_the_traffic_is_applied_exactly_once() {
     .unwrap();
     cfg.consumer_ack_wait_ms = 2_000; // slow batches are redelivered to the other instance
     let consumer = format!("h-{topic}");
-    let stop = Arc::new(AtomicBool::new(false));
+    let stop = CancellationToken::new();
     // Two instances of the same consumer share the durable consumer and the inbox.
     let tasks = [
         spawn_consumer(&cfg, &nats, &consumer, &topic, &stop),
@@ -393,7 +414,7 @@ async fn a_hot_key_with_most_of_the_traffic_is_applied_exactly_once() {
         },
     )
     .await;
-    stop.store(true, Ordering::Relaxed);
+    stop.cancel();
     for t in tasks {
         t.await.unwrap().unwrap();
     }

@@ -8,12 +8,13 @@ mod common;
 #[path = "../../sealpost/tests/common/teardown_nats.rs"]
 mod teardown_nats;
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use sealpost::inbox::{self, Delivery, Effect, InboxOutcome};
 use sealpost::runtime;
+use sealpost::runtime::CancellationToken;
 use sealpost::store;
 use sealpost_core::envelope::{EventId, PAYLOAD_DOMAIN};
 use sealpost_core::port::{Broker, SendResult};
@@ -177,13 +178,17 @@ async fn consumer_commits_then_loses_its_ack_and_redelivery_has_no_second_effect
     let (mut pg, cfg) = pg("lostack").await;
     let topic = format!("C{}", runtime::owner_id() % 1_000_000);
     let route = format!("r-{topic}");
-    store::set_route(&pg, &route, &cfg.nats_cluster, &topic)
+    store::set_route(&pg, &route, common::NATS_CLUSTER, &topic)
         .await
         .unwrap();
-    let nats = Nats::connect(&cfg.nats_url, &cfg.nats_cluster, Duration::from_secs(5))
-        .await
-        .unwrap();
-    let _stream = teardown_nats::stream(&cfg.nats_url, &topic);
+    let nats = Nats::connect(
+        &common::nats_url(),
+        common::NATS_CLUSTER,
+        Duration::from_secs(5),
+    )
+    .await
+    .unwrap();
+    let _stream = teardown_nats::stream(&common::nats_url(), &topic);
     nats.ensure_stream(&topic).await.unwrap();
     // Publish 20 events through the real path.
     let n = 20;
@@ -217,7 +222,7 @@ async fn consumer_commits_then_loses_its_ack_and_redelivery_has_no_second_effect
     let mut lossy = cfg.clone();
     lossy.consumer_ack_wait_ms = 1_000;
     lossy.drill_skip_consumer_ack = true;
-    let stop = Arc::new(AtomicBool::new(false));
+    let stop = CancellationToken::new();
     let applied = Arc::new(AtomicU64::new(0));
     let t = tokio::spawn(sealpost_cli::consumer::run(
         lossy.clone(),
@@ -235,11 +240,11 @@ async fn consumer_commits_then_loses_its_ack_and_redelivery_has_no_second_effect
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    stop.store(true, Ordering::Relaxed);
+    stop.cancel();
     t.await.unwrap().unwrap();
     let mut healthy = lossy.clone();
     healthy.drill_skip_consumer_ack = false;
-    let stop2 = Arc::new(AtomicBool::new(false));
+    let stop2 = CancellationToken::new();
     let t2 = tokio::spawn(sealpost_cli::consumer::run(
         healthy,
         nats.clone(),
@@ -272,7 +277,7 @@ async fn consumer_commits_then_loses_its_ack_and_redelivery_has_no_second_effect
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    stop2.store(true, Ordering::Relaxed);
+    stop2.cancel();
     t2.await.unwrap().unwrap();
     assert_eq!(
         effects(&pg, &consumer).await,

@@ -125,11 +125,15 @@ async fn an_external_effect_keyed_by_the_idempotency_key_happens_once_across_a_r
 ) {
     let tag = runtime::owner_id() % 1_000_000;
     let cfg = common::fresh_database(&format!("sealpost_effects_{tag}")).await;
-    let nats = Nats::connect(&cfg.nats_url, &cfg.nats_cluster, Duration::from_secs(5))
-        .await
-        .expect("NATS must be running");
+    let nats = Nats::connect(
+        &common::nats_url(),
+        common::NATS_CLUSTER,
+        Duration::from_secs(5),
+    )
+    .await
+    .expect("NATS must be running");
     let topic = format!("FX{tag}");
-    let _stream = teardown_nats::stream(&cfg.nats_url, &topic);
+    let _stream = teardown_nats::stream(&common::nats_url(), &topic);
     // Two events published through the dispatchers (`orders` o-0 and o-1).
     sealpost_cli::consume_bench::prefill(&cfg, &nats, &format!("r-{topic}"), &topic, 2)
         .await

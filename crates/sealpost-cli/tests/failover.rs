@@ -22,12 +22,13 @@ mod common;
 
 use std::collections::{HashMap, HashSet};
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use sealpost::runtime;
+use sealpost::runtime::CancellationToken;
 use sealpost::store;
 use sealpost_nats::Nats;
 
@@ -264,9 +265,7 @@ async fn stream_leader_killed_mid_run() {
     let mut cluster = NatsCluster::start(tag);
     let url = cluster.url();
     println!("cluster: {url}");
-    let (mut cfg, mut pg) = fresh_database(tag).await;
-    cfg.nats_url = url.clone();
-    cfg.nats_cluster = CLUSTER.to_string();
+    let (cfg, mut pg) = fresh_database(tag).await;
     let nats = Nats::connect(&url, CLUSTER, Duration::from_secs(5))
         .await
         .expect("connect to the cluster");
@@ -318,8 +317,9 @@ async fn stream_leader_killed_mid_run() {
     std::fs::write(
         &conf,
         format!(
-            "database_url = \"{}\"\nnats_url = \"{url}\"\nnats_cluster = \"{CLUSTER}\"\n\
-             lease_ms = 3000\nack_timeout_ms = 1000\nbatch_size_max = 200\nreconcile_every_ms = 500\n",
+            "database_url = \"{}\"\n\
+             lease_ms = 3000\nack_timeout_ms = 1000\nbatch_size_max = 200\nreconcile_every_ms = 500\n\
+             [nats]\nurl = \"{url}\"\ncluster = \"{CLUSTER}\"\n",
             cfg.database_url
         ),
     )
@@ -341,7 +341,7 @@ async fn stream_leader_killed_mid_run() {
     let dispatchers = Dispatchers(vec![spawn(&[]), spawn(&["--no-reconciler"])]);
 
     // A consumer applying through the inbox the whole time (restarted if it gives up).
-    let stop = Arc::new(AtomicBool::new(false));
+    let stop = CancellationToken::new();
     let consumed = Arc::new(AtomicU64::new(0));
     let consumer = {
         let (cfg, nats, topic, stop, consumed) = (
@@ -352,7 +352,7 @@ async fn stream_leader_killed_mid_run() {
             consumed.clone(),
         );
         tokio::spawn(async move {
-            while !stop.load(Ordering::Relaxed) {
+            while !stop.is_cancelled() {
                 let r = sealpost_cli::consumer::run(
                     cfg.clone(),
                     nats.clone(),
@@ -583,7 +583,7 @@ async fn stream_leader_killed_mid_run() {
         );
         tokio::time::sleep(Duration::from_millis(250)).await;
     };
-    stop.store(true, Ordering::Relaxed);
+    stop.cancel();
     let _ = tokio::time::timeout(Duration::from_secs(10), consumer).await;
     assert_eq!(applied, n, "each event applied once, no twice");
     assert_eq!(distinct, n);

@@ -21,10 +21,11 @@ mod teardown_nats;
 #[path = "../../sealpost/tests/common/teardown_rabbitmq.rs"]
 mod teardown_rabbitmq;
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use sealpost::runtime::CancellationToken;
 use sealpost::runtime::{self, Config, Counters};
 use sealpost::store::{self, StoreError};
 use sealpost_core::envelope::{EventId, NewEvent, PartitionAlgorithm};
@@ -124,8 +125,8 @@ fn hostile_event<'a>(field: &str, value: &'a str) -> (NewEvent<'a>, &'a str) {
 
 #[tokio::test]
 async fn hostile_strings_are_refused_at_enqueue_with_the_field_and_nothing_is_written() {
-    let (cfg, mut pg) = fresh("enqueue").await;
-    store::set_route(&pg, "orders", &cfg.nats_cluster, "HOSTILE")
+    let (_cfg, mut pg) = fresh("enqueue").await;
+    store::set_route(&pg, "orders", common::NATS_CLUSTER, "HOSTILE")
         .await
         .unwrap();
     let cases = hostile_cases();
@@ -270,9 +271,17 @@ async fn every_neighbour_publishes<B: Broker>(
     cfg.rejection_limit = 2;
     // One batch holds every row: each hostile row sits among ordinary ones.
     cfg.batch_size_max = 64;
-    let stop = Arc::new(AtomicBool::new(false));
+    let stop = CancellationToken::new();
     let counters = Arc::new(Counters::default());
-    let tasks = runtime::spawn_fleet(&cfg, &Arc::new(broker), 1, false, &stop, &counters);
+    let tasks = runtime::spawn_fleet(
+        &cfg,
+        &common::pg_source(&cfg),
+        &Arc::new(broker),
+        1,
+        false,
+        &stop,
+        &counters,
+    );
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let mut done = true;
@@ -300,7 +309,7 @@ async fn every_neighbour_publishes<B: Broker>(
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    stop.store(true, Ordering::Relaxed);
+    stop.cancel();
     for t in tasks {
         t.await.unwrap().unwrap();
     }
@@ -345,15 +354,15 @@ async fn an_unencodable_row_is_quarantined_alone_on_nats() {
     let (cfg, mut pg) = fresh("nats").await;
     let topic = format!("HOSTILE{}", runtime::owner_id() % 1_000_000_000);
     let nats = sealpost_nats::Nats::connect(
-        &cfg.nats_url,
-        &cfg.nats_cluster,
+        &common::nats_url(),
+        common::NATS_CLUSTER,
         Duration::from_millis(cfg.ack_timeout_ms),
     )
     .await
     .expect("NATS must be running");
-    let _stream = teardown_nats::stream(&cfg.nats_url, &topic);
+    let _stream = teardown_nats::stream(&common::nats_url(), &topic);
     nats.ensure_stream(&topic).await.unwrap();
-    store::set_route(&pg, "orders", &cfg.nats_cluster, &topic)
+    store::set_route(&pg, "orders", common::NATS_CLUSTER, &topic)
         .await
         .unwrap();
     every_neighbour_publishes(&cfg, &mut pg, nats.clone()).await;
@@ -370,17 +379,17 @@ async fn an_unencodable_row_is_quarantined_alone_on_rabbitmq() {
     let (cfg, mut pg) = fresh("rabbitmq").await;
     let topic = format!("sp-hostile-{}", runtime::owner_id() % 1_000_000_000);
     let rabbit = sealpost_rabbitmq::Rabbit::connect(
-        &cfg.rabbitmq_url,
-        &cfg.rabbitmq_cluster,
+        &common::rabbitmq_url(),
+        common::RABBITMQ_CLUSTER,
         Duration::from_secs(5),
         "sealpost-test-hostile",
     )
     .await
     .expect("RabbitMQ must be running at 127.0.0.1:5672 (guest/guest)");
     let consumers = vec!["c1".to_string()];
-    let _destination = teardown_rabbitmq::destination(&cfg.rabbitmq_url, &topic, &consumers);
+    let _destination = teardown_rabbitmq::destination(&common::rabbitmq_url(), &topic, &consumers);
     rabbit.ensure_destination(&topic, &consumers).await.unwrap();
-    store::set_route(&pg, "orders", &cfg.rabbitmq_cluster, &topic)
+    store::set_route(&pg, "orders", common::RABBITMQ_CLUSTER, &topic)
         .await
         .unwrap();
     every_neighbour_publishes(&cfg, &mut pg, rabbit.clone()).await;
@@ -391,18 +400,18 @@ async fn an_unencodable_row_is_quarantined_alone_on_kafka() {
     let (cfg, mut pg) = fresh("kafka").await;
     let topic = format!("sp-test-hostile-{}", runtime::owner_id() % 1_000_000_000);
     let mut kcfg = sealpost_kafka::KafkaConfig::new(
-        &cfg.kafka_brokers,
-        &cfg.kafka_cluster,
+        &common::kafka_brokers(),
+        common::KAFKA_CLUSTER,
         Duration::from_secs(5),
     );
     kcfg.client_properties =
-        sealpost_kafka::parse_properties(&cfg.kafka_client_properties).unwrap();
+        sealpost_kafka::parse_properties(&common::kafka_client_properties()).unwrap();
     let _topic = teardown_kafka::topic(&kcfg, &topic);
     let kafka = sealpost_kafka::Kafka::connect(kcfg)
         .await
         .expect("a Kafka-protocol broker must listen on 127.0.0.1:9092 (.ci/run starts tansu)");
     kafka.ensure_topic(&topic, 2).await.unwrap();
-    store::set_route(&pg, "orders", &cfg.kafka_cluster, &topic)
+    store::set_route(&pg, "orders", common::KAFKA_CLUSTER, &topic)
         .await
         .unwrap();
     store::set_route_partitions(

@@ -15,7 +15,7 @@ use std::collections::HashMap;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use sealpost::runtime::{self, Config};
+use sealpost::runtime;
 use sealpost::store;
 use sealpost_core::envelope::{EventId, EventOrdering, NewEvent, PartitionAlgorithm};
 use sealpost_kafka::rdkafka::consumer::{BaseConsumer, Consumer};
@@ -63,12 +63,12 @@ async fn drill(tag: &str, consumers: &[&str], ordering: EventOrdering) -> Drill 
     sealpost_cli::demo::prepare(&pg).await.unwrap();
     let topic = format!("sp-drill-{tag}-{r}");
     let mut kcfg = KafkaConfig::new(
-        &cfg.kafka_brokers,
-        &cfg.kafka_cluster,
+        &common::kafka_brokers(),
+        common::KAFKA_CLUSTER,
         Duration::from_secs(5),
     );
     kcfg.client_properties =
-        sealpost_kafka::parse_properties(&cfg.kafka_client_properties).unwrap();
+        sealpost_kafka::parse_properties(&common::kafka_client_properties()).unwrap();
     let topic_guard = teardown_kafka::topic(&kcfg, &topic);
     let kafka = Kafka::connect(kcfg)
         .await
@@ -77,7 +77,7 @@ async fn drill(tag: &str, consumers: &[&str], ordering: EventOrdering) -> Drill 
         kafka.ensure_topic(&topic, PARTITIONS).await.unwrap(),
         PARTITIONS
     );
-    store::set_route_ordering(&pg, "orders", &cfg.kafka_cluster, &topic, ordering)
+    store::set_route_ordering(&pg, "orders", common::KAFKA_CLUSTER, &topic, ordering)
         .await
         .expect("route");
     store::set_route_partitions(
@@ -120,14 +120,23 @@ impl Drill {
     /// Starts `sealpost <args>` with this drill's database, Kafka and `extra` config.
     fn spawn(&mut self, extra: &str, args: &[&str]) -> usize {
         let path = self.dir.join(format!("c{}.toml", self.children.len()));
+        // `kafka_*` lines of `extra` are keys of the `[kafka]` table, which comes last.
+        let (kafka, top): (Vec<&str>, Vec<&str>) =
+            extra.lines().partition(|l| l.starts_with("kafka_"));
         let mut config = format!(
-            "database_url = \"{}\"\nbroker = \"kafka\"\nkafka_brokers = \"{}\"\n{extra}",
-            self.cfg.database_url, self.cfg.kafka_brokers
+            "database_url = \"{}\"\nbroker = \"kafka\"\n{}\n[kafka]\nbrokers = \"{}\"\n",
+            self.cfg.database_url,
+            top.join("\n"),
+            common::kafka_brokers()
         );
+        for line in &kafka {
+            config.push_str(&line["kafka_".len()..]);
+            config.push('\n');
+        }
         if !extra.contains("kafka_client_properties") {
             config.push_str(&format!(
-                "kafka_client_properties = \"{}\"\n",
-                self.cfg.kafka_client_properties
+                "client_properties = \"{}\"\n",
+                common::kafka_client_properties()
             ));
         }
         std::fs::write(&path, config).unwrap();
@@ -162,7 +171,7 @@ impl Drill {
 
     /// Records stored in the topic (all partitions).
     fn stored(&self) -> i64 {
-        let c = reader(&self.cfg);
+        let c = reader();
         (0..PARTITIONS as i32)
             .map(|p| {
                 let (low, high) = c
@@ -228,9 +237,9 @@ impl Drill {
     }
 }
 
-fn reader(cfg: &Config) -> BaseConsumer {
+fn reader() -> BaseConsumer {
     ClientConfig::new()
-        .set("bootstrap.servers", &cfg.kafka_brokers)
+        .set("bootstrap.servers", common::kafka_brokers())
         .set("group.id", "sealpost-test-reader")
         .set("enable.auto.commit", "false")
         .create()
@@ -238,8 +247,8 @@ fn reader(cfg: &Config) -> BaseConsumer {
 }
 
 /// Every record of partition `p`: (aggregate id, aggregate version) from the wire headers.
-fn partition_versions(cfg: &Config, topic: &str, p: i32) -> Vec<(String, u64)> {
-    let c = reader(cfg);
+fn partition_versions(topic: &str, p: i32) -> Vec<(String, u64)> {
+    let c = reader();
     let (low, high) = c
         .fetch_watermarks(topic, p, Duration::from_secs(5))
         .unwrap();
@@ -343,8 +352,8 @@ async fn an_oversized_payload_is_refused_until_it_is_quarantined() {
     d.enqueue_orders(n, &vec![b'x'; 200_000]).await;
     let props = format!(
         "kafka_client_properties = \"{}{}message.max.bytes=100000\"\n",
-        d.cfg.kafka_client_properties,
-        if d.cfg.kafka_client_properties.is_empty() {
+        &common::kafka_client_properties(),
+        if common::kafka_client_properties().is_empty() {
             ""
         } else {
             ","
@@ -419,7 +428,7 @@ async fn each_aggregate_stays_in_one_partition_in_version_order() {
     let mut home: HashMap<String, i32> = HashMap::new();
     let mut seen: HashMap<String, Vec<u64>> = HashMap::new();
     for p in 0..PARTITIONS as i32 {
-        for (agg, v) in partition_versions(&d.cfg, &d.topic, p) {
+        for (agg, v) in partition_versions(&d.topic, p) {
             let h = *home.entry(agg.clone()).or_insert(p);
             assert_eq!(h, p, "aggregate {agg} in partitions {h} and {p}");
             seen.entry(agg).or_default().push(v);

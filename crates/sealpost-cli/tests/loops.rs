@@ -12,10 +12,11 @@ mod common;
 mod teardown_nats;
 
 use std::process::Command;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use sealpost::runtime::CancellationToken;
 use sealpost::runtime::{self, Config, Counters};
 use sealpost::store;
 use sealpost_core::dispatcher::{DispatchAction, DispatcherMachine, Submission};
@@ -41,8 +42,8 @@ async fn fresh(tag: &str) -> (common::TestDb, tokio_postgres::Client, String) {
 
 async fn nats(cfg: &Config) -> Nats {
     Nats::connect(
-        &cfg.nats_url,
-        &cfg.nats_cluster,
+        &common::nats_url(),
+        common::NATS_CLUSTER,
         Duration::from_millis(cfg.ack_timeout_ms),
     )
     .await
@@ -158,7 +159,7 @@ async fn wait_for<F: AsyncFn() -> bool>(what: &str, limit: Duration, f: F) {
 }
 
 struct Fleet {
-    stop: Arc<AtomicBool>,
+    stop: CancellationToken,
     counters: Arc<Counters>,
     tasks: Vec<tokio::task::JoinHandle<Result<(), runtime::RunError>>>,
 }
@@ -174,10 +175,11 @@ async fn publish(cfg: &Config, n: &Nats, pg: &tokio_postgres::Client, ids: &[Eve
 }
 
 fn fleet(cfg: &Config, n: &Nats, dispatchers: usize, reconciler: bool) -> Fleet {
-    let stop = Arc::new(AtomicBool::new(false));
+    let stop = CancellationToken::new();
     let counters = Arc::new(Counters::default());
     let tasks = runtime::spawn_fleet(
         cfg,
+        &common::pg_source(cfg),
         &Arc::new(n.clone()),
         dispatchers,
         reconciler,
@@ -193,7 +195,7 @@ fn fleet(cfg: &Config, n: &Nats, dispatchers: usize, reconciler: bool) -> Fleet 
 
 impl Fleet {
     async fn stop(self) -> Arc<Counters> {
-        self.stop.store(true, Ordering::Relaxed);
+        self.stop.cancel();
         for t in self.tasks {
             t.await.unwrap().unwrap();
         }
@@ -213,9 +215,9 @@ async fn a_send_stalled_past_its_lease_never_leaves_and_the_broker_holds_one_cop
     cfg.ack_timeout_ms = 500;
     let n = nats(&cfg).await;
     let t = topic("stall");
-    let _stream = teardown_nats::stream(&cfg.nats_url, &t);
+    let _stream = teardown_nats::stream(&common::nats_url(), &t);
     short_window_stream(&n, &t, Duration::from_secs(1), -1).await;
-    store::set_route(&pg, "orders", &cfg.nats_cluster, &t)
+    store::set_route(&pg, "orders", common::NATS_CLUSTER, &t)
         .await
         .unwrap();
     let id = enqueue(&mut pg, "orders", b"{}", 1).await[0];
@@ -229,7 +231,7 @@ async fn a_send_stalled_past_its_lease_never_leaves_and_the_broker_holds_one_cop
         Some(DispatchAction::Claim { .. })
     ));
     let started = ms();
-    let batch = store::claim_batch_for(&mut pg, 1, Some(&cfg.nats_cluster), 10, cfg.lease_ms)
+    let batch = store::claim_batch_for(&mut pg, 1, Some(common::NATS_CLUSTER), 10, cfg.lease_ms)
         .await
         .unwrap();
     let Some(DispatchAction::Send {
@@ -324,16 +326,16 @@ async fn rows_that_cannot_leave_back_off_and_do_not_starve_the_rest() {
     let (cfg, mut pg, _) = fresh("neversent").await;
     let n = nats(&cfg).await;
     let good = topic("good");
-    let _stream = teardown_nats::stream(&cfg.nats_url, &good);
+    let _stream = teardown_nats::stream(&common::nats_url(), &good);
     n.ensure_stream(&good).await.unwrap();
     let missing = topic("missing"); // no stream: "deleted"
-    store::set_route(&pg, "lost", &cfg.nats_cluster, &missing)
+    store::set_route(&pg, "lost", common::NATS_CLUSTER, &missing)
         .await
         .unwrap();
     store::set_route(&pg, "far", "nats-far-away", &topic("far"))
         .await
         .unwrap();
-    store::set_route(&pg, "orders", &cfg.nats_cluster, &good)
+    store::set_route(&pg, "orders", common::NATS_CLUSTER, &good)
         .await
         .unwrap();
     // The unsendable rows commit first: a batch in commit order would meet them first.
@@ -412,7 +414,7 @@ async fn the_reconciler_backs_off_reaches_every_unknown_row_and_alerts_while_bus
     cfg.verify_every_ms = 0;
     let n = nats(&cfg).await;
     // A stream that does not exist: every lookup answers "unavailable".
-    store::set_route(&pg, "orders", &cfg.nats_cluster, &topic("gone"))
+    store::set_route(&pg, "orders", common::NATS_CLUSTER, &topic("gone"))
         .await
         .unwrap();
     let ids = enqueue(&mut pg, "orders", b"{}", 30).await;
@@ -469,9 +471,9 @@ async fn receipts_and_reports_commit_together_or_not_at_all() {
     let (cfg, mut pg, _) = fresh("submit").await;
     let n = nats(&cfg).await;
     let t = topic("submit");
-    let _stream = teardown_nats::stream(&cfg.nats_url, &t);
+    let _stream = teardown_nats::stream(&common::nats_url(), &t);
     n.ensure_stream(&t).await.unwrap();
-    store::set_route(&pg, "orders", &cfg.nats_cluster, &t)
+    store::set_route(&pg, "orders", common::NATS_CLUSTER, &t)
         .await
         .unwrap();
     let ids = enqueue(&mut pg, "orders", b"{}", 2).await;
@@ -551,9 +553,9 @@ async fn guarded_acceptance_falls_back_when_the_row_changed_and_never_accepts_tw
     let (cfg, mut pg, _) = fresh("guarded").await;
     let n = nats(&cfg).await;
     let t = topic("guarded");
-    let _stream = teardown_nats::stream(&cfg.nats_url, &t);
+    let _stream = teardown_nats::stream(&common::nats_url(), &t);
     n.ensure_stream(&t).await.unwrap();
-    store::set_route(&pg, "orders", &cfg.nats_cluster, &t)
+    store::set_route(&pg, "orders", common::NATS_CLUSTER, &t)
         .await
         .unwrap();
     let ids = enqueue(&mut pg, "orders", b"{}", 3).await;
@@ -561,7 +563,7 @@ async fn guarded_acceptance_falls_back_when_the_row_changed_and_never_accepts_tw
     let b = store::claim_batch_held(
         &mut pg,
         1,
-        Some(&cfg.nats_cluster),
+        Some(common::NATS_CLUSTER),
         0,
         10,
         10_000,
@@ -675,15 +677,15 @@ async fn prepared_statements_are_dropped_with_their_connection() {
     let (cfg, mut pg, _) = fresh("prepared").await;
     let n = nats(&cfg).await;
     let t = topic("prepared");
-    let _stream = teardown_nats::stream(&cfg.nats_url, &t);
+    let _stream = teardown_nats::stream(&common::nats_url(), &t);
     n.ensure_stream(&t).await.unwrap();
-    store::set_route(&pg, "orders", &cfg.nats_cluster, &t)
+    store::set_route(&pg, "orders", common::NATS_CLUSTER, &t)
         .await
         .unwrap();
     let ids = enqueue(&mut pg, "orders", b"{}", 4).await;
-    let cluster = cfg.nats_cluster.clone();
+    let cluster = common::NATS_CLUSTER;
     let mut held = store::Held::default();
-    let first = store::claim_batch_held(&mut pg, 1, Some(&cluster), 0, 2, 10_000, &mut held)
+    let first = store::claim_batch_held(&mut pg, 1, Some(cluster), 0, 2, 10_000, &mut held)
         .await
         .unwrap();
     assert_eq!(first.outgoing.len(), 2);
@@ -698,7 +700,7 @@ async fn prepared_statements_are_dropped_with_their_connection() {
     };
     // The connection is replaced behind `held`'s back.
     let mut pg = runtime::pg_connect(&cfg.database_url).await.unwrap();
-    let err = store::claim_batch_held(&mut pg, 1, Some(&cluster), 0, 2, 10_000, &mut held)
+    let err = store::claim_batch_held(&mut pg, 1, Some(cluster), 0, 2, 10_000, &mut held)
         .await
         .unwrap_err();
     assert!(
@@ -706,7 +708,7 @@ async fn prepared_statements_are_dropped_with_their_connection() {
         "the database's own words: {err}"
     );
     assert_eq!(sending(&pg).await, 2, "the failed claim claimed nothing");
-    let second = store::claim_batch_held(&mut pg, 1, Some(&cluster), 0, 2, 10_000, &mut held)
+    let second = store::claim_batch_held(&mut pg, 1, Some(cluster), 0, 2, 10_000, &mut held)
         .await
         .unwrap();
     assert_eq!(second.outgoing.len(), 2);
@@ -762,9 +764,9 @@ async fn poison_is_quarantined_with_its_reason_and_released_by_the_operator() {
     cfg.rejection_limit = 2;
     let n = nats(&cfg).await;
     let t = topic("poison");
-    let _stream = teardown_nats::stream(&cfg.nats_url, &t);
+    let _stream = teardown_nats::stream(&common::nats_url(), &t);
     short_window_stream(&n, &t, Duration::from_secs(120), 1_024).await;
-    store::set_route(&pg, "orders", &cfg.nats_cluster, &t)
+    store::set_route(&pg, "orders", common::NATS_CLUSTER, &t)
         .await
         .unwrap();
     let poison = enqueue(&mut pg, "orders", &[b'x'; 4_096], 1).await[0];
@@ -844,9 +846,9 @@ async fn an_acknowledged_message_lost_at_the_broker_is_a_finding() {
     cfg.verify_every_ms = 100;
     let n = nats(&cfg).await;
     let t = topic("verify");
-    let _stream = teardown_nats::stream(&cfg.nats_url, &t);
+    let _stream = teardown_nats::stream(&common::nats_url(), &t);
     n.ensure_stream(&t).await.unwrap();
-    store::set_route(&pg, "orders", &cfg.nats_cluster, &t)
+    store::set_route(&pg, "orders", common::NATS_CLUSTER, &t)
         .await
         .unwrap();
     let ids = enqueue(&mut pg, "orders", b"{}", 3).await;
@@ -895,7 +897,7 @@ async fn the_verification_pass_walks_a_backlog_a_window_at_a_time() {
     let (cfg, mut pg, _) = fresh("verifywindow").await;
     let n = nats(&cfg).await;
     let t = topic("verifywindow");
-    let _stream = teardown_nats::stream(&cfg.nats_url, &t);
+    let _stream = teardown_nats::stream(&common::nats_url(), &t);
     n.ensure_stream(&t).await.unwrap();
     // A backlog no dispatcher of this fleet serves (another cluster), committed first, so
     // it lies before the published rows in primary-key (UUIDv7) order.
@@ -904,7 +906,7 @@ async fn the_verification_pass_walks_a_backlog_a_window_at_a_time() {
         .unwrap();
     let window = sealpost_core::reconciler::verify_window_rows(100);
     let backlog = enqueue(&mut pg, "parked", b"{}", 2 * window + window / 2).await;
-    store::set_route(&pg, "orders", &cfg.nats_cluster, &t)
+    store::set_route(&pg, "orders", common::NATS_CLUSTER, &t)
         .await
         .unwrap();
     let ids = enqueue(&mut pg, "orders", b"{}", 3).await;
@@ -951,9 +953,9 @@ async fn a_restore_older_than_the_duplicate_window_adopts_the_copies_at_the_brok
     cfg.ack_timeout_ms = 500;
     let n = nats(&cfg).await;
     let t = topic("restore");
-    let _stream = teardown_nats::stream(&cfg.nats_url, &t);
+    let _stream = teardown_nats::stream(&common::nats_url(), &t);
     short_window_stream(&n, &t, Duration::from_secs(1), -1).await;
-    store::set_route(&pg, "orders", &cfg.nats_cluster, &t)
+    store::set_route(&pg, "orders", common::NATS_CLUSTER, &t)
         .await
         .unwrap();
     let ids = enqueue(&mut pg, "orders", b"{}", 4).await;

@@ -170,7 +170,7 @@ async fn dispatch_metrics_match_status_and_the_published_events() {
     std::fs::write(
         &config,
         format!(
-            "nats_cluster = \"{cluster}\"\nrejection_limit = 1\nlease_ms = 3000\nack_timeout_ms = 1000\n"
+            "rejection_limit = 1\nlease_ms = 3000\nack_timeout_ms = 1000\n[nats]\ncluster = \"{cluster}\"\n"
         ),
     )
     .unwrap();

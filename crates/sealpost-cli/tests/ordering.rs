@@ -10,10 +10,10 @@ mod common;
 mod teardown_nats;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use sealpost::runtime::CancellationToken;
 use sealpost::runtime::{self, Config, Counters};
 use sealpost::store;
 use sealpost_core::envelope::{EventId, EventOrdering, NewEvent};
@@ -104,13 +104,14 @@ fn fleet(
     dispatchers: usize,
     reconciler: bool,
 ) -> (
-    Arc<AtomicBool>,
+    CancellationToken,
     Vec<tokio::task::JoinHandle<Result<(), runtime::RunError>>>,
 ) {
-    let stop = Arc::new(AtomicBool::new(false));
+    let stop = CancellationToken::new();
     let counters = Arc::new(Counters::default());
     let tasks = runtime::spawn_fleet(
         cfg,
+        &common::pg_source(cfg),
         &Arc::new(n.clone()),
         dispatchers,
         reconciler,
@@ -122,11 +123,11 @@ fn fleet(
 
 async fn stop(
     f: (
-        Arc<AtomicBool>,
+        CancellationToken,
         Vec<tokio::task::JoinHandle<Result<(), runtime::RunError>>>,
     ),
 ) {
-    f.0.store(true, Ordering::Relaxed);
+    f.0.cancel();
     for t in f.1 {
         t.await.unwrap().unwrap();
     }
@@ -182,19 +183,19 @@ async fn two_dispatchers_keep_every_aggregate_in_order() {
     let (mut cfg, mut pg) = fresh("two").await;
     cfg.batch_size_max = 8;
     let n = Nats::connect(
-        &cfg.nats_url,
-        &cfg.nats_cluster,
+        &common::nats_url(),
+        common::NATS_CLUSTER,
         Duration::from_millis(cfg.ack_timeout_ms),
     )
     .await
     .expect("NATS must be running");
     let topic = format!("ORDTWO{}", runtime::owner_id() % 1_000_000);
-    let _stream = teardown_nats::stream(&cfg.nats_url, &topic);
+    let _stream = teardown_nats::stream(&common::nats_url(), &topic);
     n.ensure_stream(&topic).await.unwrap();
     store::set_route_ordering(
         &pg,
         "orders",
-        &cfg.nats_cluster,
+        common::NATS_CLUSTER,
         &topic,
         EventOrdering::PerAggregate,
     )
@@ -234,19 +235,19 @@ async fn two_dispatchers_keep_every_aggregate_in_order() {
 async fn a_failed_then_unknown_earlier_event_holds_back_the_later_one() {
     let (cfg, mut pg) = fresh("unknown").await;
     let n = Nats::connect(
-        &cfg.nats_url,
-        &cfg.nats_cluster,
+        &common::nats_url(),
+        common::NATS_CLUSTER,
         Duration::from_millis(cfg.ack_timeout_ms),
     )
     .await
     .expect("NATS must be running");
     let topic = format!("ORDUNK{}", runtime::owner_id() % 1_000_000);
-    let _stream = teardown_nats::stream(&cfg.nats_url, &topic);
+    let _stream = teardown_nats::stream(&common::nats_url(), &topic);
     n.ensure_stream(&topic).await.unwrap();
     store::set_route_ordering(
         &pg,
         "orders",
-        &cfg.nats_cluster,
+        common::NATS_CLUSTER,
         &topic,
         EventOrdering::PerAggregate,
     )
@@ -254,7 +255,7 @@ async fn a_failed_then_unknown_earlier_event_holds_back_the_later_one() {
     .unwrap();
     let v1 = enqueue_round(&mut pg, "orders", 1, 1).await[0];
     let v2 = enqueue_round(&mut pg, "orders", 1, 2).await[0];
-    let cluster = Some(cfg.nats_cluster.as_str());
+    let cluster = Some(common::NATS_CLUSTER);
 
     let report = |o: &store::Outgoing, outcome: SendOutcome| store::OutcomeReport {
         event_id: o.event_id,

@@ -43,7 +43,7 @@ impl Env {
     /// Creates stream `topic` for this test only.
     async fn ensure_stream(&mut self, topic: &str) {
         self.streams
-            .push(teardown_nats::stream(&self.cfg.nats_url, topic));
+            .push(teardown_nats::stream(&common::nats_url(), topic));
         self.nats.ensure_stream(topic).await.expect("stream");
     }
 }
@@ -55,17 +55,17 @@ async fn env(tag: &str) -> Env {
         .expect("PostgreSQL must be running");
     store::migrate(&pg).await.expect("migrate");
     let topic = format!("T{}{}", tag.to_uppercase(), runtime::owner_id() % 1_000_000);
-    store::set_route(&pg, "orders", &cfg.nats_cluster, &topic)
+    store::set_route(&pg, "orders", common::NATS_CLUSTER, &topic)
         .await
         .expect("route");
     let nats = Nats::connect(
-        &cfg.nats_url,
-        &cfg.nats_cluster,
+        &common::nats_url(),
+        common::NATS_CLUSTER,
         Duration::from_millis(cfg.ack_timeout_ms),
     )
     .await
     .expect("NATS must be running");
-    let streams = vec![teardown_nats::stream(&cfg.nats_url, &topic)];
+    let streams = vec![teardown_nats::stream(&common::nats_url(), &topic)];
     nats.ensure_stream(&topic).await.expect("stream");
     Env {
         pg,
@@ -184,7 +184,7 @@ async fn dispatch_publishes_with_one_primary_and_route_revision_keeps_frozen_des
     // F6: the route policy is revised after commit, before send.
     let other = format!("{}X", e.topic);
     e.ensure_stream(&other).await;
-    store::set_route(&e.pg, "orders", &e.cfg.nats_cluster, &other)
+    store::set_route(&e.pg, "orders", common::NATS_CLUSTER, &other)
         .await
         .unwrap();
     let batch = store::claim_batch(&mut e.pg, 7, 100, 10_000).await.unwrap();
@@ -440,7 +440,7 @@ async fn migration_refused_while_unknown_and_old_receipt_after_migration_is_a_co
     let mut e = env("mig").await;
     let new_topic = format!("{}M", e.topic);
     e.ensure_stream(&new_topic).await;
-    store::set_route(&e.pg, "orders-v2", &e.cfg.nats_cluster, &new_topic)
+    store::set_route(&e.pg, "orders-v2", common::NATS_CLUSTER, &new_topic)
         .await
         .unwrap();
     let ids = enqueue_n(&mut e.pg, 2).await;

@@ -73,13 +73,17 @@ async fn drill(tag: &str, n: usize) -> Drill {
         .expect("PostgreSQL must be running");
     store::migrate(&pg).await.expect("migrate");
     let topic = format!("P{}{}", tag.to_uppercase(), runtime::owner_id() % 1_000_000);
-    store::set_route(&pg, "orders", &cfg.nats_cluster, &topic)
+    store::set_route(&pg, "orders", common::NATS_CLUSTER, &topic)
         .await
         .expect("route");
-    let nats = Nats::connect(&cfg.nats_url, &cfg.nats_cluster, Duration::from_secs(5))
-        .await
-        .expect("NATS");
-    let stream = teardown_nats::stream(&cfg.nats_url, &topic);
+    let nats = Nats::connect(
+        &common::nats_url(),
+        common::NATS_CLUSTER,
+        Duration::from_secs(5),
+    )
+    .await
+    .expect("NATS");
+    let stream = teardown_nats::stream(&common::nats_url(), &topic);
     nats.ensure_stream(&topic).await.expect("stream");
     let payload = vec![b'p'; 200];
     let mut i = 0;

@@ -52,12 +52,12 @@ async fn drill(tag: &str, n: usize, consumers: &[&str], bind: bool) -> Drill {
     store::migrate(&pg).await.expect("migrate");
     sealpost_cli::demo::prepare(&pg).await.unwrap();
     let topic = format!("sp-drill-{tag}-{r}");
-    store::set_route(&pg, "orders", &cfg.rabbitmq_cluster, &topic)
+    store::set_route(&pg, "orders", common::RABBITMQ_CLUSTER, &topic)
         .await
         .expect("route");
     let rabbit = Rabbit::connect(
-        &cfg.rabbitmq_url,
-        &cfg.rabbitmq_cluster,
+        &common::rabbitmq_url(),
+        common::RABBITMQ_CLUSTER,
         Duration::from_secs(5),
         &format!("sealpost-test-{tag}-{r}"),
     )
@@ -66,7 +66,7 @@ async fn drill(tag: &str, n: usize, consumers: &[&str], bind: bool) -> Drill {
     let consumers: Vec<String> = consumers.iter().map(|c| c.to_string()).collect();
     let bound = if bind { consumers.clone() } else { Vec::new() };
     // Every consumer's queue: `sealpost consume` declares an unbound one's too.
-    let destination = teardown_rabbitmq::destination(&cfg.rabbitmq_url, &topic, &consumers);
+    let destination = teardown_rabbitmq::destination(&common::rabbitmq_url(), &topic, &consumers);
     rabbit.ensure_destination(&topic, &bound).await.unwrap();
     let payload = br#"{"order_id":"x","total_cents":1}"#.to_vec();
     let mut i = 0;
@@ -97,8 +97,9 @@ impl Drill {
     fn spawn(&mut self, extra: &str, args: &[&str]) -> usize {
         let path = self.dir.join(format!("c{}.toml", self.children.len()));
         let config = format!(
-            "database_url = \"{}\"\nbroker = \"rabbitmq\"\nrabbitmq_url = \"{}\"\n{extra}",
-            self.cfg.database_url, self.cfg.rabbitmq_url
+            "database_url = \"{}\"\nbroker = \"rabbitmq\"\n{extra}\n[rabbitmq]\nurl = \"{}\"\n",
+            self.cfg.database_url,
+            common::rabbitmq_url()
         );
         std::fs::write(&path, config).unwrap();
         let child = Command::new(env!("CARGO_BIN_EXE_sealpost"))
@@ -142,7 +143,7 @@ impl Drill {
     /// Messages ready in `consumer`'s queue.
     async fn ready(&self, consumer: &str) -> u32 {
         let conn = sealpost_rabbitmq::lapin::Connection::connect(
-            &self.cfg.rabbitmq_url,
+            &common::rabbitmq_url(),
             Default::default(),
         )
         .await

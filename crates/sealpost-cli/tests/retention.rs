@@ -12,10 +12,11 @@ mod teardown_nats;
 
 use std::collections::BTreeSet;
 use std::process::Command;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use sealpost::runtime::CancellationToken;
 use sealpost::runtime::{self, Config, Counters};
 use sealpost::store::{self, Accepted};
 use sealpost_cli::ops;
@@ -121,13 +122,17 @@ async fn purge_waits_for_reported_consumers_the_restore_point_and_the_audit_rete
     cfg.consumer_progress_every_ms = 200;
     let topic = format!("RET{tag}");
     let route = format!("r-{topic}");
-    store::set_route(&pg, &route, &cfg.nats_cluster, &topic)
+    store::set_route(&pg, &route, common::NATS_CLUSTER, &topic)
         .await
         .unwrap();
-    let nats = Nats::connect(&cfg.nats_url, &cfg.nats_cluster, Duration::from_secs(5))
-        .await
-        .unwrap();
-    let _stream = teardown_nats::stream(&cfg.nats_url, &topic);
+    let nats = Nats::connect(
+        &common::nats_url(),
+        common::NATS_CLUSTER,
+        Duration::from_secs(5),
+    )
+    .await
+    .unwrap();
+    let _stream = teardown_nats::stream(&common::nats_url(), &topic);
     nats.ensure_stream(&topic).await.unwrap();
     let n = 30;
     let ids = enqueue(&mut pg, &route, n).await;
@@ -140,7 +145,7 @@ async fn purge_waits_for_reported_consumers_the_restore_point_and_the_audit_rete
     // Consumer A takes everything; consumer B nothing yet.
     let a = format!("a-{topic}");
     let b = format!("b-{topic}");
-    let stop = Arc::new(AtomicBool::new(false));
+    let stop = CancellationToken::new();
     let spawn = |c: &str| {
         tokio::spawn(sealpost_cli::consumer::run(
             cfg.clone(),
@@ -314,7 +319,7 @@ async fn purge_waits_for_reported_consumers_the_restore_point_and_the_audit_rete
         vec![Accepted::UnknownEvent],
         "never resurrected"
     );
-    stop.store(true, Ordering::Relaxed);
+    stop.cancel();
     ca.await.unwrap().unwrap();
     cb.await.unwrap().unwrap();
     let _ = nats.js.delete_stream(&topic).await;
@@ -377,13 +382,17 @@ async fn restore_from_a_dump_taken_mid_run_keeps_event_ids_and_has_no_second_eff
     let mut pg = runtime::pg_connect(&cfg.database_url).await.unwrap();
     store::migrate(&pg).await.unwrap();
     let topic = format!("F{}", runtime::owner_id() % 1_000_000);
-    store::set_route(&pg, "orders", &cfg.nats_cluster, &topic)
+    store::set_route(&pg, "orders", common::NATS_CLUSTER, &topic)
         .await
         .unwrap();
-    let nats = Nats::connect(&cfg.nats_url, &cfg.nats_cluster, Duration::from_secs(5))
-        .await
-        .unwrap();
-    let _stream = teardown_nats::stream(&cfg.nats_url, &topic);
+    let nats = Nats::connect(
+        &common::nats_url(),
+        common::NATS_CLUSTER,
+        Duration::from_secs(5),
+    )
+    .await
+    .unwrap();
+    let _stream = teardown_nats::stream(&common::nats_url(), &topic);
     nats.ensure_stream(&topic).await.unwrap();
     let n = 200;
     let ids = enqueue(&mut pg, "orders", n).await;
@@ -407,17 +416,19 @@ async fn restore_from_a_dump_taken_mid_run_keeps_event_ids_and_has_no_second_eff
     assert!(ok.success(), "pg_dump failed");
     // Everything is published and consumed.
     let consumer = format!("f11-{topic}");
-    let stop = Arc::new(AtomicBool::new(false));
+    let stop = CancellationToken::new();
     let counters = Arc::new(Counters::default());
     let mut tasks = vec![
         tokio::spawn(runtime::dispatcher(
             cfg.clone(),
+            common::pg_source(&cfg),
             Arc::new(nats.clone()),
             stop.clone(),
             counters.clone(),
         )),
         tokio::spawn(runtime::reconciler(
             cfg.clone(),
+            common::pg_source(&cfg),
             Arc::new(nats.clone()),
             stop.clone(),
             counters.clone(),
@@ -435,7 +446,7 @@ async fn restore_from_a_dump_taken_mid_run_keeps_event_ids_and_has_no_second_eff
         effects(&cpg, &consumer).await.0 == n as i64
     })
     .await;
-    stop.store(true, Ordering::Relaxed);
+    stop.cancel();
     for t in tasks.drain(..) {
         t.await.unwrap().unwrap();
     }
@@ -466,16 +477,18 @@ async fn restore_from_a_dump_taken_mid_run_keeps_event_ids_and_has_no_second_eff
         .get(0);
     assert_eq!(pending, 100, "the restored rows are back to PENDING");
     // Dispatchers and the reconciler run again; the consumer keeps running.
-    let stop = Arc::new(AtomicBool::new(false));
+    let stop = CancellationToken::new();
     let tasks = vec![
         tokio::spawn(runtime::dispatcher(
             cfg.clone(),
+            common::pg_source(&cfg),
             Arc::new(nats.clone()),
             stop.clone(),
             counters.clone(),
         )),
         tokio::spawn(runtime::reconciler(
             cfg.clone(),
+            common::pg_source(&cfg),
             Arc::new(nats.clone()),
             stop.clone(),
             counters.clone(),
@@ -494,7 +507,7 @@ async fn restore_from_a_dump_taken_mid_run_keeps_event_ids_and_has_no_second_eff
     .await;
     // Let the consumer see anything redelivered.
     tokio::time::sleep(Duration::from_secs(2)).await;
-    stop.store(true, Ordering::Relaxed);
+    stop.cancel();
     for t in tasks {
         t.await.unwrap().unwrap();
     }
@@ -548,13 +561,17 @@ async fn reconcile_reports_out_of_band_ids_and_unconsumed_events() {
     cfg.database_url = url.clone();
     let topic = format!("O{}", runtime::owner_id() % 1_000_000);
     let route = format!("r-{topic}");
-    store::set_route(&pg, &route, &cfg.nats_cluster, &topic)
+    store::set_route(&pg, &route, common::NATS_CLUSTER, &topic)
         .await
         .unwrap();
-    let nats = Nats::connect(&cfg.nats_url, &cfg.nats_cluster, Duration::from_secs(5))
-        .await
-        .unwrap();
-    let _stream = teardown_nats::stream(&cfg.nats_url, &topic);
+    let nats = Nats::connect(
+        &common::nats_url(),
+        common::NATS_CLUSTER,
+        Duration::from_secs(5),
+    )
+    .await
+    .unwrap();
+    let _stream = teardown_nats::stream(&common::nats_url(), &topic);
     nats.ensure_stream(&topic).await.unwrap();
     let ids = enqueue(&mut pg, &route, 5).await;
     let mut published = 0;

@@ -11,10 +11,10 @@ mod common;
 #[path = "../../sealpost/tests/common/teardown_nats.rs"]
 mod teardown_nats;
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use sealpost::runtime::CancellationToken;
 use sealpost::runtime::{self, Counters};
 use sealpost::store;
 use sealpost_core::envelope::{
@@ -195,20 +195,20 @@ async fn a_v1_database_with_rows_in_every_state_upgrades_in_place_and_the_protoc
     }
     assert_eq!(store::schema_version(&pg).await.unwrap(), 2);
     let nats = Nats::connect(
-        &cfg.nats_url,
-        &cfg.nats_cluster,
+        &common::nats_url(),
+        common::NATS_CLUSTER,
         Duration::from_millis(cfg.ack_timeout_ms),
     )
     .await
     .expect("NATS must be running");
-    let _stream = teardown_nats::stream(&cfg.nats_url, &topic);
+    let _stream = teardown_nats::stream(&common::nats_url(), &topic);
     nats.ensure_stream(&topic).await.unwrap();
-    store::set_route(&pg, "orders", &cfg.nats_cluster, &topic)
+    store::set_route(&pg, "orders", common::NATS_CLUSTER, &topic)
         .await
         .unwrap();
     let policy = RoutePolicy {
         generation: 1,
-        cluster: cfg.nats_cluster.clone(),
+        cluster: common::NATS_CLUSTER.to_string(),
         topic: topic.clone(),
         partition_algorithm: PartitionAlgorithm::None,
         serializer: "json.v1".into(),
@@ -310,7 +310,7 @@ async fn a_v1_database_with_rows_in_every_state_upgrades_in_place_and_the_protoc
          VALUES ($1, 0, 104, 'primary', 'ack', $2, $3, $4, false, $5)",
         &[
             &Uuid::from_bytes(env.event_id.0),
-            &cfg.nats_cluster,
+            &common::NATS_CLUSTER,
             &receipt.stream,
             &published_seq,
             &(now - 5_000),
@@ -449,10 +449,18 @@ async fn a_v1_database_with_rows_in_every_state_upgrades_in_place_and_the_protoc
     assert_eq!(count("SELECT count(*) FROM sealpost.quarantine").await, 1);
 
     // The protocol carries on: dispatchers and a reconciler over the upgraded rows.
-    let stop = Arc::new(AtomicBool::new(false));
+    let stop = CancellationToken::new();
     let counters = Arc::new(Counters::default());
     let broker = Arc::new(nats.clone());
-    let tasks = runtime::spawn_fleet(&cfg, &broker, 2, true, &stop, &counters);
+    let tasks = runtime::spawn_fleet(
+        &cfg,
+        &common::pg_source(&cfg),
+        &broker,
+        2,
+        true,
+        &stop,
+        &counters,
+    );
     let deadline = Instant::now() + Duration::from_secs(90);
     loop {
         let open = count(
@@ -468,7 +476,7 @@ async fn a_v1_database_with_rows_in_every_state_upgrades_in_place_and_the_protoc
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    stop.store(true, Ordering::Relaxed);
+    stop.cancel();
     for t in tasks {
         t.await.unwrap().unwrap();
     }

@@ -17,11 +17,11 @@ mod teardown_nats;
 use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use fantoccini::{Client, ClientBuilder, Locator};
+use sealpost::runtime::CancellationToken;
 use sealpost::runtime::{self, Config, Counters};
 use sealpost::store;
 use sealpost_core::envelope::{EventId, NewEvent};
@@ -271,15 +271,15 @@ async fn the_status_page_shows_the_status_traces_and_releases_only_with_the_toke
     // Both removed when the test ends, pass or fail (dropped after the processes below).
     let mut cfg = common::fresh_database(&format!("sealpost_web_{tag}")).await;
     let stream = format!("WEB{tag}");
-    let _stream = teardown_nats::stream(&cfg.nats_url, &stream);
+    let _stream = teardown_nats::stream(&common::nats_url(), &stream);
     cfg.rejection_limit = 2;
     let mut pg = runtime::pg_connect(&cfg.database_url).await.unwrap();
     store::migrate(&pg).await.unwrap();
 
     // A stream refusing payloads over 1 KiB: the big event becomes poison.
     let nats = Nats::connect(
-        &cfg.nats_url,
-        &cfg.nats_cluster,
+        &common::nats_url(),
+        common::NATS_CLUSTER,
         Duration::from_millis(cfg.ack_timeout_ms),
     )
     .await
@@ -293,16 +293,24 @@ async fn the_status_page_shows_the_status_traces_and_releases_only_with_the_toke
         })
         .await
         .expect("create the test stream");
-    store::set_route(&pg, "orders", &cfg.nats_cluster, &stream)
+    store::set_route(&pg, "orders", common::NATS_CLUSTER, &stream)
         .await
         .unwrap();
 
     // The page is up while events are published, so the chart has latency samples.
     let (url, _server) = serve(&cfg, Some(TOKEN)).await;
     let poison = enqueue(&mut pg, "poison", &[b'x'; 4_096], 1).await[0];
-    let stop = Arc::new(AtomicBool::new(false));
+    let mut stop = CancellationToken::new();
     let counters = Arc::new(Counters::default());
-    let tasks = runtime::spawn_fleet(&cfg, &Arc::new(nats.clone()), 1, false, &stop, &counters);
+    let tasks = runtime::spawn_fleet(
+        &cfg,
+        &common::pg_source(&cfg),
+        &Arc::new(nats.clone()),
+        1,
+        false,
+        &stop,
+        &counters,
+    );
     let mut published = Vec::new();
     for b in 0..6 {
         published.extend(enqueue(&mut pg, &format!("b{b}"), b"{\"total\":1}", 20).await);
@@ -323,7 +331,7 @@ async fn the_status_page_shows_the_status_traces_and_releases_only_with_the_toke
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    stop.store(true, Ordering::Relaxed);
+    stop.cancel();
     for t in tasks {
         t.await.unwrap().unwrap();
     }
@@ -524,8 +532,16 @@ async fn the_status_page_shows_the_status_traces_and_releases_only_with_the_toke
     // A server started without a token releases nothing, whatever the page sends.
     let other = enqueue(&mut pg, "poison2", &[b'y'; 4_096], 1).await[0];
     let tasks = {
-        stop.store(false, Ordering::Relaxed);
-        runtime::spawn_fleet(&cfg, &Arc::new(nats.clone()), 1, false, &stop, &counters)
+        stop = CancellationToken::new();
+        runtime::spawn_fleet(
+            &cfg,
+            &common::pg_source(&cfg),
+            &Arc::new(nats.clone()),
+            1,
+            false,
+            &stop,
+            &counters,
+        )
     };
     let start = Instant::now();
     while state_of(&pg, other).await != "QUARANTINED" {
@@ -535,7 +551,7 @@ async fn the_status_page_shows_the_status_traces_and_releases_only_with_the_toke
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    stop.store(true, Ordering::Relaxed);
+    stop.cancel();
     for t in tasks {
         t.await.unwrap().unwrap();
     }

@@ -30,9 +30,14 @@ pub struct DispatcherConfig {
     pub send_margin_ms: u64,
     /// Sleep when a claim found nothing.
     pub idle_poll_ms: u64,
-    /// Wait after a failed claim or receipt transaction.
+    /// Wait after a failed claim or receipt transaction; it doubles with each failure in a
+    /// row ([`crate::subscription::backoff_ms`]).
     pub error_backoff_ms: u64,
-    /// Receipt transaction attempts before the batch is left to the reconciler.
+    /// The longest wait while the database keeps failing.
+    pub error_backoff_max_ms: u64,
+    /// Receipt transactions the database refused before the batch is left to the
+    /// reconciler (tries that could not reach the database do not count:
+    /// [`DispatcherMachine::handle_submit_unreachable`]).
     pub submit_tries_max: u32,
     /// A claim scans from the commit position after its previous batch (the rows before it
     /// were claimed, are in flight, or wait out a backoff), so it does not walk the queue's
@@ -51,6 +56,7 @@ impl Default for DispatcherConfig {
             send_margin_ms: 5_000,
             idle_poll_ms: 50,
             error_backoff_ms: 500,
+            error_backoff_max_ms: 10_000,
             submit_tries_max: 5,
             rescan_every_ms: 1_000,
         }
@@ -231,6 +237,9 @@ pub struct DispatcherMachine {
     stopping: bool,
     /// [`Claimed::ordered_from`] of the batches not yet submitted.
     ordered_resume: Option<u64>,
+    /// Database failures in a row (claims, receipt transactions, the database unreachable):
+    /// the backoff grows with them and resets on the next success.
+    failures_in_row: u32,
 }
 
 impl DispatcherMachine {
@@ -249,7 +258,18 @@ impl DispatcherMachine {
             full_scan_at_ms: now_ms,
             stopping: false,
             ordered_resume: None,
+            failures_in_row: 0,
         }
+    }
+
+    /// The wait after one more database failure in a row.
+    fn next_backoff_ms(&mut self) -> u64 {
+        self.failures_in_row = self.failures_in_row.saturating_add(1);
+        crate::subscription::backoff_ms(
+            self.cfg.error_backoff_ms,
+            self.cfg.error_backoff_max_ms,
+            self.failures_in_row,
+        )
     }
 
     /// Stop: the batches in hand are sent and submitted, no new claim starts. The shell
@@ -359,6 +379,7 @@ impl DispatcherMachine {
     pub fn handle_claimed(&mut self, now_ms: u64, claimed: Claimed) -> Option<DispatchAction> {
         debug_assert!(self.claiming);
         self.claiming = false;
+        self.failures_in_row = 0;
         if let Some(p) = claimed.last_position {
             // Everything before it was claimed, is in flight or waits: the next scan starts
             // after it until the next full scan.
@@ -415,10 +436,13 @@ impl DispatcherMachine {
         None
     }
 
-    /// The claim transaction failed (database down, serialization failure): try again later.
+    /// The claim transaction failed (database down or unreachable, serialization failure):
+    /// try again after a backoff that grows while the failures go on. The shell does not
+    /// sleep or loop on reconnects itself: it reconnects when the machine asks for the next
+    /// claim or receipt transaction.
     pub fn handle_claim_failed(&mut self, now_ms: u64) {
         self.claiming = false;
-        self.wake_at_ms = now_ms + self.cfg.error_backoff_ms;
+        self.wake_at_ms = now_ms + self.next_backoff_ms();
     }
 
     /// Every message of the batch on the wire has an outcome (`results` in request order).
@@ -509,6 +533,7 @@ impl DispatcherMachine {
             return;
         };
         if ok {
+            self.failures_in_row = 0;
             self.wake_at_ms = self.wake_at_ms.max(now_ms + sub.next_claim_in_ms);
             self.submitting = None;
             if let Some(p) = self.ordered_resume.take() {
@@ -526,8 +551,33 @@ impl DispatcherMachine {
             return;
         }
         sub.tries += 1;
-        sub.due_ms = now_ms + self.cfg.error_backoff_ms * u64::from(sub.tries - 1);
-        sub.issued = false;
+        self.failures_in_row = self.failures_in_row.saturating_add(1);
+        let backoff = crate::subscription::backoff_ms(
+            self.cfg.error_backoff_ms,
+            self.cfg.error_backoff_max_ms,
+            self.failures_in_row,
+        );
+        if let Some(sub) = &mut self.submitting {
+            sub.due_ms = now_ms + backoff;
+            sub.issued = false;
+        }
+    }
+
+    /// The receipt transaction could not start: the database is unreachable (no transaction
+    /// ran, so nothing of it committed). The submission waits and is retried after the
+    /// growing backoff, for as long as the database stays away: these tries do not count
+    /// toward [`DispatcherConfig::submit_tries_max`], because leaving the batch to the
+    /// reconciler would only turn receipts in hand into unknowns to look up later.
+    pub fn handle_submit_unreachable(&mut self, now_ms: u64) {
+        if self.submitting.is_none() {
+            debug_assert!(false, "handle_submit_unreachable without a submission");
+            return;
+        }
+        let backoff = self.next_backoff_ms();
+        if let Some(sub) = &mut self.submitting {
+            sub.due_ms = now_ms + backoff;
+            sub.issued = false;
+        }
     }
 }
 
@@ -886,5 +936,97 @@ mod tests {
             m.poll_action(due),
             Some(DispatchAction::Claim { .. })
         ));
+    }
+
+    #[test]
+    fn an_unreachable_database_never_abandons_a_submission_and_backs_off_growing_then_capped() {
+        let cfg = DispatcherConfig {
+            submit_tries_max: 2,
+            error_backoff_ms: 100,
+            error_backoff_max_ms: 1_000,
+            ..DispatcherConfig::default()
+        };
+        let mut m = DispatcherMachine::new(cfg, 0);
+        m.poll_action(0);
+        m.handle_claimed(0, claimed(1, 0, 0, 10_000));
+        let sub = m.handle_sent(1, vec![SendResult::NoAnswer]);
+        assert!(matches!(sub, Some(DispatchAction::Submit(_))));
+        // Ten submissions in a row cannot reach the database: far past `submit_tries_max`,
+        // the submission is still held, retried after 100, 200, 400, 800, then 1000 ms.
+        let mut now = 1;
+        let mut waits = Vec::new();
+        for _ in 0..10 {
+            m.handle_submit_unreachable(now);
+            let due = loop {
+                // Claims fail too while the database is away.
+                match m.poll_action(now) {
+                    Some(DispatchAction::Claim { .. }) => m.handle_claim_failed(now),
+                    Some(DispatchAction::Submit(_)) => break now,
+                    Some(other) => panic!("unexpected {other:?}"),
+                    None => {
+                        now = m
+                            .poll_timeout()
+                            .expect("a timeout while a submission waits")
+                    }
+                }
+            };
+            waits.push(due);
+            now = due;
+        }
+        assert_eq!(
+            m.counts().submits_abandoned,
+            0,
+            "nothing left to the reconciler"
+        );
+        let gaps: Vec<u64> = waits.windows(2).map(|w| w[1] - w[0]).collect();
+        assert!(gaps.iter().all(|g| *g <= 1_000), "capped: {gaps:?}");
+        assert!(gaps.last() == Some(&1_000), "grew to the cap: {gaps:?}");
+        // The database answers: the submission commits and the backoff starts over.
+        m.handle_submitted(now, true);
+        assert!(matches!(
+            m.poll_action(now),
+            Some(DispatchAction::Claim { .. })
+        ));
+        m.handle_claim_failed(now);
+        assert_eq!(
+            m.poll_timeout(),
+            Some(now + 100),
+            "one failure after a success: the first step"
+        );
+    }
+
+    #[test]
+    fn claim_failures_in_a_row_double_the_wait_up_to_the_cap_and_a_claim_resets_it() {
+        let cfg = DispatcherConfig {
+            error_backoff_ms: 500,
+            error_backoff_max_ms: 3_000,
+            ..DispatcherConfig::default()
+        };
+        let mut m = DispatcherMachine::new(cfg, 0);
+        let mut now = 0;
+        let mut waits = Vec::new();
+        for _ in 0..5 {
+            assert!(matches!(
+                m.poll_action(now),
+                Some(DispatchAction::Claim { .. })
+            ));
+            m.handle_claim_failed(now);
+            let due = m.poll_timeout().unwrap();
+            waits.push(due - now);
+            now = due;
+        }
+        assert_eq!(waits, vec![500, 1_000, 2_000, 3_000, 3_000]);
+        assert!(matches!(
+            m.poll_action(now),
+            Some(DispatchAction::Claim { .. })
+        ));
+        m.handle_claimed(now, claimed(0, 0, 0, 10_000));
+        let idle = m.poll_timeout().unwrap();
+        assert!(matches!(
+            m.poll_action(idle),
+            Some(DispatchAction::Claim { .. })
+        ));
+        m.handle_claim_failed(idle);
+        assert_eq!(m.poll_timeout(), Some(idle + 500));
     }
 }

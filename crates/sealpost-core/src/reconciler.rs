@@ -23,8 +23,11 @@ pub struct ReconcilerConfig {
     pub lookups_in_flight_max: usize,
     /// Wait after a scan found nothing due.
     pub idle_poll_ms: u64,
-    /// Wait after a failed claim.
+    /// Wait after a failed claim; it doubles with each failure in a row
+    /// ([`crate::subscription::backoff_ms`]).
     pub error_backoff_ms: u64,
+    /// The longest wait while the database keeps failing.
+    pub error_backoff_max_ms: u64,
     /// Unknown rows older than this raise an alert (G3 asks for p99 within 15 minutes).
     pub unknown_alert_ms: u64,
     /// How often the unknown age is checked, busy or not.
@@ -43,6 +46,7 @@ impl Default for ReconcilerConfig {
             lookups_in_flight_max: 32,
             idle_poll_ms: 1_000,
             error_backoff_ms: 1_000,
+            error_backoff_max_ms: 10_000,
             unknown_alert_ms: 900_000,
             age_check_every_ms: 10_000,
             verify_every_ms: 5_000,
@@ -180,6 +184,8 @@ pub struct ReconcilerMachine {
     clusters: Option<Vec<String>>,
     /// Told to stop: finish the rows it holds, claim and verify nothing more.
     stopping: bool,
+    /// Failed claims in a row: the backoff grows with them.
+    claim_failures_in_row: u32,
 }
 
 impl ReconcilerMachine {
@@ -210,6 +216,7 @@ impl ReconcilerMachine {
             counts: ReconcileCounts::default(),
             clusters: None,
             stopping: false,
+            claim_failures_in_row: 0,
         }
     }
 
@@ -346,6 +353,7 @@ impl ReconcilerMachine {
     /// The claim committed with these rows (each now `RECONCILING` under `token`).
     pub fn handle_claimed(&mut self, now_ms: u64, items: Vec<ReconcileItem>) {
         debug_assert_eq!(self.scan, Scan::Claiming);
+        self.claim_failures_in_row = 0;
         if items.is_empty() {
             self.scan = Scan::Idle {
                 wake_at_ms: now_ms + self.cfg.idle_poll_ms,
@@ -357,10 +365,17 @@ impl ReconcilerMachine {
         self.scan = Scan::Working;
     }
 
-    /// The claim failed: try again later.
+    /// The claim failed (the database unreachable included): try again after a backoff
+    /// that grows while the failures go on; the shell reconnects when the next claim is due.
     pub fn handle_claim_failed(&mut self, now_ms: u64) {
+        self.claim_failures_in_row = self.claim_failures_in_row.saturating_add(1);
+        let backoff = crate::subscription::backoff_ms(
+            self.cfg.error_backoff_ms,
+            self.cfg.error_backoff_max_ms,
+            self.claim_failures_in_row,
+        );
         self.scan = Scan::Idle {
-            wake_at_ms: now_ms + self.cfg.error_backoff_ms,
+            wake_at_ms: now_ms + backoff,
         };
     }
 
@@ -644,5 +659,47 @@ mod tests {
         m.handle_verify_lookup(101, v.clone(), &Lookup::Absent);
         assert_eq!(m.poll_action(101), Some(ReconcileAction::ReportMissing(v)));
         assert_eq!(m.counts().missing, 1);
+    }
+
+    #[test]
+    fn failed_claims_in_a_row_double_the_wait_up_to_the_cap_and_a_claim_resets_it() {
+        let cfg = ReconcilerConfig {
+            error_backoff_ms: 1_000,
+            error_backoff_max_ms: 5_000,
+            verify_every_ms: 0,
+            age_check_every_ms: 1_000_000,
+            ..ReconcilerConfig::default()
+        };
+        let mut m = ReconcilerMachine::new(cfg, caps(true), 0);
+        let mut now = 0;
+        let mut waits = Vec::new();
+        for _ in 0..5 {
+            loop {
+                match m.poll_action(now) {
+                    Some(ReconcileAction::ClaimUnknown { .. }) => break,
+                    Some(ReconcileAction::CheckUnknownAge) => m.handle_unknown_age(now, 0, 0),
+                    Some(other) => panic!("unexpected {other:?}"),
+                    None => now = m.poll_timeout().unwrap(),
+                }
+            }
+            m.handle_claim_failed(now);
+            let due = m.poll_timeout().unwrap();
+            waits.push(due - now);
+            now = due;
+        }
+        assert_eq!(waits, vec![1_000, 2_000, 4_000, 5_000, 5_000]);
+        loop {
+            match m.poll_action(now) {
+                Some(ReconcileAction::ClaimUnknown { .. }) => break,
+                Some(ReconcileAction::CheckUnknownAge) => m.handle_unknown_age(now, 0, 0),
+                Some(other) => panic!("unexpected {other:?}"),
+                None => now = m.poll_timeout().unwrap(),
+            }
+        }
+        m.handle_claimed(now, vec![item(1)]);
+        assert!(matches!(
+            m.poll_action(now),
+            Some(ReconcileAction::Lookup(_))
+        ));
     }
 }

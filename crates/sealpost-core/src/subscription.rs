@@ -147,10 +147,19 @@ pub const RECONNECT_MAX_MS: u64 = 30_000;
 /// the first): 100 ms doubling to 30 s. Never zero: a broker that refuses at once is not
 /// hammered.
 pub fn reconnect_backoff_ms(failures: u32) -> u64 {
+    backoff_ms(RECONNECT_FIRST_MS, RECONNECT_MAX_MS, failures)
+}
+
+/// The wait before the `failures`-th consecutive try (1 = the first retry): `first_ms`,
+/// doubling with each further failure, never above `max_ms` (and never below 1 ms). The one
+/// backoff rule of the consumer's reconnects and of the dispatcher's and reconciler's
+/// database errors.
+pub fn backoff_ms(first_ms: u64, max_ms: u64, failures: u32) -> u64 {
     let doublings = failures.saturating_sub(1).min(32);
-    RECONNECT_FIRST_MS
+    first_ms
+        .max(1)
         .saturating_mul(1u64 << doublings)
-        .min(RECONNECT_MAX_MS)
+        .min(max_ms.max(1))
 }
 
 /// A queue's watermark candidate: the highest position the consumer had seen at `seen_at_ms`.

@@ -102,7 +102,7 @@ pub const DEADLINE_MARGIN: Duration = Duration::from_millis(1_500);
 #[derive(Debug, thiserror::Error)]
 pub enum KafkaAdapterError {
     /// The client could not be created or the cluster did not answer.
-    #[error("cannot connect to Kafka at {brokers}: {cause}{last}; is the broker running and `kafka_brokers` right (host:port[,host:port])? With TLS or SASL: `security.protocol`, `ssl.ca.location`, `sasl.mechanism`, `sasl.username` and the password")]
+    #[error("cannot connect to Kafka at {brokers}: {cause}{last}; is the broker running and `brokers` right (`[kafka]` table or KAFKA_BROKERS: host:port[,host:port])? With TLS or SASL: `security.protocol`, `ssl.ca.location`, `sasl.mechanism`, `sasl.username` and the password")]
     Connect {
         /// Bootstrap servers tried (credentials removed).
         brokers: String,
@@ -134,27 +134,54 @@ pub enum KafkaAdapterError {
 }
 
 /// Settings of the adapter. Its `Debug` shows the client properties with their secrets
-/// (`sasl.password`, ...) redacted.
-#[derive(Clone)]
+/// (`sasl.password`, ...) redacted. A service builds it in code ([`KafkaConfig::new`]), reads
+/// it from the environment ([`KafkaConfig::from_env`]) or deserializes it (the `sealpost`
+/// command's `[kafka]` table; `client_properties` there is the `key=value[,key=value]`
+/// string).
+#[derive(Clone, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
 pub struct KafkaConfig {
-    /// Bootstrap servers, `host:port[,host:port]`.
+    /// Bootstrap servers, `host:port[,host:port]` (`KAFKA_BROKERS`).
     pub brokers: String,
-    /// Cluster identity frozen into destinations.
+    /// Cluster identity frozen into destinations (`KAFKA_CLUSTER`).
     pub cluster: String,
-    /// Bound on one delivery report (librdkafka's `message.timeout.ms`).
+    /// Bound on one delivery report (librdkafka's `message.timeout.ms`); the runtime's
+    /// `ack_timeout_ms`, not read from a file.
+    #[serde(skip)]
     pub ack_timeout: Duration,
+    /// Partitions of a topic Sealpost creates (the demo's); an existing topic keeps its own
+    /// count, and a route freezes the count the topic has.
+    pub partitions: u32,
     /// How far before the event's mint time a lookup starts its scan (producer clock skew).
     pub lookup_clock_margin_ms: u64,
     /// Records one lookup reads at most.
     pub lookup_scan_max: u64,
     /// The client id the broker logs (`sealpost-<role>-<pid>`).
+    #[serde(skip)]
     pub client_id: String,
     /// librdkafka properties set on every client this adapter creates, after its own (e.g.
-    /// `security.protocol`, or `batch.num.messages=1` for tansu 0.6, see docs/operations.md).
+    /// `security.protocol`, or `batch.num.messages=1` for tansu 0.6, see docs/operations.md)
+    /// (`KAFKA_CLIENT_PROPERTIES`, `key=value[,key=value]`).
+    #[serde(deserialize_with = "properties_from_str")]
     pub client_properties: Vec<(String, String)>,
     /// A file holding the SASL password (`sasl.password`), read at connect; its trailing line
-    /// break is dropped. Not together with a `sasl.password` property.
+    /// break is dropped. Not together with a `sasl.password` property
+    /// (`KAFKA_SASL_PASSWORD_FILE`).
     pub sasl_password_file: Option<PathBuf>,
+}
+
+/// `client_properties` from its `key=value[,key=value]` string.
+fn properties_from_str<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> Result<Vec<(String, String)>, D::Error> {
+    let s = <String as serde::Deserialize>::deserialize(d)?;
+    parse_properties(&s).map_err(serde::de::Error::custom)
+}
+
+impl Default for KafkaConfig {
+    fn default() -> Self {
+        KafkaConfig::new("127.0.0.1:9092", "kafka-local", Duration::from_secs(5))
+    }
 }
 
 impl std::fmt::Debug for KafkaConfig {
@@ -175,6 +202,7 @@ impl std::fmt::Debug for KafkaConfig {
             .field("brokers", &self.brokers)
             .field("cluster", &self.cluster)
             .field("ack_timeout", &self.ack_timeout)
+            .field("partitions", &self.partitions)
             .field("lookup_clock_margin_ms", &self.lookup_clock_margin_ms)
             .field("lookup_scan_max", &self.lookup_scan_max)
             .field("client_id", &self.client_id)
@@ -204,7 +232,7 @@ pub fn with_secrets(
         return Ok(out);
     };
     let bad = |detail: String| KafkaAdapterError::Setting {
-        option: "kafka_sasl_password_file",
+        option: "kafka.sasl_password_file",
         detail,
     };
     if properties.iter().any(|(k, _)| k == "sasl.password") {
@@ -275,12 +303,65 @@ impl KafkaConfig {
             brokers: brokers.to_string(),
             cluster: cluster.to_string(),
             ack_timeout,
+            partitions: 6,
             lookup_clock_margin_ms: 60_000,
             lookup_scan_max: 1_000_000,
             client_id: format!("sealpost-{}", std::process::id()),
             client_properties: Vec::new(),
             sasl_password_file: None,
         }
+    }
+
+    /// The defaults with the environment applied ([`KafkaConfig::apply_env`]), checked.
+    pub fn from_env() -> Result<KafkaConfig, KafkaAdapterError> {
+        let mut c = KafkaConfig::default();
+        c.apply_env()?;
+        c.validate()?;
+        Ok(c)
+    }
+
+    /// Applies the `KAFKA_*` variables that are set (`KAFKA_BROKERS`, `KAFKA_CLUSTER`,
+    /// `KAFKA_CLIENT_PROPERTIES`, `KAFKA_SASL_PASSWORD_FILE`) over what the configuration
+    /// says. Malformed properties are named by position, never quoted.
+    pub fn apply_env(&mut self) -> Result<(), KafkaAdapterError> {
+        let var = |name: &str| std::env::var(name).ok();
+        if let Some(v) = var("KAFKA_BROKERS") {
+            self.brokers = v;
+        }
+        if let Some(v) = var("KAFKA_CLUSTER") {
+            self.cluster = v;
+        }
+        if let Some(v) = var("KAFKA_CLIENT_PROPERTIES") {
+            self.client_properties =
+                parse_properties(&v).map_err(|detail| KafkaAdapterError::Setting {
+                    option: "KAFKA_CLIENT_PROPERTIES",
+                    detail,
+                })?;
+        }
+        if let Some(v) = var("KAFKA_SASL_PASSWORD_FILE") {
+            self.sasl_password_file = (!v.is_empty()).then(|| PathBuf::from(v));
+        }
+        Ok(())
+    }
+
+    /// Range checks; the error names the key.
+    pub fn validate(&self) -> Result<(), KafkaAdapterError> {
+        let bad = |option: &'static str, detail: &str| {
+            Err(KafkaAdapterError::Setting {
+                option,
+                detail: detail.to_string(),
+            })
+        };
+        if self.partitions == 0 || self.partitions > 10_000 {
+            return bad("partitions", "must be 1..=10000");
+        }
+        if self.lookup_scan_max == 0 {
+            return bad("lookup_scan_max", "must be at least 1");
+        }
+        if self.brokers.trim().is_empty() {
+            return bad("brokers", "is empty; give host:port[,host:port]");
+        }
+        Ok(())
     }
 }
 

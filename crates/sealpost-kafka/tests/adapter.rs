@@ -314,7 +314,7 @@ async fn an_unreachable_broker_is_a_clear_error() {
     .expect("nothing listens on port 1");
     let msg = e.to_string();
     assert!(
-        msg.contains("127.0.0.1:1") && msg.contains("kafka_brokers"),
+        msg.contains("127.0.0.1:1") && msg.contains("KAFKA_BROKERS"),
         "{msg}"
     );
 }

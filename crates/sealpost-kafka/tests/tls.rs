@@ -200,7 +200,7 @@ fn a_secret_is_never_shown() {
     let missing = dir.0.join("no-such-password");
     let e = with_secrets(&[], Some(&missing)).unwrap_err().to_string();
     assert!(
-        e.contains("kafka_sasl_password_file") && e.contains("no-such-password"),
+        e.contains("kafka.sasl_password_file") && e.contains("no-such-password"),
         "{e}"
     );
     let empty = dir.file("empty", "\n");

@@ -43,6 +43,7 @@
 //! required (never plaintext), and one of a `.creds` file, an nkey seed file, a user with a
 //! password file, or a token file. A connect that fails says which of them to check.
 
+mod config;
 mod options;
 mod subscription;
 
@@ -66,6 +67,7 @@ use sealpost_core::reconcile::Lookup;
 use tokio::sync::Semaphore;
 
 pub use async_nats;
+pub use config::NatsConfig;
 pub use options::NatsOptions;
 pub use subscription::{unreadable_reason, NatsSubscription};
 
@@ -109,7 +111,7 @@ pub enum NatsError {
     /// A TLS or credential option is unusable ([`NatsOptions`]).
     #[error("NATS option {key}: {message}")]
     Options {
-        /// The configuration key (`nats_tls_ca_file`, ...).
+        /// The configuration key (`nats.security.tls_ca_file`, ...).
         key: &'static str,
         /// What is wrong and what to do.
         message: String,

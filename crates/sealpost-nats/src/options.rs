@@ -18,7 +18,8 @@ use crate::NatsError;
 /// roots; no credentials.
 ///
 /// [`Nats::connect`]: crate::Nats::connect
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
 pub struct NatsOptions {
     /// PEM file of the CA(s) that sign the server's certificate; replaces the system's roots.
     pub tls_ca_file: Option<PathBuf>,
@@ -96,27 +97,25 @@ impl NatsOptions {
         mut o: async_nats::ConnectOptions,
     ) -> Result<async_nats::ConnectOptions, NatsError> {
         if let Some(ca) = &self.tls_ca_file {
-            check_pem("nats_tls_ca_file", ca, false)?;
+            check_pem("nats.security.tls_ca_file", ca, false)?;
             o = o.add_root_certificates(ca.clone());
         }
         match (&self.tls_cert_file, &self.tls_key_file) {
             (Some(cert), Some(key)) => {
-                check_pem("nats_tls_cert_file", cert, false)?;
-                check_pem("nats_tls_key_file", key, true)?;
+                check_pem("nats.security.tls_cert_file", cert, false)?;
+                check_pem("nats.security.tls_key_file", key, true)?;
                 o = o.add_client_certificate(cert.clone(), key.clone());
             }
             (Some(_), None) => {
                 return Err(invalid(
-                    "nats_tls_key_file",
-                    "nats_tls_cert_file is set but its key is not; set both or neither",
+                    "nats.security.tls_key_file",
+                    "nats.security.tls_cert_file is set but its key is not; set both or neither",
                 ))
             }
-            (None, Some(_)) => {
-                return Err(invalid(
-                    "nats_tls_cert_file",
-                    "nats_tls_key_file is set but its certificate is not; set both or neither",
-                ))
-            }
+            (None, Some(_)) => return Err(invalid(
+                "nats.security.tls_cert_file",
+                "nats.security.tls_key_file is set but its certificate is not; set both or neither",
+            )),
             (None, None) => {}
         }
         if self.require_tls {
@@ -130,23 +129,23 @@ impl NatsOptions {
         ];
         if ways.iter().filter(|w| **w).count() > 1 {
             return Err(invalid(
-                "nats_creds_file, nats_nkey_seed_file, nats_user or nats_token_file",
+                "nats.security.creds_file, nats.security.nkey_seed_file, nats.security.user or nats.security.token_file",
                 "more than one way to authenticate is set (creds file, nkey seed file, user and password, token file); keep the one the server expects",
             ));
         }
         if let Some(path) = &self.creds_file {
-            read("nats_creds_file", path)?;
+            read("nats.security.creds_file", path)?;
             o = o
                 .credentials_file(path)
                 .await
-                .map_err(|e| invalid("nats_creds_file", format!("{}: {e}; expected a .creds file with a user JWT and an nkey seed (nsc generate creds)", path.display())))?;
+                .map_err(|e| invalid("nats.security.creds_file", format!("{}: {e}; expected a .creds file with a user JWT and an nkey seed (nsc generate creds)", path.display())))?;
         }
         if let Some(path) = &self.nkey_seed_file {
-            let seed = secret("nats_nkey_seed_file", path)?;
+            let seed = secret("nats.security.nkey_seed_file", path)?;
             let seed = seed.trim();
             if !seed.starts_with("SU") {
                 return Err(invalid(
-                    "nats_nkey_seed_file",
+                    "nats.security.nkey_seed_file",
                     format!(
                         "{} does not hold an nkey user seed (one line starting with SU)",
                         path.display()
@@ -157,25 +156,23 @@ impl NatsOptions {
         }
         match (&self.user, &self.password_file) {
             (Some(user), Some(path)) => {
-                let password = secret("nats_password_file", path)?;
+                let password = secret("nats.security.password_file", path)?;
                 o = o.user_and_password(user.clone(), password);
             }
-            (Some(_), None) => {
-                return Err(invalid(
-                    "nats_password_file",
-                    "nats_user is set but no password file; set nats_password_file",
-                ))
-            }
+            (Some(_), None) => return Err(invalid(
+                "nats.security.password_file",
+                "nats.security.user is set but no password file; set nats.security.password_file",
+            )),
             (None, Some(_)) => {
                 return Err(invalid(
-                    "nats_user",
-                    "nats_password_file is set but no user; set nats_user",
+                    "nats.security.user",
+                    "nats.security.password_file is set but no user; set nats.security.user",
                 ))
             }
             (None, None) => {}
         }
         if let Some(path) = &self.token_file {
-            let token = secret("nats_token_file", path)?;
+            let token = secret("nats.security.token_file", path)?;
             o = o.token(token.trim().to_string());
         }
         Ok(o)
@@ -188,8 +185,8 @@ impl NatsOptions {
             return self.tls_hint(r);
         }
         match e.kind() {
-            K::AuthorizationViolation | K::Authentication => "the server refused our credentials; check nats_creds_file, nats_nkey_seed_file, nats_user and nats_password_file, or nats_token_file against the server's authorization".to_string(),
-            K::Tls => "check nats_tls_ca_file, nats_tls_cert_file and nats_tls_key_file, and that the server's URL host is a name its certificate carries".to_string(),
+            K::AuthorizationViolation | K::Authentication => "the server refused our credentials; check nats.security.creds_file, nats.security.nkey_seed_file, nats.security.user and nats.security.password_file, or nats.security.token_file against the server's authorization".to_string(),
+            K::Tls => "check nats.security.tls_ca_file, nats.security.tls_cert_file and nats.security.tls_key_file, and that the server's URL host is a name its certificate carries".to_string(),
             _ => "is nats-server running with JetStream (-js)?".to_string(),
         }
     }
@@ -197,32 +194,32 @@ impl NatsOptions {
     fn tls_hint(&self, e: &rustls::Error) -> String {
         use rustls::{AlertDescription as A, CertificateError as C};
         let ca = match &self.tls_ca_file {
-            Some(p) => format!("the CA in {} (nats_tls_ca_file)", p.display()),
-            None => "a CA this machine trusts (no nats_tls_ca_file is set)".to_string(),
+            Some(p) => format!("the CA in {} (nats.security.tls_ca_file)", p.display()),
+            None => "a CA this machine trusts (no nats.security.tls_ca_file is set)".to_string(),
         };
         match e {
             rustls::Error::InvalidCertificate(C::NotValidForName | C::NotValidForNameContext { .. }) => {
-                "the server's certificate does not name the host in nats_url; connect with a host name the certificate carries".to_string()
+                "the server's certificate does not name the host in nats.url; connect with a host name the certificate carries".to_string()
             }
             rustls::Error::InvalidCertificate(
                 C::Expired | C::ExpiredContext { .. } | C::NotValidYet | C::NotValidYetContext { .. },
             ) => "the server's certificate is outside its validity period; renew it, or check this machine's clock".to_string(),
             rustls::Error::InvalidCertificate(_) => format!(
-                "the server's certificate is not signed by {ca}; set nats_tls_ca_file to the CA that signed the server's certificate"
+                "the server's certificate is not signed by {ca}; set nats.security.tls_ca_file to the CA that signed the server's certificate"
             ),
             rustls::Error::AlertReceived(
                 A::CertificateRequired | A::BadCertificate | A::UnknownCA | A::CertificateUnknown,
             ) => match &self.tls_cert_file {
                 Some(p) => format!(
-                    "the server refused our client certificate {} (nats_tls_cert_file); it must be signed by the CA in the server's tls ca_file",
+                    "the server refused our client certificate {} (nats.security.tls_cert_file); it must be signed by the CA in the server's tls ca_file",
                     p.display()
                 ),
-                None => "the server asks for a client certificate (tls verify: true); set nats_tls_cert_file and nats_tls_key_file".to_string(),
+                None => "the server asks for a client certificate (tls verify: true); set nats.security.tls_cert_file and nats.security.tls_key_file".to_string(),
             },
             rustls::Error::InvalidMessage(_) => {
-                "the server did not answer in TLS: does its configuration have a tls block? nats_require_tls never falls back to plaintext".to_string()
+                "the server did not answer in TLS: does its configuration have a tls block? nats.security.require_tls never falls back to plaintext".to_string()
             }
-            _ => "check nats_tls_ca_file, nats_tls_cert_file and nats_tls_key_file".to_string(),
+            _ => "check nats.security.tls_ca_file, nats.security.tls_cert_file and nats.security.tls_key_file".to_string(),
         }
     }
 }

@@ -252,12 +252,12 @@ async fn the_right_ca_publishes_and_a_wrong_one_is_refused() {
     let e = refused(connect(&s.url, &wrong).await);
     assert!(
         e.contains(&format!(
-            "the server's certificate is not signed by the CA in {} (nats_tls_ca_file)",
+            "the server's certificate is not signed by the CA in {} (nats.security.tls_ca_file)",
             p.other_ca.display()
         )),
         "{e}"
     );
-    assert!(e.contains("set nats_tls_ca_file"), "{e}");
+    assert!(e.contains("set nats.security.tls_ca_file"), "{e}");
     // No CA of ours: the system's roots do not know the test CA either.
     let e = refused(connect(&s.url, &NatsOptions::default()).await);
     assert!(e.contains("not signed by a CA this machine trusts"), "{e}");
@@ -300,7 +300,7 @@ async fn a_server_that_verifies_clients_wants_our_certificate() {
         ..Default::default()
     };
     let e = refused(connect(&s.url, &without).await);
-    assert!(e.contains("nats_tls_cert_file"), "{e}");
+    assert!(e.contains("nats.security.tls_cert_file"), "{e}");
     let with = NatsOptions {
         tls_cert_file: Some(p.client_cert.clone()),
         tls_key_file: Some(p.client_key.clone()),
@@ -360,7 +360,7 @@ async fn unusable_options_are_named_before_connecting() {
                 tls_ca_file: Some(files.0.join("missing.crt")),
                 ..Default::default()
             },
-            "cannot read the nats_tls_ca_file file",
+            "cannot read the nats.security.tls_ca_file file",
         ),
         (
             NatsOptions {
@@ -374,7 +374,7 @@ async fn unusable_options_are_named_before_connecting() {
                 tls_cert_file: Some(p.client_cert.clone()),
                 ..Default::default()
             },
-            "nats_tls_cert_file is set but its key is not",
+            "nats.security.tls_cert_file is set but its key is not",
         ),
         (
             NatsOptions {
@@ -390,7 +390,7 @@ async fn unusable_options_are_named_before_connecting() {
                 user: Some("u".into()),
                 ..Default::default()
             },
-            "nats_user is set but no password file",
+            "nats.security.user is set but no password file",
         ),
         (
             NatsOptions {

@@ -71,12 +71,14 @@ use sealpost_core::receipt::{Receipt, ReceiptSource};
 use sealpost_core::reconcile::Lookup;
 use tokio::sync::{Mutex, Semaphore};
 
+pub use config::RabbitConfig;
 pub use lapin;
 pub use options::{open_connection, RabbitOptions};
 pub use subscription::{ConsumeError, RabbitSubscription};
 
 use options::Target;
 
+mod config;
 mod options;
 
 /// Header: event id.

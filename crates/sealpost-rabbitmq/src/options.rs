@@ -28,7 +28,8 @@ use crate::RabbitError;
 /// TLS and credentials of a RabbitMQ connection. The default is what
 /// [`Rabbit::connect`](crate::Rabbit::connect) does: the URL alone (an `amqps://` URL then
 /// has no CA to check the broker against and is refused).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
 pub struct RabbitOptions {
     /// PEM file of the CA(s) that sign the broker's certificate; required by `amqps://`.
     pub tls_ca_file: Option<PathBuf>,
@@ -112,20 +113,20 @@ impl RabbitOptions {
         let shown = sealpost_core::secret::redact_url(url);
         let mut uri: AMQPUri = url
             .parse()
-            .map_err(|e| invalid("rabbitmq_url", format!("{shown}: {e}")))?;
+            .map_err(|e| invalid("rabbitmq.url", format!("{shown}: {e}")))?;
         let tls_files = self.tls_ca_file.is_some()
             || self.tls_cert_file.is_some()
             || self.tls_key_file.is_some();
         match uri.scheme {
             AMQPScheme::AMQP if tls_files => {
                 return Err(invalid(
-                    "rabbitmq_url",
+                    "rabbitmq.url",
                     format!("{shown} is plaintext (amqp://) but TLS files are set; use amqps:// (never a silent plaintext connection)"),
                 ))
             }
             AMQPScheme::AMQPS if self.tls_ca_file.is_none() => {
                 return Err(invalid(
-                    "rabbitmq_tls_ca_file",
+                    "rabbitmq.security.tls_ca_file",
                     format!("{shown} is amqps:// but no CA file is set; name the CA that signs the broker's certificate (for a publicly signed one, the system's bundle, e.g. /etc/ssl/certs/ca-certificates.crt)"),
                 ))
             }
@@ -133,10 +134,10 @@ impl RabbitOptions {
         }
         let mut tls = OwnedTLSConfig::default();
         if let Some(ca) = &self.tls_ca_file {
-            let bytes = pem("rabbitmq_tls_ca_file", ca, false)?;
+            let bytes = pem("rabbitmq.security.tls_ca_file", ca, false)?;
             tls.cert_chain = Some(String::from_utf8(bytes).map_err(|_| {
                 invalid(
-                    "rabbitmq_tls_ca_file",
+                    "rabbitmq.security.tls_ca_file",
                     format!("{} is not UTF-8 text", ca.display()),
                 )
             })?);
@@ -144,20 +145,20 @@ impl RabbitOptions {
         match (&self.tls_cert_file, &self.tls_key_file) {
             (Some(cert), Some(key)) => {
                 tls.identity = Some(OwnedIdentity::PKCS8 {
-                    pem: pem("rabbitmq_tls_cert_file", cert, false)?,
-                    key: pem("rabbitmq_tls_key_file", key, true)?,
+                    pem: pem("rabbitmq.security.tls_cert_file", cert, false)?,
+                    key: pem("rabbitmq.security.tls_key_file", key, true)?,
                 });
             }
             (Some(_), None) => {
                 return Err(invalid(
-                    "rabbitmq_tls_key_file",
-                    "rabbitmq_tls_cert_file is set but its key is not; set both or neither",
+                    "rabbitmq.security.tls_key_file",
+                    "rabbitmq.security.tls_cert_file is set but its key is not; set both or neither",
                 ))
             }
             (None, Some(_)) => {
                 return Err(invalid(
-                    "rabbitmq_tls_cert_file",
-                    "rabbitmq_tls_key_file is set but its certificate is not; set both or neither",
+                    "rabbitmq.security.tls_cert_file",
+                    "rabbitmq.security.tls_key_file is set but its certificate is not; set both or neither",
                 ))
             }
             (None, None) => {}
@@ -165,11 +166,11 @@ impl RabbitOptions {
         if let Some(path) = &self.password_file {
             if has_password(url) {
                 return Err(invalid(
-                    "rabbitmq_password_file",
-                    format!("{shown} carries a password and rabbitmq_password_file is set; remove the password from the URL"),
+                    "rabbitmq.security.password_file",
+                    format!("{shown} carries a password and rabbitmq.security.password_file is set; remove the password from the URL"),
                 ));
             }
-            uri.authority.userinfo.password = secret("rabbitmq_password_file", path)?;
+            uri.authority.userinfo.password = secret("rabbitmq.security.password_file", path)?;
         }
         Ok(Target {
             uri,
@@ -188,7 +189,7 @@ impl RabbitOptions {
         if text.contains("ACCESS_REFUSED") || text.contains("403") {
             return match &self.password_file {
                 Some(p) => format!(
-                    "the broker refused the user and the password in {} (rabbitmq_password_file)",
+                    "the broker refused the user and the password in {} (rabbitmq.security.password_file)",
                     p.display()
                 ),
                 None => "the broker refused the URL's user and password".to_string(),
@@ -200,32 +201,32 @@ impl RabbitOptions {
     fn tls_hint(&self, e: &rustls::Error) -> String {
         use rustls::{AlertDescription as A, CertificateError as C};
         let ca = match &self.tls_ca_file {
-            Some(p) => format!("the CA in {} (rabbitmq_tls_ca_file)", p.display()),
+            Some(p) => format!("the CA in {} (rabbitmq.security.tls_ca_file)", p.display()),
             None => "the CA file (none is set)".to_string(),
         };
         match e {
             rustls::Error::InvalidCertificate(C::NotValidForName | C::NotValidForNameContext { .. }) => {
-                "TLS: the broker's certificate does not name the host in rabbitmq_url; connect with a host name the certificate carries".to_string()
+                "TLS: the broker's certificate does not name the host in rabbitmq.url; connect with a host name the certificate carries".to_string()
             }
             rustls::Error::InvalidCertificate(
                 C::Expired | C::ExpiredContext { .. } | C::NotValidYet | C::NotValidYetContext { .. },
             ) => "TLS: the broker's certificate is outside its validity period; renew it, or check this machine's clock".to_string(),
             rustls::Error::InvalidCertificate(_) => format!(
-                "TLS: the broker's certificate is not signed by {ca}; set rabbitmq_tls_ca_file to the CA that signed it"
+                "TLS: the broker's certificate is not signed by {ca}; set rabbitmq.security.tls_ca_file to the CA that signed it"
             ),
             rustls::Error::AlertReceived(
                 A::CertificateRequired | A::HandshakeFailure | A::BadCertificate | A::UnknownCA | A::CertificateUnknown,
             ) => match &self.tls_cert_file {
                 Some(p) => format!(
-                    "TLS: the broker refused our client certificate {} (rabbitmq_tls_cert_file); it must be signed by the CA in the broker's ssl_options.cacertfile",
+                    "TLS: the broker refused our client certificate {} (rabbitmq.security.tls_cert_file); it must be signed by the CA in the broker's ssl_options.cacertfile",
                     p.display()
                 ),
-                None => "TLS: the broker asks for a client certificate (ssl_options.fail_if_no_peer_cert); set rabbitmq_tls_cert_file and rabbitmq_tls_key_file".to_string(),
+                None => "TLS: the broker asks for a client certificate (ssl_options.fail_if_no_peer_cert); set rabbitmq.security.tls_cert_file and rabbitmq.security.tls_key_file".to_string(),
             },
             rustls::Error::InvalidMessage(_) => {
                 "TLS: the broker did not answer in TLS: is the URL's port its TLS listener (listeners.ssl)?".to_string()
             }
-            _ => "TLS: check rabbitmq_tls_ca_file, rabbitmq_tls_cert_file and rabbitmq_tls_key_file".to_string(),
+            _ => "TLS: check rabbitmq.security.tls_ca_file, rabbitmq.security.tls_cert_file and rabbitmq.security.tls_key_file".to_string(),
         }
     }
 }
@@ -301,7 +302,7 @@ mod tests {
         let e = |o: &RabbitOptions, url: &str| o.prepare(url).err().unwrap().to_string();
         // amqps without a CA.
         let m = e(&RabbitOptions::default(), "amqps://u@localhost:5671/%2f");
-        assert!(m.contains("rabbitmq_tls_ca_file"), "{m}");
+        assert!(m.contains("rabbitmq.security.tls_ca_file"), "{m}");
         // TLS files on a plaintext URL.
         let o = RabbitOptions {
             tls_ca_file: Some(dir.join("ca.pem")),
@@ -319,7 +320,7 @@ mod tests {
         };
         let m = e(&o, "amqp://u:other@localhost:5672/%2f");
         assert!(
-            m.contains("rabbitmq_password_file") && !m.contains("other"),
+            m.contains("rabbitmq.security.password_file") && !m.contains("other"),
             "{m}"
         );
         // The password file's line break is dropped.

@@ -3,7 +3,7 @@
 //! node (`sp_tls_<pid>_<tag>@localhost`) on free ports with only a TLS listener, a CA and
 //! certificates made here with rcgen, its own data, log and config directory and no plugins.
 //! Proven: a publish over `amqps://` with the right CA gets its confirm (the password read
-//! from a file); a wrong CA is refused with a message naming `rabbitmq_tls_ca_file`; a wrong
+//! from a file); a wrong CA is refused with a message naming `rabbitmq.security.tls_ca_file`; a wrong
 //! password file is refused; a node that demands client certificates refuses a client
 //! without one and accepts one with it. Each node is stopped (`rabbitmqctl -n NODE stop`,
 //! then its process killed) and its directory removed by a drop guard, also when a test
@@ -305,7 +305,7 @@ async fn amqps_with_the_right_ca_confirms_a_wrong_ca_or_password_is_refused() {
         .expect("a wrong CA is refused")
         .to_string();
     assert!(
-        e.contains("rabbitmq_tls_ca_file") && e.contains("not signed by"),
+        e.contains("rabbitmq.security.tls_ca_file") && e.contains("not signed by"),
         "{e}"
     );
     eprintln!("wrong CA: {e}");
@@ -321,7 +321,7 @@ async fn amqps_with_the_right_ca_confirms_a_wrong_ca_or_password_is_refused() {
         .expect("a wrong password is refused")
         .to_string();
     assert!(!e.contains("not-the-password-7731"), "{e}");
-    assert!(e.contains("rabbitmq_password_file"), "{e}");
+    assert!(e.contains("rabbitmq.security.password_file"), "{e}");
     eprintln!("wrong password: {e}");
 
     // Plaintext to the TLS port with TLS files set is refused before connecting.
@@ -347,7 +347,7 @@ async fn a_node_that_demands_client_certificates_takes_only_a_client_with_one() 
         .err()
         .expect("no client certificate: refused")
         .to_string();
-    assert!(e.contains("rabbitmq_tls_cert_file"), "{e}");
+    assert!(e.contains("rabbitmq.security.tls_cert_file"), "{e}");
     eprintln!("without a client certificate: {e}");
     let with = RabbitOptions {
         tls_cert_file: Some(p.client_cert.clone()),

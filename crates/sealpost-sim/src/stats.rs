@@ -153,11 +153,16 @@ pub enum Fault {
     /// settled by the core's `decide_settlement` (sent back with a delay, dead-lettered at
     /// the delivery limit).
     EffectFailed,
+    /// The database unreachable: a claim or a receipt transaction could not start (nothing
+    /// of it ran); the machine backs off, growing with the failures in a row, and the shell
+    /// reconnects when the next one is due. A receipt transaction's tries that never
+    /// reached the database do not count toward its limit.
+    DatabaseUnreachable,
 }
 
 impl Fault {
     /// Every fault, in report order.
-    pub const ALL: [Fault; 28] = [
+    pub const ALL: [Fault; 29] = [
         Fault::CrashBeforeCommit,
         Fault::CrashAfterCommit,
         Fault::AckLate,
@@ -186,6 +191,7 @@ impl Fault {
         Fault::DeadlineRefused,
         Fault::Unencodable,
         Fault::EffectFailed,
+        Fault::DatabaseUnreachable,
     ];
 
     /// Label for the report, with the SPEC number where there is one.
@@ -213,6 +219,7 @@ impl Fault {
             Fault::ForgedAck => "ACK for unregistered attempt",
             Fault::CorruptAck => "ACK with altered payload digest",
             Fault::PoisonRejected => "poison refused by broker",
+            Fault::DatabaseUnreachable => "database unreachable (transaction never started)",
             Fault::StallBeforeSend => "dispatcher stalled between claim and send",
             Fault::StreamDeleted => "destination stream deleted",
             Fault::CopyRefused => "second copy refused (create-if-absent)",
@@ -225,7 +232,7 @@ impl Fault {
 
 /// Counts per fault.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Faults(pub [u64; 28]);
+pub struct Faults(pub [u64; Fault::ALL.len()]);
 
 impl Faults {
     /// Adds one.

@@ -101,6 +101,8 @@ struct Config {
     p_redeliver: u32,
     /// Per mille: a consumer's effect fails (a downstream error) on a delivery.
     p_effect_fail: u32,
+    /// Per mille: a dispatcher's or the reconciler's transaction cannot reach the database.
+    p_db_unreachable: u32,
     p_seq0: u32,
     p_forge: u32,
     /// Per-aggregate ordering of the route (R29): 0 never, 1 every policy generation, 2 the
@@ -302,6 +304,7 @@ fn dispatcher_config() -> DispatcherConfig {
         send_margin_ms: ACK_TIMEOUT_MS,
         idle_poll_ms: DISPATCH_IDLE_POLL_MS,
         error_backoff_ms: 500,
+        error_backoff_max_ms: 8_000,
         submit_tries_max: 5,
         rescan_every_ms: 1_000,
     }
@@ -314,6 +317,7 @@ fn reconciler(caps: Capabilities, now_ms: u64) -> Reconciler {
         lookups_in_flight_max: 4,
         idle_poll_ms: RECONCILE_IDLE_POLL_MS,
         error_backoff_ms: 1_000,
+        error_backoff_max_ms: 8_000,
         unknown_alert_ms: 900_000,
         age_check_every_ms: 300_000,
         verify_every_ms: 60_000,
@@ -498,6 +502,7 @@ impl World {
             p_seq0: range(&mut rng, 0, 300) as u32,
             p_forge: range(&mut rng, 0, 80) as u32,
             p_effect_fail: range(&mut rng, 0, 250) as u32,
+            p_db_unreachable: range(&mut rng, 0, 150) as u32,
             ordering_mode: range(&mut rng, 0, 2) as u8,
             aggregates: 0,
         };
@@ -1023,8 +1028,14 @@ impl World {
                 batch_size_max,
                 from_position,
             } => {
-                let claimed = self.store_claim(d, batch_size_max, from_position);
                 let now = self.now;
+                if self.database_unreachable() {
+                    self.dispatchers[d as usize]
+                        .machine
+                        .handle_claim_failed(now);
+                    return;
+                }
+                let claimed = self.store_claim(d, batch_size_max, from_position);
                 if let Some(send) = self.dispatchers[d as usize]
                     .machine
                     .handle_claimed(now, claimed)
@@ -1034,8 +1045,14 @@ impl World {
             }
             DispatchAction::Send { batch, deadline_ms } => self.start_send(d, batch, deadline_ms),
             DispatchAction::Submit(sub) => {
-                let ok = self.store_submit(d, &sub);
                 let now = self.now;
+                if self.database_unreachable() {
+                    self.dispatchers[d as usize]
+                        .machine
+                        .handle_submit_unreachable(now);
+                    return;
+                }
+                let ok = self.store_submit(d, &sub);
                 self.dispatchers[d as usize]
                     .machine
                     .handle_submitted(now, ok);
@@ -1500,6 +1517,15 @@ impl World {
 
     /// The store's submission transaction: every receipt through the acceptance point and
     /// every outcome report, all or nothing.
+    /// Whether this transaction cannot reach the database (a fault while faults are on).
+    fn database_unreachable(&mut self) -> bool {
+        if self.faults_on && chance(&mut self.rng, self.cfg.p_db_unreachable) {
+            self.fault(Fault::DatabaseUnreachable);
+            return true;
+        }
+        false
+    }
+
     fn store_submit(&mut self, d: u8, sub: &Submission) -> bool {
         self.db_version += 1;
         if self.faults_on && chance(&mut self.rng, self.cfg.p_receipt_rollback) {
@@ -1880,8 +1906,12 @@ impl World {
         let epoch = self.epoch;
         match action {
             ReconcileAction::ClaimUnknown { max } => {
-                let items = self.claim_unknown(max);
                 let now = self.now;
+                if self.database_unreachable() {
+                    self.reconciler.machine.handle_claim_failed(now);
+                    return;
+                }
+                let items = self.claim_unknown(max);
                 self.reconciler.machine.handle_claimed(now, items);
             }
             ReconcileAction::Lookup(item) => {

@@ -30,7 +30,8 @@ use tokio_postgres::Transaction;
 pub use tokio_util::sync::CancellationToken;
 
 use crate::inbox::{self, BatchOutcome, DeadLetter, DeadLetterKind};
-use crate::runtime::{pg_connect, Config, RunError};
+use crate::pg::{PgConn, PgConnector, PgSource};
+use crate::runtime::{Config, RunError};
 use crate::store::StoreError;
 
 /// A handler's failure: any error (its words are logged and, at the delivery limit,
@@ -121,27 +122,59 @@ where
     }
 }
 
-/// Where the consumer keeps its inbox, and where it reports its watermark.
-#[derive(Clone, Debug)]
+/// Where the consumer keeps its inbox, and where it reports its watermark: connection
+/// sources ([`PgSource`]) the service injects (its own pool, or a [`PgConnector`] for a
+/// connection string).
+#[derive(Clone)]
 pub struct Databases {
     /// The consumer's own database: inbox rows, dead letters and the handler's writes.
-    pub inbox_url: String,
+    pub inbox: Arc<dyn PgSource>,
     /// The outbox database `sealpost purge` reads the watermark from (`None`: the same
     /// database as the inbox).
-    pub outbox_url: Option<String>,
+    pub outbox: Option<Arc<dyn PgSource>>,
 }
 
 impl Databases {
-    /// `database_url` for the inbox, `outbox_database_url` (if set) for the reports.
-    pub fn from_config(cfg: &Config) -> Databases {
+    /// Inbox and watermark reports in one database, reached through `inbox`.
+    pub fn new(inbox: impl PgSource) -> Databases {
         Databases {
-            inbox_url: cfg.database_url.clone(),
-            outbox_url: Some(cfg.outbox_url().to_string()),
+            inbox: Arc::new(inbox),
+            outbox: None,
         }
     }
 
-    fn outbox(&self) -> &str {
-        self.outbox_url.as_deref().unwrap_or(&self.inbox_url)
+    /// The watermark reported to another database (the outbox's), reached through `outbox`.
+    pub fn with_outbox(mut self, outbox: impl PgSource) -> Databases {
+        self.outbox = Some(Arc::new(outbox));
+        self
+    }
+
+    /// Connection strings (TLS as each one's `sslmode` says): the inbox's, and the outbox's
+    /// if it is another database.
+    pub fn from_urls(inbox_url: &str, outbox_url: Option<&str>) -> Databases {
+        let d = Databases::new(PgConnector::new(inbox_url));
+        match outbox_url {
+            Some(u) if u != inbox_url => d.with_outbox(PgConnector::new(u)),
+            _ => d,
+        }
+    }
+
+    /// `database_url` for the inbox, `outbox_database_url` (if set) for the reports.
+    pub fn from_config(cfg: &Config) -> Databases {
+        Databases::from_urls(&cfg.database_url, Some(cfg.outbox_url()))
+    }
+
+    fn outbox(&self) -> Arc<dyn PgSource> {
+        self.outbox.clone().unwrap_or_else(|| self.inbox.clone())
+    }
+}
+
+impl std::fmt::Debug for Databases {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Databases")
+            .field("inbox", &self.inbox.describe())
+            .field("outbox", &self.outbox.as_ref().map(|o| o.describe()))
+            .finish()
     }
 }
 
@@ -160,7 +193,9 @@ pub struct Options {
     pub effect_timeout_ms: u64,
     /// How often the watermark is reported to the outbox database.
     pub progress_every_ms: u64,
-    /// Drills only: commit, then never settle what committed (a lost ack).
+    /// Drills only (cargo feature `drills`): commit, then never settle what committed (a
+    /// lost ack).
+    #[cfg(feature = "drills")]
     pub drill_skip_ack: bool,
     /// Messages applied so far (committed with the inbox row), readable while it runs.
     pub applied: Arc<AtomicU64>,
@@ -181,6 +216,7 @@ impl Options {
             },
             effect_timeout_ms: d.consumer_effect_timeout_ms,
             progress_every_ms: d.consumer_progress_every_ms,
+            #[cfg(feature = "drills")]
             drill_skip_ack: false,
             applied: Arc::new(AtomicU64::new(0)),
         }
@@ -195,6 +231,7 @@ impl Options {
             },
             effect_timeout_ms: cfg.consumer_effect_timeout_ms,
             progress_every_ms: cfg.consumer_progress_every_ms,
+            #[cfg(feature = "drills")]
             drill_skip_ack: cfg.drill_skip_consumer_ack,
             ..Options::new(consumer_id)
         }
@@ -224,20 +261,20 @@ where
     let consumer_id: Arc<str> = Arc::from(options.consumer_id.as_str());
     let label = crate::observe::consumers().label(&options.consumer_id);
     let mut progress = Progress {
-        url: databases.outbox().to_string(),
+        db: databases.outbox(),
         consumer_id: options.consumer_id.clone(),
         every: Duration::from_millis(options.progress_every_ms),
         last: None,
         outbox: None,
     };
-    let mut pg: Option<tokio_postgres::Client> = None;
+    let mut pg: Option<PgConn> = None;
     let mut db_failures = 0u32;
     let mut broker_failures = 0u32;
     let mut broken = false;
     let mut lag_read_at: Option<Instant> = None;
     while !shutdown.is_cancelled() {
         if pg.as_ref().is_none_or(|c| c.is_closed()) {
-            match pg_connect(&databases.inbox_url).await {
+            match databases.inbox.connect().await {
                 Ok(c) => {
                     pg = Some(c);
                     db_failures = 0;
@@ -290,17 +327,22 @@ where
         if messages.is_empty() {
             continue;
         }
-        let Some(client) = pg.as_mut() else { continue };
+        let Some(client) = pg.as_deref_mut() else {
+            continue;
+        };
         let received: Vec<Received<'_>> = messages.iter().map(|m| subscription.read(m)).collect();
         let settled = apply_batch(client, received, &options, &handler, &consumer_id, &label).await;
         if client.is_closed() {
             pg = None;
         }
+        #[cfg(feature = "drills")]
         let batch: Vec<(S::Message, Settlement)> = messages
             .into_iter()
             .zip(settled)
             .filter(|(_, s)| !(options.drill_skip_ack && *s == Settlement::Ack))
             .collect();
+        #[cfg(not(feature = "drills"))]
+        let batch: Vec<(S::Message, Settlement)> = messages.into_iter().zip(settled).collect();
         if let Err(e) = subscription.settle(batch).await {
             tracing::warn!(error = %e, "settling the batch failed; what was not settled comes back and the inbox absorbs it");
             broken = true;
@@ -500,11 +542,11 @@ async fn apply_batch<H: Handler>(
 
 /// The consumer's reports of its contiguous watermark to the outbox database.
 struct Progress {
-    url: String,
+    db: Arc<dyn PgSource>,
     consumer_id: String,
     every: Duration,
     last: Option<Instant>,
-    outbox: Option<tokio_postgres::Client>,
+    outbox: Option<PgConn>,
 }
 
 impl Progress {
@@ -530,7 +572,7 @@ impl Progress {
             return;
         }
         if self.outbox.as_ref().is_none_or(|c| c.is_closed()) {
-            match pg_connect(&self.url).await {
+            match self.db.connect().await {
                 Ok(c) => self.outbox = Some(c),
                 Err(e) => {
                     tracing::warn!(error = %e, "cannot reach the outbox database; progress not reported");

@@ -8,6 +8,7 @@ pub mod consumer;
 pub mod inbox;
 pub mod observe;
 pub mod ops;
+pub mod pg;
 pub mod runtime;
 pub mod secret;
 #[cfg(feature = "sqlx")]

@@ -1,11 +1,12 @@
 //! The dispatcher and reconciler loops: claim in one short transaction, send with no
 //! transaction open, accept receipts (or report outcomes) in one more. The loops are generic
-//! over the broker port ([`Broker`]); they never see a broker's wire format. The
-//! configuration is a plain struct: the `sealpost` command loads it from a TOML file, and
-//! [`Config::apply_env`] applies `DATABASE_URL` / `NATS_URL`.
+//! over the broker port ([`Broker`]); they never see a broker's wire format, take their
+//! database connections from an injected [`PgSource`] and stop on a [`CancellationToken`].
+//! The configuration is a plain struct of store and loop limits: the `sealpost` command
+//! loads it from a TOML file, and [`Config::apply_env`] applies `DATABASE_URL`.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -20,17 +21,24 @@ use sealpost_core::ReceiptVerdict;
 
 use std::fmt;
 
+pub use tokio_util::sync::CancellationToken;
+
 use crate::observe;
+use crate::pg::{PgConn, PgSource};
 use crate::secret;
 use crate::store::{self, Accepted, StoreError, Submitted};
 
-/// Runtime configuration. Every field has a default; `DATABASE_URL` and `NATS_URL` override
-/// the file ([`Config::apply_env`]). Its `Debug` shows the URLs redacted
-/// ([`crate::secret`]), never a password or token.
+/// Runtime configuration of the store and the loops: the database, leases, batch sizes,
+/// timeouts and backoffs. Every field has a default; [`Config::apply_env`] applies
+/// `DATABASE_URL` and `DATABASE_PASSWORD_FILE` over it. Brokers are configured by their
+/// adapters (`sealpost_nats::NatsConfig`, `sealpost_rabbitmq::RabbitConfig`,
+/// `sealpost_kafka::KafkaConfig`, each with its own `from_env`), so this type names none.
+/// Its `Debug` shows the connection strings redacted ([`crate::secret`]), never a password.
 #[derive(Clone, serde::Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
-    /// PostgreSQL connection string.
+    /// PostgreSQL connection string (used by [`PgConnector::from_config`]; a service that
+    /// injects its own [`PgSource`] need not set it).
     pub database_url: String,
     /// File holding the password of `database_url` (`DATABASE_PASSWORD_FILE`): read by
     /// [`Config::apply_secret_files`] and appended to `database_url` as its `password`, so the
@@ -38,29 +46,6 @@ pub struct Config {
     /// trailing newline is ignored. It applies to `database_url` only, not to
     /// `outbox_database_url`.
     pub database_password_file: String,
-    /// NATS URL.
-    pub nats_url: String,
-    /// Cluster identity of the NATS connection (frozen into destinations).
-    pub nats_cluster: String,
-    /// PEM file of the CA that signs the NATS servers' certificates (empty: the system's
-    /// roots).
-    pub nats_tls_ca_file: String,
-    /// PEM client certificate for NATS servers that verify clients (with `nats_tls_key_file`).
-    pub nats_tls_cert_file: String,
-    /// PEM private key of `nats_tls_cert_file`.
-    pub nats_tls_key_file: String,
-    /// Refuse a NATS server that does not do TLS (never plaintext).
-    pub nats_require_tls: bool,
-    /// NATS `.creds` file (user JWT and nkey seed).
-    pub nats_creds_file: String,
-    /// File holding a NATS nkey user seed.
-    pub nats_nkey_seed_file: String,
-    /// NATS user (with `nats_password_file`).
-    pub nats_user: String,
-    /// File holding the password of `nats_user`.
-    pub nats_password_file: String,
-    /// File holding a NATS authentication token.
-    pub nats_token_file: String,
     /// Claim lease, milliseconds of the database clock.
     pub lease_ms: u64,
     /// Rows claimed per dispatcher transaction.
@@ -69,6 +54,15 @@ pub struct Config {
     pub ack_timeout_ms: u64,
     /// Sleep when a scan found nothing.
     pub idle_poll_ms: u64,
+    /// Wait after the first failed claim or receipt transaction (the database unreachable
+    /// included); each further failure in a row doubles it, up to `error_backoff_max_ms`.
+    pub error_backoff_ms: u64,
+    /// The longest wait between two tries while the database keeps failing.
+    pub error_backoff_max_ms: u64,
+    /// Receipt transaction attempts that the database refused (it answered, with an error)
+    /// before the batch is left to the reconciler. Tries that could not reach the database
+    /// do not count: those are retried until it answers.
+    pub submit_tries_max: u32,
     /// Refusals before a row is quarantined as poison.
     pub rejection_limit: u32,
     /// Rows the reconciler takes per scan.
@@ -86,12 +80,15 @@ pub struct Config {
     /// Unknown rows older than this are logged as alerts by the reconciler and make
     /// `sealpost status --check` exit non-zero (G3 asks for p99 within 15 minutes).
     pub unknown_alert_s: u64,
-    /// Failure drills only: sleep this long between a publish and its receipt transaction
-    /// (0 in production), so a drill can kill the process in that window.
+    /// Failure drills only (cargo feature `drills`): sleep this long between a publish and
+    /// its receipt transaction, so a drill can kill the process in that window.
+    #[cfg(feature = "drills")]
     pub drill_pause_after_publish_ms: u64,
     /// How long the broker waits for a consumer's ack before redelivering.
     pub consumer_ack_wait_ms: u64,
-    /// Failure drills only: the consumer commits but never acks (F9).
+    /// Failure drills only (cargo feature `drills`): the consumer commits but never acks
+    /// (F9).
+    #[cfg(feature = "drills")]
     pub drill_skip_consumer_ack: bool,
     /// Deliveries of one message whose effect fails before the consumer dead-letters it
     /// (records it in `sealpost.inbox_quarantine` and tells the broker to stop).
@@ -107,40 +104,6 @@ pub struct Config {
     /// Consumers that must have passed an event before `sealpost purge` removes it (the
     /// `--consumer` flags add to these).
     pub required_consumers: Vec<String>,
-    /// The broker the `sealpost` command's dispatch, consume, demo and reconcile use:
-    /// `nats`, `rabbitmq` or `kafka` (the `--broker` flag overrides it).
-    pub broker: String,
-    /// RabbitMQ AMQP URL (`RABBITMQ_URL` overrides it).
-    pub rabbitmq_url: String,
-    /// Cluster identity of the RabbitMQ connection (frozen into destinations).
-    pub rabbitmq_cluster: String,
-    /// PEM file of the CA that signs the RabbitMQ broker's certificate; required by an
-    /// `amqps://` URL, and the only CA trusted.
-    pub rabbitmq_tls_ca_file: String,
-    /// PEM client certificate for a broker that verifies its peers (with
-    /// `rabbitmq_tls_key_file`).
-    pub rabbitmq_tls_cert_file: String,
-    /// PEM private key of `rabbitmq_tls_cert_file`.
-    pub rabbitmq_tls_key_file: String,
-    /// File holding the password of the `rabbitmq_url`'s user (the URL then has none).
-    pub rabbitmq_password_file: String,
-    /// Kafka bootstrap servers, `host:port[,host:port]` (`KAFKA_BROKERS` overrides it).
-    pub kafka_brokers: String,
-    /// Cluster identity of the Kafka connection (frozen into destinations).
-    pub kafka_cluster: String,
-    /// Partitions of a Kafka topic Sealpost creates (the demo's); an existing topic keeps its
-    /// own count, and a route freezes the count the topic has.
-    pub kafka_partitions: u32,
-    /// How far before an event's mint time a Kafka lookup starts its scan (producer clock
-    /// skew).
-    pub kafka_lookup_clock_margin_ms: u64,
-    /// Records one Kafka lookup reads at most before answering "nothing learned".
-    pub kafka_lookup_scan_max: u64,
-    /// librdkafka properties for every Kafka client, `key=value[,key=value]`
-    /// (`KAFKA_CLIENT_PROPERTIES` overrides it).
-    pub kafka_client_properties: String,
-    /// File holding the SASL password (librdkafka's `sasl.password`), read at connect.
-    pub kafka_sasl_password_file: String,
 }
 
 impl Default for Config {
@@ -148,21 +111,13 @@ impl Default for Config {
         Config {
             database_url: "host=127.0.0.1 user=postgres dbname=test".to_string(),
             database_password_file: String::new(),
-            nats_url: "nats://127.0.0.1:4222".to_string(),
-            nats_cluster: "nats-local".to_string(),
-            nats_tls_ca_file: String::new(),
-            nats_tls_cert_file: String::new(),
-            nats_tls_key_file: String::new(),
-            nats_require_tls: false,
-            nats_creds_file: String::new(),
-            nats_nkey_seed_file: String::new(),
-            nats_user: String::new(),
-            nats_password_file: String::new(),
-            nats_token_file: String::new(),
             lease_ms: 10_000,
             batch_size_max: 1000,
             ack_timeout_ms: 5_000,
             idle_poll_ms: 50,
+            error_backoff_ms: 500,
+            error_backoff_max_ms: 10_000,
+            submit_tries_max: 5,
             rejection_limit: 5,
             reconcile_batch_max: 200,
             reconcile_every_ms: 1_000,
@@ -171,55 +126,34 @@ impl Default for Config {
             verify_every_ms: 5_000,
             verify_batch_max: 100,
             unknown_alert_s: 900,
+            #[cfg(feature = "drills")]
             drill_pause_after_publish_ms: 0,
             consumer_ack_wait_ms: 10_000,
+            #[cfg(feature = "drills")]
             drill_skip_consumer_ack: false,
             consumer_max_deliveries: 10,
             consumer_effect_timeout_ms: 5_000,
             consumer_progress_every_ms: 1_000,
             outbox_database_url: String::new(),
             required_consumers: Vec::new(),
-            broker: "nats".to_string(),
-            rabbitmq_url: "amqp://guest:guest@127.0.0.1:5672/%2f".to_string(),
-            rabbitmq_cluster: "rabbitmq-local".to_string(),
-            rabbitmq_tls_ca_file: String::new(),
-            rabbitmq_tls_cert_file: String::new(),
-            rabbitmq_tls_key_file: String::new(),
-            rabbitmq_password_file: String::new(),
-            kafka_brokers: "127.0.0.1:9092".to_string(),
-            kafka_cluster: "kafka-local".to_string(),
-            kafka_partitions: 6,
-            kafka_lookup_clock_margin_ms: 60_000,
-            kafka_lookup_scan_max: 1_000_000,
-            kafka_client_properties: String::new(),
-            kafka_sasl_password_file: String::new(),
         }
     }
 }
 
 impl fmt::Debug for Config {
-    /// Every field, the connection strings, URLs and Kafka properties redacted
-    /// ([`crate::secret`]). The destructuring names every field, so a new one cannot be
-    /// forgotten here.
+    /// Every field, the connection strings redacted ([`crate::secret`]). The destructuring
+    /// names every field, so a new one cannot be forgotten here.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let Config {
             database_url,
             database_password_file,
-            nats_url,
-            nats_cluster,
-            nats_tls_ca_file,
-            nats_tls_cert_file,
-            nats_tls_key_file,
-            nats_require_tls,
-            nats_creds_file,
-            nats_nkey_seed_file,
-            nats_user,
-            nats_password_file,
-            nats_token_file,
             lease_ms,
             batch_size_max,
             ack_timeout_ms,
             idle_poll_ms,
+            error_backoff_ms,
+            error_backoff_max_ms,
+            submit_tries_max,
             rejection_limit,
             reconcile_batch_max,
             reconcile_every_ms,
@@ -228,47 +162,27 @@ impl fmt::Debug for Config {
             verify_every_ms,
             verify_batch_max,
             unknown_alert_s,
+            #[cfg(feature = "drills")]
             drill_pause_after_publish_ms,
             consumer_ack_wait_ms,
+            #[cfg(feature = "drills")]
             drill_skip_consumer_ack,
             consumer_max_deliveries,
             consumer_effect_timeout_ms,
             consumer_progress_every_ms,
             outbox_database_url,
             required_consumers,
-            broker,
-            rabbitmq_url,
-            rabbitmq_cluster,
-            rabbitmq_tls_ca_file,
-            rabbitmq_tls_cert_file,
-            rabbitmq_tls_key_file,
-            rabbitmq_password_file,
-            kafka_brokers,
-            kafka_cluster,
-            kafka_partitions,
-            kafka_lookup_clock_margin_ms,
-            kafka_lookup_scan_max,
-            kafka_client_properties,
-            kafka_sasl_password_file,
         } = self;
-        f.debug_struct("Config")
-            .field("database_url", &secret::redact_dsn(database_url))
+        let mut d = f.debug_struct("Config");
+        d.field("database_url", &secret::redact_dsn(database_url))
             .field("database_password_file", database_password_file)
-            .field("nats_url", &secret::redact_url(nats_url))
-            .field("nats_cluster", nats_cluster)
-            .field("nats_tls_ca_file", nats_tls_ca_file)
-            .field("nats_tls_cert_file", nats_tls_cert_file)
-            .field("nats_tls_key_file", nats_tls_key_file)
-            .field("nats_require_tls", nats_require_tls)
-            .field("nats_creds_file", nats_creds_file)
-            .field("nats_nkey_seed_file", nats_nkey_seed_file)
-            .field("nats_user", nats_user)
-            .field("nats_password_file", nats_password_file)
-            .field("nats_token_file", nats_token_file)
             .field("lease_ms", lease_ms)
             .field("batch_size_max", batch_size_max)
             .field("ack_timeout_ms", ack_timeout_ms)
             .field("idle_poll_ms", idle_poll_ms)
+            .field("error_backoff_ms", error_backoff_ms)
+            .field("error_backoff_max_ms", error_backoff_max_ms)
+            .field("submit_tries_max", submit_tries_max)
             .field("rejection_limit", rejection_limit)
             .field("reconcile_batch_max", reconcile_batch_max)
             .field("reconcile_every_ms", reconcile_every_ms)
@@ -276,10 +190,11 @@ impl fmt::Debug for Config {
             .field("unknown_check_every_ms", unknown_check_every_ms)
             .field("verify_every_ms", verify_every_ms)
             .field("verify_batch_max", verify_batch_max)
-            .field("unknown_alert_s", unknown_alert_s)
-            .field("drill_pause_after_publish_ms", drill_pause_after_publish_ms)
-            .field("consumer_ack_wait_ms", consumer_ack_wait_ms)
-            .field("drill_skip_consumer_ack", drill_skip_consumer_ack)
+            .field("unknown_alert_s", unknown_alert_s);
+        #[cfg(feature = "drills")]
+        d.field("drill_pause_after_publish_ms", drill_pause_after_publish_ms)
+            .field("drill_skip_consumer_ack", drill_skip_consumer_ack);
+        d.field("consumer_ack_wait_ms", consumer_ack_wait_ms)
             .field("consumer_max_deliveries", consumer_max_deliveries)
             .field("consumer_effect_timeout_ms", consumer_effect_timeout_ms)
             .field("consumer_progress_every_ms", consumer_progress_every_ms)
@@ -288,23 +203,6 @@ impl fmt::Debug for Config {
                 &secret::redact_dsn(outbox_database_url),
             )
             .field("required_consumers", required_consumers)
-            .field("broker", broker)
-            .field("rabbitmq_url", &secret::redact_url(rabbitmq_url))
-            .field("rabbitmq_cluster", rabbitmq_cluster)
-            .field("rabbitmq_tls_ca_file", rabbitmq_tls_ca_file)
-            .field("rabbitmq_tls_cert_file", rabbitmq_tls_cert_file)
-            .field("rabbitmq_tls_key_file", rabbitmq_tls_key_file)
-            .field("rabbitmq_password_file", rabbitmq_password_file)
-            .field("kafka_brokers", &secret::redact_url(kafka_brokers))
-            .field("kafka_cluster", kafka_cluster)
-            .field("kafka_partitions", kafka_partitions)
-            .field("kafka_lookup_clock_margin_ms", kafka_lookup_clock_margin_ms)
-            .field("kafka_lookup_scan_max", kafka_lookup_scan_max)
-            .field(
-                "kafka_client_properties",
-                &secret::redact_properties(kafka_client_properties),
-            )
-            .field("kafka_sasl_password_file", kafka_sasl_password_file)
             .finish()
     }
 }
@@ -327,60 +225,15 @@ pub enum ConfigError {
 }
 
 impl Config {
-    /// Applies `DATABASE_URL` and `NATS_URL` (and `NATS_TLS_CA_FILE`, `NATS_TLS_CERT_FILE`,
-    /// `NATS_TLS_KEY_FILE`, `NATS_REQUIRE_TLS`, `NATS_CREDS_FILE`, `NATS_NKEY_SEED_FILE`,
-    /// `NATS_USER`, `NATS_PASSWORD_FILE`, `NATS_TOKEN_FILE`, `RABBITMQ_URL`,
-    /// `RABBITMQ_TLS_CA_FILE`, `RABBITMQ_TLS_CERT_FILE`, `RABBITMQ_TLS_KEY_FILE`,
-    /// `RABBITMQ_PASSWORD_FILE`, `KAFKA_BROKERS`, `KAFKA_CLIENT_PROPERTIES`,
-    /// `KAFKA_SASL_PASSWORD_FILE`) from the environment, when
-    /// set, over whatever the configuration says.
+    /// Applies `DATABASE_URL` and `DATABASE_PASSWORD_FILE` from the environment, when set,
+    /// over whatever the configuration says. (Each broker adapter's config reads its own
+    /// variables: `NATS_*`, `RABBITMQ_*`, `KAFKA_*`.)
     pub fn apply_env(&mut self) {
         if let Ok(v) = std::env::var("DATABASE_URL") {
             self.database_url = v;
         }
         if let Ok(v) = std::env::var("DATABASE_PASSWORD_FILE") {
             self.database_password_file = v;
-        }
-        if let Ok(v) = std::env::var("NATS_URL") {
-            self.nats_url = v;
-        }
-        for (name, slot) in [
-            ("NATS_TLS_CA_FILE", &mut self.nats_tls_ca_file),
-            ("NATS_TLS_CERT_FILE", &mut self.nats_tls_cert_file),
-            ("NATS_TLS_KEY_FILE", &mut self.nats_tls_key_file),
-            ("NATS_CREDS_FILE", &mut self.nats_creds_file),
-            ("NATS_NKEY_SEED_FILE", &mut self.nats_nkey_seed_file),
-            ("NATS_USER", &mut self.nats_user),
-            ("NATS_PASSWORD_FILE", &mut self.nats_password_file),
-            ("NATS_TOKEN_FILE", &mut self.nats_token_file),
-            ("RABBITMQ_TLS_CA_FILE", &mut self.rabbitmq_tls_ca_file),
-            ("RABBITMQ_TLS_CERT_FILE", &mut self.rabbitmq_tls_cert_file),
-            ("RABBITMQ_TLS_KEY_FILE", &mut self.rabbitmq_tls_key_file),
-            ("RABBITMQ_PASSWORD_FILE", &mut self.rabbitmq_password_file),
-            (
-                "KAFKA_SASL_PASSWORD_FILE",
-                &mut self.kafka_sasl_password_file,
-            ),
-        ] {
-            if let Ok(v) = std::env::var(name) {
-                *slot = v;
-            }
-        }
-        if let Ok(v) = std::env::var("NATS_REQUIRE_TLS") {
-            // Anything but an explicit "off" keeps TLS required (fails closed).
-            self.nats_require_tls = !matches!(
-                v.trim().to_ascii_lowercase().as_str(),
-                "" | "0" | "false" | "no" | "off"
-            );
-        }
-        if let Ok(v) = std::env::var("RABBITMQ_URL") {
-            self.rabbitmq_url = v;
-        }
-        if let Ok(v) = std::env::var("KAFKA_BROKERS") {
-            self.kafka_brokers = v;
-        }
-        if let Ok(v) = std::env::var("KAFKA_CLIENT_PROPERTIES") {
-            self.kafka_client_properties = v;
         }
     }
 
@@ -460,15 +313,18 @@ impl Config {
                 message: "must be at least 1 (one delivery, then the dead letter)".into(),
             });
         }
-        if self.kafka_partitions == 0 || self.kafka_partitions > 10_000 {
+        if self.error_backoff_ms == 0 || self.error_backoff_max_ms < self.error_backoff_ms {
             return Err(ConfigError::Invalid {
-                key: "kafka_partitions",
-                message: "must be 1..=10000".into(),
+                key: "error_backoff_max_ms",
+                message: format!(
+                    "must be at least error_backoff_ms ({}), which must be at least 1",
+                    self.error_backoff_ms
+                ),
             });
         }
-        if self.kafka_lookup_scan_max == 0 {
+        if self.submit_tries_max == 0 {
             return Err(ConfigError::Invalid {
-                key: "kafka_lookup_scan_max",
+                key: "submit_tries_max",
                 message: "must be at least 1".into(),
             });
         }
@@ -495,6 +351,10 @@ pub enum RunError {
     /// Broker adapter failure (connecting, managing a destination).
     #[error(transparent)]
     Broker(Box<dyn std::error::Error + Send + Sync>),
+    /// A connection pool could not lend a connection (its words and causes, then what to
+    /// check).
+    #[error("cannot get a PostgreSQL connection from the pool: {0}")]
+    Pool(String),
     /// Cannot connect to Postgres.
     #[error(
         "cannot connect to PostgreSQL ({server}): {cause}; is it running, and is DATABASE_URL right?"
@@ -562,7 +422,7 @@ pub async fn pg_connect(url: &str) -> Result<tokio_postgres::Client, RunError> {
 
 /// An error and its causes, `: `-separated, each cause once (tokio-postgres's `Display`
 /// may or may not repeat its cause).
-fn with_causes(e: &(dyn std::error::Error + 'static)) -> String {
+pub(crate) fn with_causes(e: &(dyn std::error::Error + 'static)) -> String {
     let mut text = e.to_string();
     let mut next = e.source();
     while let Some(cause) = next {
@@ -640,8 +500,9 @@ impl Config {
             lease_ms: self.lease_ms,
             send_margin_ms: self.ack_timeout_ms,
             idle_poll_ms: self.idle_poll_ms,
-            error_backoff_ms: 500,
-            submit_tries_max: 5,
+            error_backoff_ms: self.error_backoff_ms,
+            error_backoff_max_ms: self.error_backoff_max_ms,
+            submit_tries_max: self.submit_tries_max,
             rescan_every_ms: DispatcherConfig::default().rescan_every_ms,
         }
     }
@@ -654,6 +515,7 @@ impl Config {
             lookups_in_flight_max: self.lookups_in_flight_max,
             idle_poll_ms: self.reconcile_every_ms,
             error_backoff_ms: self.reconcile_every_ms,
+            error_backoff_max_ms: self.error_backoff_max_ms.max(self.reconcile_every_ms),
             unknown_alert_ms: self.unknown_alert_s * 1_000,
             age_check_every_ms: self.unknown_check_every_ms,
             verify_every_ms: self.verify_every_ms,
@@ -668,16 +530,18 @@ fn ms_since(epoch: Instant) -> u64 {
 }
 
 /// One dispatcher: the core's [`DispatcherMachine`] driven under tokio. The machine decides
-/// when to claim, the deadline of every send, how each broker answer counts and when a
-/// failed receipt transaction is retried; this loop only performs its actions (claim,
-/// send through `broker`, submit) and sleeps until the machine's next timeout.
+/// when to claim, the deadline of every send, how each broker answer counts, when a failed
+/// transaction is retried and how long it backs off while the database is away; this loop
+/// only performs its actions (claim, send through `broker`, submit), takes a connection from
+/// `db` when it has none, and sleeps until the machine's next timeout or `shutdown`.
 pub async fn dispatcher<B: Broker>(
     cfg: Config,
+    db: Arc<dyn PgSource>,
     broker: Arc<B>,
-    stop: Arc<AtomicBool>,
+    shutdown: CancellationToken,
     counters: Arc<Counters>,
 ) -> Result<(), RunError> {
-    let mut pg = pg_connect(&cfg.database_url).await?;
+    let mut pg = Some(db.connect().await?);
     let owner = owner_id();
     let cluster = broker.cluster().to_string();
     let epoch = Instant::now();
@@ -695,7 +559,7 @@ pub async fn dispatcher<B: Broker>(
     let mut done: Option<Result<Vec<SendResult>, tokio::task::JoinError>> = None;
     let mut stopping = false;
     loop {
-        if !stopping && stop.load(Ordering::Relaxed) {
+        if !stopping && shutdown.is_cancelled() {
             // The batches in hand are sent and submitted; nothing new is claimed, so a
             // stopped dispatcher leaves no row SENDING behind it.
             m.handle_stop();
@@ -712,20 +576,32 @@ pub async fn dispatcher<B: Broker>(
         if stopping && next.is_empty() && on_wire.is_none() && done.is_none() && m.is_idle() {
             break;
         }
+        if stopping && pg.is_none() && on_wire.is_none() && done.is_none() {
+            // Stopped while the database is away: what it holds is left to the leases.
+            stopped_while_down("dispatcher");
+            break;
+        }
         let Some(action) = next.pop_front().or_else(|| m.poll_action(ms_since(epoch))) else {
             let wake = m
                 .poll_timeout()
                 .unwrap_or(ms_since(epoch) + cfg.idle_poll_ms);
-            let wait = wake.saturating_sub(ms_since(epoch)).min(STOP_CHECK_MS);
+            let wait = Duration::from_millis(wake.saturating_sub(ms_since(epoch)));
+            let cancelled = shutdown.cancelled();
             match on_wire.as_mut() {
-                // Wake for the broker's answer or the machine's timeout, whichever is first.
-                Some(h) => {
-                    if let Ok(joined) = tokio::time::timeout(Duration::from_millis(wait), h).await {
+                // Wake for the broker's answer, the machine's timeout or the shutdown,
+                // whichever is first.
+                Some(h) => tokio::select! {
+                    joined = h => {
                         on_wire = None;
                         done = Some(joined);
                     }
-                }
-                None => tokio::time::sleep(Duration::from_millis(wait)).await,
+                    _ = tokio::time::sleep(wait) => {}
+                    _ = cancelled, if !stopping => {}
+                },
+                None => tokio::select! {
+                    _ = tokio::time::sleep(wait) => {}
+                    _ = cancelled, if !stopping => {}
+                },
             }
             continue;
         };
@@ -734,9 +610,18 @@ pub async fn dispatcher<B: Broker>(
                 batch_size_max,
                 from_position,
             } => {
+                let fresh = pg.is_none();
+                let Some(client) = connected(&mut pg, &*db, "dispatcher").await else {
+                    m.handle_claim_failed(ms_since(epoch));
+                    continue;
+                };
+                if fresh {
+                    // A new connection has none of the old one's prepared statements.
+                    held.forget_statements();
+                }
                 let started = ms_since(epoch);
                 match store::claim_batch_held(
-                    &mut pg,
+                    client,
                     owner,
                     Some(&cluster),
                     from_position,
@@ -761,15 +646,8 @@ pub async fn dispatcher<B: Broker>(
                         next.extend(m.handle_claimed(ms_since(epoch), batch.claimed(started)));
                     }
                     Err(e) => {
-                        tracing::warn!(error = %e, "claim failed; retrying after a pause");
-                        if pg.is_closed() {
-                            let Some(c) = reconnect(&cfg, &stop).await else {
-                                stopped_while_down("dispatcher");
-                                return Ok(());
-                            };
-                            pg = c;
-                            held.forget_statements();
-                        }
+                        tracing::warn!(error = %e, "claim failed; the machine retries after its backoff");
+                        drop_if_closed(&mut pg);
                         m.handle_claim_failed(ms_since(epoch));
                     }
                 }
@@ -779,6 +657,7 @@ pub async fn dispatcher<B: Broker>(
                 on_wire_len = batch.len();
                 let deadline = epoch + Duration::from_millis(deadline_ms);
                 let broker = broker.clone();
+                #[cfg(feature = "drills")]
                 let pause = cfg.drill_pause_after_publish_ms;
                 on_wire = Some(tokio::spawn(async move {
                     let t_send = Instant::now();
@@ -789,6 +668,7 @@ pub async fn dispatcher<B: Broker>(
                         send_ms = t_send.elapsed().as_millis() as u64,
                         "sent"
                     );
+                    #[cfg(feature = "drills")]
                     if pause > 0 {
                         tracing::warn!(ms = pause, "drill: pausing between publish and receipt");
                         tokio::time::sleep(Duration::from_millis(pause)).await;
@@ -797,9 +677,17 @@ pub async fn dispatcher<B: Broker>(
                 }));
             }
             DispatchAction::Submit(sub) => {
+                let fresh = pg.is_none();
+                let Some(client) = connected(&mut pg, &*db, "dispatcher").await else {
+                    m.handle_submit_unreachable(ms_since(epoch));
+                    continue;
+                };
+                if fresh {
+                    // A new connection has none of the old one's prepared statements.
+                    held.forget_statements();
+                }
                 let t_submit = ms_since(epoch);
-                let result =
-                    store::submit_held(&mut pg, &sub, cfg.rejection_limit, &mut held).await;
+                let result = store::submit_held(client, &sub, cfg.rejection_limit, &mut held).await;
                 observe::record_accept_duration(
                     Duration::from_millis(ms_since(epoch) - t_submit),
                     result.is_ok(),
@@ -810,29 +698,24 @@ pub async fn dispatcher<B: Broker>(
                     submit_ms = ms_since(epoch) - t_submit,
                     "submitted"
                 );
-                let ok = match result {
+                match result {
                     Ok(done) => {
                         counters.count(&done, &sub);
                         observe::record_submitted(&done, &sub);
                         for (event_id, n, why) in &done.stuck {
                             tracing::error!(%event_id, never_sent = n, why, "ALERT: event cannot leave (retrying with backoff); check the destination");
                         }
-                        true
+                        m.handle_submitted(ms_since(epoch), true);
                     }
                     Err(e) => {
                         tracing::warn!(error = %e, "receipt transaction failed; the machine retries it");
-                        if pg.is_closed() {
-                            let Some(c) = reconnect(&cfg, &stop).await else {
-                                stopped_while_down("dispatcher");
-                                return Ok(());
-                            };
-                            pg = c;
-                            held.forget_statements();
-                        }
-                        false
+                        // A connection that broke during the transaction is dropped; whether
+                        // the commit reached the database is not known, so it counts as a try
+                        // (the acceptance point makes a repeat harmless).
+                        drop_if_closed(&mut pg);
+                        m.handle_submitted(ms_since(epoch), false);
                     }
-                };
-                m.handle_submitted(ms_since(epoch), ok);
+                }
             }
         }
     }
@@ -844,6 +727,38 @@ pub async fn dispatcher<B: Broker>(
         "dispatcher stopped"
     );
     Ok(())
+}
+
+/// The loop's connection: the one it holds, or a new one from `db` (`None` if the database
+/// cannot be reached now; the machine decides when to try again).
+async fn connected<'a>(
+    pg: &'a mut Option<PgConn>,
+    db: &dyn PgSource,
+    role: &str,
+) -> Option<&'a mut tokio_postgres::Client> {
+    if pg.is_none() {
+        match db.connect().await {
+            Ok(c) => {
+                tracing::info!(role, source = %db.describe(), "PostgreSQL reachable again");
+                *pg = Some(c);
+            }
+            Err(e) => {
+                tracing::warn!(role, error = %e, "PostgreSQL unreachable; the machine tries again after its backoff");
+                return None;
+            }
+        }
+    }
+    pg.as_deref_mut()
+}
+
+/// Drops the connection if it is closed (the next transaction takes a new one); whether it
+/// was.
+fn drop_if_closed(pg: &mut Option<PgConn>) -> bool {
+    if pg.as_ref().is_some_and(|c| c.is_closed()) {
+        *pg = None;
+        return true;
+    }
+    false
 }
 
 /// The send task's answers, one per request: a task that panicked or returned the wrong
@@ -870,9 +785,6 @@ fn sent_results(
     results
 }
 
-/// How often a sleeping loop looks at its stop flag.
-const STOP_CHECK_MS: u64 = 200;
-
 /// Logs that a loop stopped while PostgreSQL was unreachable: what it held is left to the
 /// leases (the reconciler resolves a row whose send's outcome was not recorded).
 fn stopped_while_down(role: &str) {
@@ -882,41 +794,18 @@ fn stopped_while_down(role: &str) {
     );
 }
 
-/// Pause between two connects while PostgreSQL is unreachable.
-const RECONNECT_PAUSE_MS: u64 = 1_000;
-
-/// Reconnects to PostgreSQL, waiting [`RECONNECT_PAUSE_MS`] between tries until it answers,
-/// or `None` once `stop` is set (looked at every [`STOP_CHECK_MS`], so a stopped process
-/// does not wait for a database that is down). The error logged is redacted
-/// ([`RunError::Connect`]).
-async fn reconnect(cfg: &Config, stop: &AtomicBool) -> Option<tokio_postgres::Client> {
-    loop {
-        if stop.load(Ordering::Relaxed) {
-            return None;
-        }
-        match pg_connect(&cfg.database_url).await {
-            Ok(c) => return Some(c),
-            Err(e) => {
-                tracing::warn!(error = %e, "PostgreSQL unreachable; retrying in 1 s");
-                let until = Instant::now() + Duration::from_millis(RECONNECT_PAUSE_MS);
-                while Instant::now() < until && !stop.load(Ordering::Relaxed) {
-                    tokio::time::sleep(Duration::from_millis(STOP_CHECK_MS)).await;
-                }
-            }
-        }
-    }
-}
-
 /// One reconciler: the core's [`ReconcilerMachine`] driven under tokio (R13–R14, R31).
 /// Lookups run concurrently up to the machine's bound; verdicts, age checks and the
-/// verification pass go through the store one at a time.
+/// verification pass go through the store one at a time, on a connection from `db` (taken
+/// again when it breaks, when the machine's next claim is due).
 pub async fn reconciler<B: Broker>(
     cfg: Config,
+    db: Arc<dyn PgSource>,
     broker: Arc<B>,
-    stop: Arc<AtomicBool>,
+    shutdown: CancellationToken,
     counters: Arc<Counters>,
 ) -> Result<(), RunError> {
-    let mut pg = pg_connect(&cfg.database_url).await?;
+    let mut pg = Some(db.connect().await?);
     let owner = owner_id();
     let epoch = Instant::now();
     let mut m = ReconcilerMachine::new(cfg.reconciler_config(), broker.capabilities(), 0)
@@ -928,7 +817,7 @@ pub async fn reconciler<B: Broker>(
     // (bounded by the lease: past it they are another reconciler's anyway).
     let mut stop_deadline: Option<Instant> = None;
     loop {
-        if stop_deadline.is_none() && stop.load(Ordering::Relaxed) {
+        if stop_deadline.is_none() && shutdown.is_cancelled() {
             m.handle_stop();
             stop_deadline = Some(Instant::now() + Duration::from_millis(cfg.lease_ms));
         }
@@ -940,17 +829,15 @@ pub async fn reconciler<B: Broker>(
         while let Some(action) = m.poll_action(ms_since(epoch)) {
             match action {
                 ReconcileAction::ClaimUnknown { max } => {
-                    match store::claim_unknown(&mut pg, owner, max, cfg.lease_ms).await {
+                    let Some(client) = connected(&mut pg, &*db, "reconciler").await else {
+                        m.handle_claim_failed(ms_since(epoch));
+                        continue;
+                    };
+                    match store::claim_unknown(client, owner, max, cfg.lease_ms).await {
                         Ok(items) => m.handle_claimed(ms_since(epoch), items),
                         Err(e) => {
-                            tracing::warn!(error = %e, "reconcile claim failed");
-                            if pg.is_closed() {
-                                let Some(c) = reconnect(&cfg, &stop).await else {
-                                    stopped_while_down("reconciler");
-                                    return Ok(());
-                                };
-                                pg = c;
-                            }
+                            tracing::warn!(error = %e, "reconcile claim failed; the machine retries after its backoff");
+                            drop_if_closed(&mut pg);
                             m.handle_claim_failed(ms_since(epoch));
                         }
                     }
@@ -965,7 +852,12 @@ pub async fn reconciler<B: Broker>(
                     }));
                 }
                 ReconcileAction::Finish(item, lookup) => {
-                    match store::finish_reconcile_published(&mut pg, &item, &lookup, policy).await {
+                    let Some(client) = connected(&mut pg, &*db, "reconciler").await else {
+                        // The row's reconciler lease runs out and a later scan takes it.
+                        m.handle_finished(ms_since(epoch));
+                        continue;
+                    };
+                    match store::finish_reconcile_published(client, &item, &lookup, policy).await {
                         Ok((d, published)) => {
                             tracing::debug!(event_id = %item.event_id, decision = ?d, "reconciled");
                             counters.reconciled.fetch_add(1, Ordering::Relaxed);
@@ -977,22 +869,21 @@ pub async fn reconciler<B: Broker>(
                         Err(e) => {
                             // The row's reconciler lease runs out and a later scan takes it.
                             tracing::warn!(event_id = %item.event_id, error = %e, "reconcile failed");
-                            if pg.is_closed() {
-                                let Some(c) = reconnect(&cfg, &stop).await else {
-                                    stopped_while_down("reconciler");
-                                    return Ok(());
-                                };
-                                pg = c;
-                            }
+                            drop_if_closed(&mut pg);
                         }
                     }
                     m.handle_finished(ms_since(epoch));
                 }
                 ReconcileAction::CheckUnknownAge => {
-                    let (n, oldest_ms) = match store::unknown_age(&pg).await {
+                    let Some(client) = connected(&mut pg, &*db, "reconciler").await else {
+                        m.handle_unknown_age(ms_since(epoch), 0, 0);
+                        continue;
+                    };
+                    let (n, oldest_ms) = match store::unknown_age(client).await {
                         Ok((n, s)) => (n.max(0) as u64, (s * 1000.0) as u64),
                         Err(e) => {
                             tracing::warn!(error = %e, "unknown-age check failed");
+                            drop_if_closed(&mut pg);
                             (0, 0)
                         }
                     };
@@ -1012,12 +903,16 @@ pub async fn reconciler<B: Broker>(
                     );
                 }
                 ReconcileAction::LoadPublished { max } => {
-                    let items = match store::published_after_cursor(&mut pg, max).await {
-                        Ok(v) => v,
-                        Err(e) => {
-                            tracing::warn!(error = %e, "verification batch failed");
-                            Vec::new()
-                        }
+                    let items = match connected(&mut pg, &*db, "reconciler").await {
+                        None => Vec::new(),
+                        Some(client) => match store::published_after_cursor(client, max).await {
+                            Ok(v) => v,
+                            Err(e) => {
+                                tracing::warn!(error = %e, "verification batch failed");
+                                drop_if_closed(&mut pg);
+                                Vec::new()
+                            }
+                        },
                     };
                     m.handle_verify_batch(ms_since(epoch), items);
                 }
@@ -1035,8 +930,16 @@ pub async fn reconciler<B: Broker>(
                     observe::record_missing_found();
                     tracing::error!(event_id = %item.event_id, stream = %item.destination.topic, sequence = item.sequence,
                         "FINDING: published but missing at the broker");
-                    if let Err(e) = store::record_missing(&pg, &item).await {
-                        tracing::warn!(error = %e, "could not record the finding");
+                    match connected(&mut pg, &*db, "reconciler").await {
+                        Some(client) => {
+                            if let Err(e) = store::record_missing(client, &item).await {
+                                tracing::warn!(error = %e, "could not record the finding");
+                                drop_if_closed(&mut pg);
+                            }
+                        }
+                        None => {
+                            tracing::warn!(event_id = %item.event_id, "could not record the finding: PostgreSQL unreachable (the log line above is the record)")
+                        }
                     }
                 }
             }
@@ -1044,8 +947,15 @@ pub async fn reconciler<B: Broker>(
         let wake = m
             .poll_timeout()
             .unwrap_or(ms_since(epoch) + cfg.reconcile_every_ms);
-        let wait = wake.saturating_sub(ms_since(epoch)).min(STOP_CHECK_MS);
+        let wait = wake.saturating_sub(ms_since(epoch));
+        if stop_deadline.is_some() && pg.is_none() {
+            // Stopped while the database is away: what it holds is left to the leases.
+            stopped_while_down("reconciler");
+            break;
+        }
+        let stopping = stop_deadline.is_some();
         tokio::select! {
+            _ = shutdown.cancelled(), if !stopping => {}
             Some(answer) = lookups.next(), if !lookups.is_empty() => match answer {
                 Answer::Unknown(item, l) => {
                     observe::record_lookup("unknown", &l);
@@ -1068,22 +978,25 @@ enum Answer {
     Verify(VerifyItem, Lookup),
 }
 
-/// Spawns `dispatchers` dispatcher tasks and, if asked, one reconciler beside them, all
-/// stopping on `stop`. The demo, the bench and `sealpost dispatch` run the same fleet.
+/// Spawns `dispatchers` dispatcher tasks and, if asked, one reconciler beside them, each
+/// with its own connection from `db`, all stopping when `shutdown` is cancelled. The demo,
+/// the bench and `sealpost dispatch` run the same fleet.
 pub fn spawn_fleet<B: Broker>(
     cfg: &Config,
+    db: &Arc<dyn PgSource>,
     broker: &Arc<B>,
     dispatchers: usize,
     with_reconciler: bool,
-    stop: &Arc<AtomicBool>,
+    shutdown: &CancellationToken,
     counters: &Arc<Counters>,
 ) -> Vec<tokio::task::JoinHandle<Result<(), RunError>>> {
     let mut tasks: Vec<_> = (0..dispatchers)
         .map(|_| {
             tokio::spawn(dispatcher(
                 cfg.clone(),
+                db.clone(),
                 broker.clone(),
-                stop.clone(),
+                shutdown.clone(),
                 counters.clone(),
             ))
         })
@@ -1091,8 +1004,9 @@ pub fn spawn_fleet<B: Broker>(
     if with_reconciler {
         tasks.push(tokio::spawn(reconciler(
             cfg.clone(),
+            db.clone(),
             broker.clone(),
-            stop.clone(),
+            shutdown.clone(),
             counters.clone(),
         )));
     }

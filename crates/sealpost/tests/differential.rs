@@ -116,7 +116,7 @@ async fn random_fault_sequences_persist_exactly_what_the_core_decides() {
             .await
             .unwrap();
         let topic = format!("D{seed}");
-        store::set_route(&pg, "diff", &cfg.nats_cluster, &topic)
+        store::set_route(&pg, "diff", common::NATS_CLUSTER, &topic)
             .await
             .unwrap();
         let mut rng = Rng(0x9E37_79B9_7F4A_7C15 ^ seed);

@@ -31,7 +31,7 @@ async fn sqlx_enqueue_commits_with_the_callers_transaction() {
         .await
         .expect("PostgreSQL must be running");
     store::migrate(&pg).await.expect("migrate");
-    store::set_route(&pg, "orders", &cfg.nats_cluster, "TSQLX")
+    store::set_route(&pg, "orders", common::NATS_CLUSTER, "TSQLX")
         .await
         .expect("route");
     let mut conn = sqlx::PgConnection::connect("postgres://postgres@127.0.0.1:5432/sealpost_sqlx")
@@ -82,7 +82,7 @@ async fn sqlx_enqueue_refuses_hostile_strings_naming_the_field() {
         .await
         .expect("PostgreSQL must be running");
     store::migrate(&pg).await.expect("migrate");
-    store::set_route(&pg, "orders", &cfg.nats_cluster, "TSQLX")
+    store::set_route(&pg, "orders", common::NATS_CLUSTER, "TSQLX")
         .await
         .expect("route");
     let mut conn =

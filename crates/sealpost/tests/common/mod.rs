@@ -12,6 +12,42 @@ use std::ops::{Deref, DerefMut};
 use sealpost::runtime::{self, Config};
 use teardown::Teardown;
 
+/// The loops' connections to the test's database (`cfg.database_url`).
+pub fn pg_source(cfg: &Config) -> std::sync::Arc<dyn sealpost::pg::PgSource> {
+    std::sync::Arc::new(sealpost::pg::PgConnector::from_config(cfg))
+}
+
+/// The NATS server the tests use: `NATS_URL`, as `sealpost_nats::NatsConfig::from_env`
+/// reads it, or the machine's.
+pub fn nats_url() -> String {
+    std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
+}
+
+/// The NATS cluster identity of the tests' routes (the adapter's default).
+pub const NATS_CLUSTER: &str = "nats-local";
+
+/// The RabbitMQ broker the tests use: `RABBITMQ_URL` or the machine's.
+pub fn rabbitmq_url() -> String {
+    std::env::var("RABBITMQ_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
+}
+
+/// The RabbitMQ cluster identity of the tests' routes (the adapter's default).
+pub const RABBITMQ_CLUSTER: &str = "rabbitmq-local";
+
+/// The Kafka bootstrap servers the tests use: `KAFKA_BROKERS` or the local tansu.
+pub fn kafka_brokers() -> String {
+    std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into())
+}
+
+/// The librdkafka properties the tests' clients need (`KAFKA_CLIENT_PROPERTIES`; .ci/run sets
+/// tansu's).
+pub fn kafka_client_properties() -> String {
+    std::env::var("KAFKA_CLIENT_PROPERTIES").unwrap_or_default()
+}
+
+/// The Kafka cluster identity of the tests' routes (the adapter's default).
+pub const KAFKA_CLUSTER: &str = "kafka-local";
+
 /// The maintenance database the test databases are created from and dropped through.
 pub const ADMIN_URL: &str = "host=127.0.0.1 user=postgres dbname=postgres";
 
