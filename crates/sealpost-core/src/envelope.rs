@@ -30,6 +30,17 @@ impl EventId {
         EventId(b)
     }
 
+    /// The unix-millisecond time a UUIDv7 id was minted at (`None` for another version):
+    /// where a broker that can be read by time (Kafka) starts looking for it.
+    pub fn minted_unix_ms(self) -> Option<u64> {
+        if self.0[6] >> 4 != 7 {
+            return None;
+        }
+        let mut b = [0u8; 8];
+        b[2..].copy_from_slice(&self.0[..6]);
+        Some(u64::from_be_bytes(b))
+    }
+
     /// Parses the hyphenated form.
     pub fn parse(s: &str) -> Option<EventId> {
         let hex: String = s.chars().filter(|c| *c != '-').collect();

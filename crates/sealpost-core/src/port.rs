@@ -50,6 +50,9 @@ pub struct Capabilities {
     /// second: Kafka declares 1,500 ms; a client that sends at once declares 0). See
     /// [`may_leave`].
     pub handover_margin_ms: u64,
+    /// The lookup is a scan that can answer many unknown events of one partition and time
+    /// window at once ([`Broker::lookup_many`]); `None`: one event per lookup.
+    pub lookup_scan: Option<crate::reconcile::LookupScan>,
 }
 
 /// The deadline rule, the one copy every adapter and the simulator call: may a message be
@@ -276,6 +279,25 @@ pub trait Broker: Send + Sync + 'static {
         event_id: EventId,
         member: u16,
     ) -> impl Future<Output = Lookup> + Send;
+
+    /// The same question for every event of `events`, all frozen to the partition of
+    /// `destination` and grouped by the core ([`crate::reconcile::shares_scan`]); one answer
+    /// per event, in order. An adapter that declares [`Capabilities::lookup_scan`] answers
+    /// them with one scan ([`crate::reconcile::decide_scanned`]); the default asks one by
+    /// one.
+    fn lookup_many(
+        &self,
+        destination: &Destination,
+        events: &[(EventId, u16)],
+    ) -> impl Future<Output = Vec<Lookup>> + Send {
+        async move {
+            let mut out = Vec::with_capacity(events.len());
+            for &(event_id, member) in events {
+                out.push(self.lookup(destination, event_id, member).await);
+            }
+            out
+        }
+    }
 }
 
 /// One message read back by a stream scan: a Sealpost event (its id from the envelope
@@ -351,6 +373,7 @@ mod tests {
             create_if_absent: false,
             per_key_ordering: true,
             handover_margin_ms,
+            lookup_scan: None,
         };
         assert!(may_leave(Duration::from_millis(1), &caps(0)));
         assert!(

@@ -57,6 +57,11 @@ pub enum QuarantineReason {
     /// A receipt from a destination that a migration declared "not accepted" (R15): the
     /// absence proof was wrong. Alert.
     MigrationConflict,
+    /// A copy at a broker that refuses a second one (create-if-absent), found by a lookup,
+    /// that the store cannot adopt: an attempt it never registered, or one of another
+    /// envelope generation (a restore from a backup followed by a migration of the row,
+    /// say). No retry can replace it; an operator decides.
+    UnadoptableCopy,
 }
 
 /// Why a receipt was rejected (audited, not an error of the event).

@@ -22,6 +22,74 @@ pub enum Lookup {
     Unavailable,
 }
 
+/// How a broker whose lookup is a scan (Kafka: a partition read from an event's mint time to
+/// the end) answers many unknown events at once ([`crate::port::Capabilities::lookup_scan`]):
+/// one scan answers every event of a group that [`shares_scan`] admits, at most
+/// `events_max` of them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LookupScan {
+    /// Events one scan answers at most.
+    pub events_max: usize,
+    /// Events of one scan were minted at most this far from the group's first: the scan
+    /// starts at the earliest one's mint time (minus the adapter's clock margin), so a wider
+    /// window reads more records for the later ones.
+    pub window_ms: u64,
+}
+
+/// Whether the unknown event `b` may be answered by the scan made for `a` (the group's first
+/// event): the same frozen cluster, topic and partition, and `b` minted at most `window_ms`
+/// from `a`. An event id
+/// without a mint time (not a UUIDv7) is scanned from the partition's start, alone.
+pub fn shares_scan(
+    a: (&crate::envelope::Destination, crate::envelope::EventId),
+    b: (&crate::envelope::Destination, crate::envelope::EventId),
+    window_ms: u64,
+) -> bool {
+    let (da, ia) = a;
+    let (db, ib) = b;
+    let same_place = da.cluster == db.cluster
+        && da.topic == db.topic
+        && da.partition_algorithm == db.partition_algorithm
+        && da.partition() == db.partition();
+    match (ia.minted_unix_ms(), ib.minted_unix_ms()) {
+        (Some(x), Some(y)) => same_place && x.abs_diff(y) <= window_ms,
+        _ => false,
+    }
+}
+
+/// How far one scan got: it fixes the end it reads to (the partition's end when it starts)
+/// and reads from the group's start; `finished` only if it read every record in between.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ScanReach {
+    /// Every record from the scan's start to the end it fixed was read.
+    pub finished: bool,
+    /// Records before the scan's start were deleted by retention (the first retained one is
+    /// already newer than the start): nothing there can be proven absent.
+    pub start_deleted: bool,
+}
+
+/// The answer of one scan for each event of its group (R13): `Found` for an event the scan
+/// saw, `Absent` only for an event it did not see **and** a scan that read its whole range
+/// (nothing proven from a range it did not finish: a bound, a time limit or an error stops a
+/// scan short), `Unqueryable` when retention removed records the scan needed, `Unavailable`
+/// (nothing learned) otherwise. Every adapter that scans, and the simulator, answer through
+/// this.
+pub fn decide_scanned(
+    group: &[(crate::envelope::EventId, u16)],
+    found: impl Fn(crate::envelope::EventId, u16) -> Option<Receipt>,
+    reach: ScanReach,
+) -> Vec<Lookup> {
+    group
+        .iter()
+        .map(|&(event_id, member)| match found(event_id, member) {
+            Some(r) => Lookup::Found(r),
+            None if reach.start_deleted => Lookup::Unqueryable,
+            None if reach.finished => Lookup::Absent,
+            None => Lookup::Unavailable,
+        })
+        .collect()
+}
+
 /// The first wait after an inconclusive lookup; it doubles per repeat.
 pub const LOOKUP_BACKOFF_MS_MIN: u64 = 1_000;
 /// The longest wait between lookups of one unknown row (G3 asks for p99 within 15 minutes;
@@ -122,6 +190,13 @@ pub fn decide_reconcile(
             // The broker holds a copy we cannot tie to a registered attempt (the row was
             // restored from a backup, say). Redeliver to the same destination under the
             // same event id: the broker deduplicates or consumers do.
+            // At a broker that refuses a second copy, retrying can never replace it: a
+            // conflict for the operator, not a retry loop.
+            ReceiptVerdict::Reject(
+                RejectReason::UnregisteredAttempt | RejectReason::EnvelopeGenerationMismatch,
+            ) if policy.create_if_absent => {
+                ReconcileDecision::Conflict(QuarantineReason::UnadoptableCopy)
+            }
             ReceiptVerdict::Reject(RejectReason::UnregisteredAttempt) => retry(None),
             ReceiptVerdict::Reject(RejectReason::NoPosition) => ReconcileDecision::StayUnknown,
             ReceiptVerdict::Reject(_) => retry(None),

@@ -11,6 +11,7 @@ use std::collections::VecDeque;
 use crate::claim::ClaimToken;
 use crate::envelope::{Destination, EventId};
 use crate::port::{Capabilities, Lookup};
+use crate::reconcile::{shares_scan, LookupScan};
 
 /// Limits and timings of one reconciler.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -106,6 +107,11 @@ pub enum ReconcileAction {
     },
     /// Ask the broker; answer with [`ReconcilerMachine::handle_lookup`].
     Lookup(ReconcileItem),
+    /// Ask the broker about every row of the group with one scan (`Broker::lookup_many`:
+    /// one frozen partition, mint times within the declared window, grouped by
+    /// [`shares_scan`]); answer with [`ReconcilerMachine::handle_lookups`], one lookup per
+    /// row in order.
+    LookupMany(Vec<ReconcileItem>),
     /// Apply the verdict for this row in one transaction (`decide_reconcile`); answer with
     /// [`ReconcilerMachine::handle_finished`].
     Finish(ReconcileItem, Lookup),
@@ -136,8 +142,10 @@ pub enum ReconcileAction {
 pub struct ReconcileCounts {
     /// Rows claimed.
     pub claimed: u64,
-    /// Lookups asked.
+    /// Lookups asked (one per row, whether alone or in a scan).
     pub lookups: u64,
+    /// Scans asked ([`ReconcileAction::LookupMany`]), each answering one or more rows.
+    pub scans: u64,
     /// Verdicts applied.
     pub finished: u64,
     /// Alerts raised.
@@ -289,6 +297,12 @@ impl ReconcilerMachine {
                     return Some(ReconcileAction::Finish(item, Lookup::Unavailable));
                 }
                 self.in_flight += 1;
+                if let Some(scan) = self.caps.lookup_scan {
+                    let group = self.scan_group(item, scan);
+                    self.counts.lookups += group.len() as u64;
+                    self.counts.scans += 1;
+                    return Some(ReconcileAction::LookupMany(group));
+                }
                 self.counts.lookups += 1;
                 return Some(ReconcileAction::Lookup(item));
             }
@@ -377,6 +391,39 @@ impl ReconcilerMachine {
         self.scan = Scan::Idle {
             wake_at_ms: now_ms + backoff,
         };
+    }
+
+    /// `head` and the queued rows one scan can answer with it ([`shares_scan`]), at most
+    /// `scan.events_max`, taken out of the queue.
+    fn scan_group(&mut self, head: ReconcileItem, scan: LookupScan) -> Vec<ReconcileItem> {
+        let mut group = vec![head];
+        let mut i = 0;
+        while group.len() < scan.events_max.max(1) && i < self.queue.len() {
+            let joins = shares_scan(
+                (&group[0].destination, group[0].event_id),
+                (&self.queue[i].destination, self.queue[i].event_id),
+                scan.window_ms,
+            );
+            if joins {
+                group.extend(self.queue.remove(i));
+            } else {
+                i += 1;
+            }
+        }
+        group
+    }
+
+    /// The broker answered a scan: one lookup per row of the group, in order (a missing
+    /// answer is nothing learned).
+    pub fn handle_lookups(&mut self, group: Vec<ReconcileItem>, lookups: Vec<Lookup>) {
+        debug_assert!(self.in_flight > 0);
+        debug_assert_eq!(group.len(), lookups.len());
+        self.in_flight -= 1;
+        let mut lookups = lookups.into_iter();
+        for item in group {
+            let l = lookups.next().unwrap_or(Lookup::Unavailable);
+            self.finishing.push_back((item, l));
+        }
     }
 
     /// The broker answered a lookup.
@@ -481,6 +528,7 @@ mod tests {
             create_if_absent: lookup,
             per_key_ordering: false,
             handover_margin_ms: 0,
+            lookup_scan: None,
         }
     }
 

@@ -837,6 +837,42 @@ fn database_restored_from_backup_before_publication_keeps_event_ids_and_no_secon
     let mut other = found(&pre_restore);
     other.payload_digest = Digest([0xab; 32]);
     assert!(!sealpost_core::receipt::adoptable(&s2, &other));
+
+    // A found copy it cannot adopt (another envelope generation: the restored row was
+    // migrated since) at a broker that refuses a second copy: a retry could never replace
+    // it (the simulator found that endless loop), so it is a conflict for the operator; at a
+    // broker without create-if-absent the retry goes to the same destination as before.
+    let create_if_absent = ReconcilePolicy {
+        redeliver_when_unqueryable: false,
+        create_if_absent: true,
+    };
+    for (policy, conflict) in [(create_if_absent, true), (NO_REDELIVER, false)] {
+        let (mut s3, _) = sending();
+        let now = T0 + 10 * LEASE;
+        let d = decide_dispatch_claim(&s3, now, LEASE);
+        apply_claim(&mut s3, &d, 3, now).unwrap();
+        let rt = reconcile_claim(&mut s3, 9, now + 1);
+        let mut older = found(&pre_restore);
+        older.envelope_generation += 1;
+        let d = decide_reconcile(&s3, rt, &Lookup::Found(older), policy, now + 2);
+        if conflict {
+            assert_eq!(
+                d,
+                ReconcileDecision::Conflict(QuarantineReason::UnadoptableCopy)
+            );
+        } else {
+            assert!(
+                matches!(
+                    d,
+                    ReconcileDecision::RetrySameDestination {
+                        quarantine: None,
+                        ..
+                    }
+                ),
+                "{d:?}"
+            );
+        }
+    }
 }
 
 #[test]

@@ -47,6 +47,14 @@
 //! same destination (R14). An event id that is not a UUIDv7 is scanned from the partition's
 //! start, and is unqueryable once retention has deleted anything.
 //!
+//! **Many unknowns, one scan.** The adapter declares a lookup scan
+//! ([`Capabilities::lookup_scan`]: [`KafkaConfig::lookup_group_max`] events minted within
+//! [`KafkaConfig::lookup_group_window_ms`]), so the reconciler hands it groups of unknown
+//! events of one partition ([`Broker::lookup_many`]); one read from the earliest one's time
+//! answers them all, through the core's `reconcile::decide_scanned` (absent only for a scan
+//! that read its whole range; a scan cut short learned nothing about the events it did not
+//! see). The consumers of finished scans are kept for the next ones.
+//!
 //! **TLS and credentials.** librdkafka is built with OpenSSL (`security.protocol` `SSL` or
 //! `SASL_SSL`, `ssl.ca.location`, `ssl.certificate.location`, `ssl.key.location`; SASL
 //! `PLAIN`, `SCRAM-SHA-256`, `SCRAM-SHA-512`), all set through
@@ -76,7 +84,7 @@ use sealpost_core::port::{
     SendResult,
 };
 use sealpost_core::receipt::{Receipt, ReceiptSource};
-use sealpost_core::reconcile::Lookup;
+use sealpost_core::reconcile::{decide_scanned, Lookup, LookupScan, ScanReach};
 
 pub use rdkafka;
 pub use subscription::{unreadable_reason, KafkaSubscription};
@@ -154,8 +162,13 @@ pub struct KafkaConfig {
     pub partitions: u32,
     /// How far before the event's mint time a lookup starts its scan (producer clock skew).
     pub lookup_clock_margin_ms: u64,
-    /// Records one lookup reads at most.
+    /// Records one lookup scan reads at most.
     pub lookup_scan_max: u64,
+    /// Unknown events one lookup scan answers at most (the reconciler groups them by
+    /// partition and mint time).
+    pub lookup_group_max: usize,
+    /// Events grouped into one scan are minted at most this far from the group's first.
+    pub lookup_group_window_ms: u64,
     /// The client id the broker logs (`sealpost-<role>-<pid>`).
     #[serde(skip)]
     pub client_id: String,
@@ -205,6 +218,8 @@ impl std::fmt::Debug for KafkaConfig {
             .field("partitions", &self.partitions)
             .field("lookup_clock_margin_ms", &self.lookup_clock_margin_ms)
             .field("lookup_scan_max", &self.lookup_scan_max)
+            .field("lookup_group_max", &self.lookup_group_max)
+            .field("lookup_group_window_ms", &self.lookup_group_window_ms)
             .field("client_id", &self.client_id)
             .field("client_properties", &properties)
             .field("sasl_password_file", &self.sasl_password_file)
@@ -306,6 +321,8 @@ impl KafkaConfig {
             partitions: 6,
             lookup_clock_margin_ms: 60_000,
             lookup_scan_max: 1_000_000,
+            lookup_group_max: 500,
+            lookup_group_window_ms: 300_000,
             client_id: format!("sealpost-{}", std::process::id()),
             client_properties: Vec::new(),
             sasl_password_file: None,
@@ -358,6 +375,9 @@ impl KafkaConfig {
         if self.lookup_scan_max == 0 {
             return bad("lookup_scan_max", "must be at least 1");
         }
+        if self.lookup_group_max == 0 {
+            return bad("lookup_group_max", "must be at least 1");
+        }
         if self.brokers.trim().is_empty() {
             return bad("brokers", "is empty; give host:port[,host:port]");
         }
@@ -374,7 +394,12 @@ pub struct Kafka {
     /// `cfg.client_properties` with the secrets read from their files.
     props: std::sync::Arc<[(String, String)]>,
     producer: std::sync::Arc<std::sync::RwLock<LinkProducer>>,
+    /// Consumers of finished lookup scans, reused by the next ones.
+    lookup_pool: std::sync::Arc<std::sync::Mutex<Vec<BaseConsumer>>>,
 }
+
+/// Lookup consumers kept for reuse.
+const LOOKUP_POOL_MAX: usize = 8;
 
 fn new_producer(
     cfg: &KafkaConfig,
@@ -478,6 +503,7 @@ impl Kafka {
             cfg,
             props,
             producer: std::sync::Arc::new(std::sync::RwLock::new(producer)),
+            lookup_pool: Default::default(),
         })
     }
 
@@ -606,46 +632,86 @@ impl Kafka {
         }
     }
 
-    /// A lookup's blocking part (a consumer of its own, assigned to the frozen partition).
-    fn lookup_blocking(
-        &self,
-        topic: &str,
-        partition: i32,
-        event_id: EventId,
-        member: u16,
-    ) -> Lookup {
+    /// A consumer for a lookup scan: one from the pool, or a new one (a connection and a
+    /// metadata round trip saved per scan when the pool has one).
+    fn lookup_consumer(&self) -> Result<BaseConsumer, KafkaError> {
+        if let Some(c) = self
+            .lookup_pool
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .pop()
+        {
+            return Ok(c);
+        }
         let mut c = client_config(&self.cfg);
         c.set("group.id", "sealpost-lookup")
             .set("enable.auto.commit", "false")
             .set("enable.auto.offset.store", "false")
             .set("auto.offset.reset", "earliest");
-        let consumer: BaseConsumer = match create_client(&with_properties(c, &self.props)) {
+        create_client(&with_properties(c, &self.props))
+    }
+
+    /// Gives a scan's consumer back to the pool (unassigned), unless the pool is full.
+    fn return_consumer(&self, consumer: BaseConsumer) {
+        if consumer.unassign().is_err() {
+            return;
+        }
+        let mut pool = self.lookup_pool.lock().unwrap_or_else(|p| p.into_inner());
+        if pool.len() < LOOKUP_POOL_MAX {
+            pool.push(consumer);
+        }
+    }
+
+    /// A scan's blocking part: one read of the frozen partition answers every event of
+    /// `events` (grouped by the core, `reconcile::shares_scan`). It starts at the earliest
+    /// event's mint time minus `lookup_clock_margin_ms` (the partition's start for an id
+    /// without a mint time), fixes the end at the high watermark it reads first, and reads
+    /// to it, at most `lookup_scan_max` records or 60 s; the answers are the core's
+    /// (`reconcile::decide_scanned`: absent only if the scan read its whole range).
+    fn scan_blocking(&self, topic: &str, partition: i32, events: &[(EventId, u16)]) -> Vec<Lookup> {
+        let all = |l: Lookup| vec![l; events.len()];
+        let consumer = match self.lookup_consumer() {
             Ok(c) => c,
             Err(e) => {
                 tracing::warn!(error = %e, "Kafka lookup: cannot create a consumer");
-                return Lookup::Unavailable;
+                return all(Lookup::Unavailable);
             }
         };
+        let out = self.scan_with(&consumer, topic, partition, events);
+        self.return_consumer(consumer);
+        out
+    }
+
+    fn scan_with(
+        &self,
+        consumer: &BaseConsumer,
+        topic: &str,
+        partition: i32,
+        events: &[(EventId, u16)],
+    ) -> Vec<Lookup> {
+        let all = |l: Lookup| vec![l; events.len()];
         let timeout = Duration::from_secs(10);
         let (low, high) = match consumer.fetch_watermarks(topic, partition, timeout) {
             Ok(w) => w,
             Err(e) => {
                 tracing::warn!(error = %e, topic, partition, "Kafka lookup: no watermarks");
-                return Lookup::Unavailable;
+                return all(Lookup::Unavailable);
             }
         };
         if high <= low {
             // Nothing retained. Absent only if nothing was ever deleted.
-            return if low == 0 {
+            return all(if low == 0 {
                 Lookup::Absent
             } else {
                 Lookup::Unqueryable
-            };
+            });
         }
-        // The scan's start: the event's mint time minus the clock margin (UUIDv7), else the
+        // The scan's start: the earliest mint time minus the clock margin (UUIDv7), else the
         // partition's start.
-        let minted_ms = event_id_unix_ms(event_id);
-        let from_ms = minted_ms.map(|t| t.saturating_sub(self.cfg.lookup_clock_margin_ms));
+        let minted: Option<Vec<u64>> = events.iter().map(|(e, _)| e.minted_unix_ms()).collect();
+        let from_ms = minted
+            .and_then(|m| m.into_iter().min())
+            .map(|t| t.saturating_sub(self.cfg.lookup_clock_margin_ms));
         let start = match from_ms {
             None => low,
             Some(t) => {
@@ -654,24 +720,24 @@ impl Kafka {
                     .add_partition_offset(topic, partition, Offset::Offset(t as i64))
                     .is_err()
                 {
-                    return Lookup::Unavailable;
+                    return all(Lookup::Unavailable);
                 }
                 match consumer.offsets_for_times(tpl, timeout) {
                     Ok(found) => match found.find_partition(topic, partition).map(|e| e.offset()) {
                         Some(Offset::Offset(o)) => o.max(low),
                         // No record at or after that time.
-                        Some(Offset::End) => return Lookup::Absent,
-                        _ => return Lookup::Unavailable,
+                        Some(Offset::End) => return all(Lookup::Absent),
+                        _ => return all(Lookup::Unavailable),
                     },
                     Err(e) => {
                         tracing::warn!(error = %e, topic, partition, "Kafka lookup: ListOffsets failed");
-                        return Lookup::Unavailable;
+                        return all(Lookup::Unavailable);
                     }
                 }
             }
         };
         if start >= high {
-            return Lookup::Absent;
+            return all(Lookup::Absent);
         }
         let mut tpl = TopicPartitionList::new();
         if tpl
@@ -679,32 +745,44 @@ impl Kafka {
             .is_err()
             || consumer.assign(&tpl).is_err()
         {
-            return Lookup::Unavailable;
+            return all(Lookup::Unavailable);
         }
-        let want_id = event_id.to_string();
-        let want_member = member.to_string();
+        let wanted: std::collections::HashMap<(String, String), (EventId, u16)> = events
+            .iter()
+            .map(|&(e, m)| ((e.to_string(), m.to_string()), (e, m)))
+            .collect();
+        let mut found: std::collections::HashMap<(EventId, u16), Receipt> = Default::default();
+        // Our id without our headers: not proof of our send.
+        let mut unusable: std::collections::HashSet<(EventId, u16)> = Default::default();
         let began = Instant::now();
         let mut read: u64 = 0;
         let mut first = true;
+        let mut reach = ScanReach {
+            finished: false,
+            start_deleted: false,
+        };
         loop {
+            if found.len() == wanted.len() {
+                break; // every event seen: nothing left to prove
+            }
             if read >= self.cfg.lookup_scan_max {
-                tracing::warn!(topic, partition, read, "Kafka lookup: scan bound reached; nothing learned (raise lookup_scan_max, or resolve by hand)");
-                return Lookup::Unavailable;
+                tracing::warn!(topic, partition, read, events = events.len(), "Kafka lookup: scan bound reached; nothing learned about the events not seen (raise lookup_scan_max, or resolve by hand)");
+                break;
             }
             if began.elapsed() > Duration::from_secs(60) {
                 tracing::warn!(
                     topic,
                     partition,
                     read,
-                    "Kafka lookup: scan took over 60 s; nothing learned"
+                    "Kafka lookup: scan took over 60 s; nothing learned about the events not seen"
                 );
-                return Lookup::Unavailable;
+                break;
             }
             let m = match consumer.poll(Duration::from_millis(500)) {
                 None => continue,
                 Some(Err(e)) => {
                     tracing::warn!(error = %e, topic, partition, "Kafka lookup: fetch failed");
-                    return Lookup::Unavailable;
+                    break;
                 }
                 Some(Ok(m)) => m,
             };
@@ -716,14 +794,13 @@ impl Kafka {
                 if low > 0 && m.offset() == low {
                     let ts = m.timestamp().to_millis().unwrap_or(i64::MAX);
                     if from_ms.is_none_or(|t| ts > t as i64) {
-                        return Lookup::Unqueryable;
+                        reach.start_deleted = true;
                     }
                 }
             }
-            {
-                let get = |name: &str| header_str(&m, name);
-                if get(H_EVENT_ID) == Some(want_id.as_str())
-                    && get(H_MEMBER) == Some(want_member.as_str())
+            let get = |name: &str| header_str(&m, name);
+            if let (Some(id), Some(member)) = (get(H_EVENT_ID), get(H_MEMBER)) {
+                if let Some(&(event_id, member)) = wanted.get(&(id.to_string(), member.to_string()))
                 {
                     let parsed = (|| {
                         Some(Receipt {
@@ -741,17 +818,28 @@ impl Kafka {
                             source: ReceiptSource::Lookup,
                         })
                     })();
-                    return match parsed {
-                        Some(r) => Lookup::Found(r),
-                        // Our id without our headers: not proof of our send.
-                        None => Lookup::Unavailable,
-                    };
+                    match parsed {
+                        Some(r) => {
+                            found.entry((event_id, member)).or_insert(r);
+                        }
+                        None => {
+                            unusable.insert((event_id, member));
+                        }
+                    }
                 }
             }
             if m.offset() + 1 >= high {
-                return Lookup::Absent;
+                reach.finished = true;
+                break;
             }
         }
+        let mut out = decide_scanned(events, |e, m| found.get(&(e, m)).cloned(), reach);
+        for (i, key) in events.iter().enumerate() {
+            if unusable.contains(key) && !found.contains_key(key) {
+                out[i] = Lookup::Unavailable;
+            }
+        }
+        out
     }
 }
 
@@ -762,16 +850,6 @@ pub fn header_str<'a, M: Message>(m: &'a M, name: &str) -> Option<&'a str> {
         .find(|h| h.key == name)
         .and_then(|h| h.value)
         .and_then(|v| std::str::from_utf8(v).ok())
-}
-
-/// The mint time of a UUIDv7 event id (unix ms), `None` for other versions.
-pub fn event_id_unix_ms(id: EventId) -> Option<u64> {
-    if id.0[6] >> 4 != 7 {
-        return None;
-    }
-    let mut b = [0u8; 8];
-    b[2..].copy_from_slice(&id.0[..6]);
-    Some(u64::from_be_bytes(b))
 }
 
 /// The message id Sealpost gives a member's copy (the event id for member 0).
@@ -835,6 +913,10 @@ impl Broker for Kafka {
             create_if_absent: false,
             per_key_ordering: true,
             handover_margin_ms: DEADLINE_MARGIN.as_millis() as u64,
+            lookup_scan: Some(LookupScan {
+                events_max: self.cfg.lookup_group_max,
+                window_ms: self.cfg.lookup_group_window_ms,
+            }),
         }
     }
 
@@ -914,19 +996,31 @@ impl Broker for Kafka {
     }
 
     async fn lookup(&self, destination: &Destination, event_id: EventId, member: u16) -> Lookup {
+        self.lookup_many(destination, &[(event_id, member)])
+            .await
+            .pop()
+            .unwrap_or(Lookup::Unavailable)
+    }
+
+    /// One scan of the frozen partition for every event of the group.
+    async fn lookup_many(
+        &self,
+        destination: &Destination,
+        events: &[(EventId, u16)],
+    ) -> Vec<Lookup> {
         if destination.cluster != self.cfg.cluster {
-            return Lookup::Unavailable;
+            return vec![Lookup::Unavailable; events.len()];
         }
         let Some(partition) = destination.partition() else {
-            return Lookup::Unqueryable;
+            return vec![Lookup::Unqueryable; events.len()];
         };
         let me = self.clone();
         let topic = destination.topic.clone();
-        tokio::task::spawn_blocking(move || {
-            me.lookup_blocking(&topic, partition as i32, event_id, member)
-        })
-        .await
-        .unwrap_or(Lookup::Unavailable)
+        let owned = events.to_vec();
+        let n = events.len();
+        tokio::task::spawn_blocking(move || me.scan_blocking(&topic, partition as i32, &owned))
+            .await
+            .unwrap_or_else(|_| vec![Lookup::Unavailable; n])
     }
 }
 
@@ -937,10 +1031,10 @@ mod tests {
     #[test]
     fn a_v7_event_id_carries_its_mint_time() {
         let id = EventId::mint(1_764_000_000_123, [7; 10]);
-        assert_eq!(event_id_unix_ms(id), Some(1_764_000_000_123));
+        assert_eq!(id.minted_unix_ms(), Some(1_764_000_000_123));
         let mut v4 = id;
         v4.0[6] = 0x40 | (v4.0[6] & 0x0f);
-        assert_eq!(event_id_unix_ms(v4), None);
+        assert_eq!(v4.minted_unix_ms(), None);
     }
 
     #[test]

@@ -558,6 +558,7 @@ impl Broker for Nats {
             per_key_ordering: false,
             // The publish is written to the connection at once.
             handover_margin_ms: 0,
+            lookup_scan: None,
         }
     }
 

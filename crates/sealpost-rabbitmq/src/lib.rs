@@ -630,6 +630,7 @@ impl Broker for Rabbit {
             per_key_ordering: false,
             // The publish frames are written to the channel at once.
             handover_margin_ms: 0,
+            lookup_scan: None,
         }
     }
 

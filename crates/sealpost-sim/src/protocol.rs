@@ -65,11 +65,14 @@ pub enum Mutant {
     /// The consumer acks a delivery whose effect failed (rolled back): the event is never
     /// applied and nothing records it.
     AckFailedEffect,
+    /// A bulk lookup (one scan for many unknown events) answers "absent" for every event it
+    /// did not see, even when the scan stopped short of the end it fixed (its record bound).
+    AbsentFromUnfinishedScan,
 }
 
 impl Mutant {
     /// Every mutant, in `--list-mutants` order.
-    pub const ALL: [Mutant; 19] = [
+    pub const ALL: [Mutant; 20] = [
         Mutant::AcceptWithoutDigestCheck,
         Mutant::RetryToOtherDestination,
         Mutant::AcceptUnregisteredAttempt,
@@ -89,6 +92,7 @@ impl Mutant {
         Mutant::OrderingIgnoresEarlierEvent,
         Mutant::RefusalFailsBatch,
         Mutant::AckFailedEffect,
+        Mutant::AbsentFromUnfinishedScan,
     ];
 
     /// The CLI name.
@@ -113,6 +117,7 @@ impl Mutant {
             Mutant::OrderingIgnoresEarlierEvent => "ordering-ignores-earlier-event",
             Mutant::RefusalFailsBatch => "refusal-fails-batch",
             Mutant::AckFailedEffect => "ack-failed-effect",
+            Mutant::AbsentFromUnfinishedScan => "absent-from-unfinished-scan",
         }
     }
 
@@ -382,6 +387,25 @@ impl Protocol {
     }
 
     /// The reconciler's decision on a lookup.
+    /// One scan's answers (`reconcile::decide_scanned`); the `absent-from-unfinished-scan`
+    /// mutant takes a scan that stopped short for a finished one.
+    pub fn decide_scanned(
+        &self,
+        group: &[(EventId, u16)],
+        found: impl Fn(EventId, u16) -> Option<Receipt>,
+        reach: reconcile::ScanReach,
+    ) -> Vec<Lookup> {
+        let reach = if self.is(Mutant::AbsentFromUnfinishedScan) {
+            reconcile::ScanReach {
+                finished: true,
+                ..reach
+            }
+        } else {
+            reach
+        };
+        reconcile::decide_scanned(group, found, reach)
+    }
+
     pub fn decide_reconcile(
         &self,
         row: &EventRow,

@@ -31,11 +31,14 @@ pub enum Violation {
     /// R29: an event of a per-aggregate-ordered destination stored at the broker after a
     /// later version of its aggregate, or applied by a consumer after a later version.
     Ordering,
+    /// R13: a lookup answered "absent" while the broker held the event (a retry is granted
+    /// only once absence is proven).
+    FalseAbsences,
 }
 
 impl Violation {
     /// Every class, in JSON order.
-    pub const ALL: [Violation; 11] = [
+    pub const ALL: [Violation; 12] = [
         Violation::LostEvents,
         Violation::SecondEventIds,
         Violation::CrossDestinationRetries,
@@ -47,6 +50,7 @@ impl Violation {
         Violation::SecondCopies,
         Violation::SendsPastLease,
         Violation::Ordering,
+        Violation::FalseAbsences,
     ];
 
     /// JSON key.
@@ -63,13 +67,14 @@ impl Violation {
             Violation::SecondCopies => "second_copies",
             Violation::SendsPastLease => "sends_past_lease",
             Violation::Ordering => "ordering",
+            Violation::FalseAbsences => "false_absences",
         }
     }
 }
 
 /// Counts per violation class.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Violations(pub [u64; 11]);
+pub struct Violations(pub [u64; Violation::ALL.len()]);
 
 impl Violations {
     /// Adds one.
@@ -158,11 +163,15 @@ pub enum Fault {
     /// reconnects when the next one is due. A receipt transaction's tries that never
     /// reached the database do not count toward its limit.
     DatabaseUnreachable,
+    /// A bulk lookup scan stopped at its record bound before the end it fixed (a bound, a
+    /// time limit or a fetch error in production): nothing learned about the events it did
+    /// not see; they stay unknown and are asked again.
+    ScanCutShort,
 }
 
 impl Fault {
     /// Every fault, in report order.
-    pub const ALL: [Fault; 29] = [
+    pub const ALL: [Fault; 30] = [
         Fault::CrashBeforeCommit,
         Fault::CrashAfterCommit,
         Fault::AckLate,
@@ -192,6 +201,7 @@ impl Fault {
         Fault::Unencodable,
         Fault::EffectFailed,
         Fault::DatabaseUnreachable,
+        Fault::ScanCutShort,
     ];
 
     /// Label for the report, with the SPEC number where there is one.
@@ -220,6 +230,7 @@ impl Fault {
             Fault::CorruptAck => "ACK with altered payload digest",
             Fault::PoisonRejected => "poison refused by broker",
             Fault::DatabaseUnreachable => "database unreachable (transaction never started)",
+            Fault::ScanCutShort => "bulk lookup scan cut short at its bound",
             Fault::StallBeforeSend => "dispatcher stalled between claim and send",
             Fault::StreamDeleted => "destination stream deleted",
             Fault::CopyRefused => "second copy refused (create-if-absent)",

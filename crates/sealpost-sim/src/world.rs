@@ -30,7 +30,8 @@ use sealpost_core::migration::{apply_migration, decide_migration};
 use sealpost_core::port::{Capabilities, NeverSentReason, RefusalKind, SendRequest, SendResult};
 use sealpost_core::receipt::{apply_receipt, Receipt, ReceiptSource, ReceiptVerdict};
 use sealpost_core::reconcile::{
-    apply_reconcile, decide_reconcile_missing, Lookup, ReconcileDecision, ReconcilePolicy,
+    apply_reconcile, decide_reconcile_missing, Lookup, LookupScan, ReconcileDecision,
+    ReconcilePolicy, ScanReach,
 };
 use sealpost_core::reconciler::{
     verify_window_rows, ReconcileAction, ReconcileItem, ReconcilerConfig, ReconcilerMachine,
@@ -103,6 +104,8 @@ struct Config {
     p_effect_fail: u32,
     /// Per mille: a dispatcher's or the reconciler's transaction cannot reach the database.
     p_db_unreachable: u32,
+    /// Records one bulk lookup scan reads at most (brokers that declare `lookup_scan`).
+    scan_max: usize,
     p_seq0: u32,
     p_forge: u32,
     /// Per-aggregate ordering of the route (R29): 0 never, 1 every policy generation, 2 the
@@ -188,6 +191,12 @@ enum Ev {
         item: Box<ReconcileItem>,
         lookup: Box<Lookup>,
         verify: bool,
+    },
+    /// One bulk scan's answers, one per row of the group.
+    ScanDone {
+        epoch: u32,
+        group: Vec<ReconcileItem>,
+        lookups: Vec<Lookup>,
     },
     ConsumerTick {
         c: u8,
@@ -465,15 +474,22 @@ impl World {
                     create_if_absent: true,
                     per_key_ordering: false,
                     handover_margin_ms: 0,
+                    lookup_scan: None,
                 },
                 // A broker that can be asked but does not refuse second copies, with a client
                 // that may still transmit after the handover (Kafka: 1.5 s).
+                // Half of them answer unknowns in bulk: one bounded scan per group of a
+                // partition and time window (Kafka's lookup).
                 4..=6 => Capabilities {
                     lookup_by_event_id: true,
                     duplicate_window_ms: Some(DEDUP_WINDOW_MS),
                     create_if_absent: false,
                     per_key_ordering: false,
                     handover_margin_ms: 1_500,
+                    lookup_scan: chance(&mut rng, 500).then(|| LookupScan {
+                        events_max: range(&mut rng, 2, 12) as usize,
+                        window_ms: range(&mut rng, 1_000, 120_000),
+                    }),
                 },
                 // A broker that cannot be asked (RabbitMQ): retries, inboxes dedupe.
                 _ => Capabilities {
@@ -482,6 +498,7 @@ impl World {
                     create_if_absent: false,
                     per_key_ordering: false,
                     handover_margin_ms: 0,
+                    lookup_scan: None,
                 },
             },
             dup_window_ms: if chance(&mut rng, 500) {
@@ -503,6 +520,7 @@ impl World {
             p_forge: range(&mut rng, 0, 80) as u32,
             p_effect_fail: range(&mut rng, 0, 250) as u32,
             p_db_unreachable: range(&mut rng, 0, 150) as u32,
+            scan_max: range(&mut rng, 2, 60) as usize,
             ordering_mode: range(&mut rng, 0, 2) as u8,
             aggregates: 0,
         };
@@ -780,6 +798,16 @@ impl World {
                 lookup,
                 verify,
             } => self.lookup_done(epoch, *item, *lookup, verify),
+            Ev::ScanDone {
+                epoch,
+                group,
+                lookups,
+            } => {
+                if epoch == self.epoch {
+                    self.reconciler.machine.handle_lookups(group, lookups);
+                    self.drive_reconciler();
+                }
+            }
             Ev::ConsumerTick { c, inc } => self.consumer_tick(c, inc),
             Ev::ConsumerRestart { c } => {
                 let con = &mut self.consumers[c as usize];
@@ -1914,19 +1942,23 @@ impl World {
                 let items = self.claim_unknown(max);
                 self.reconciler.machine.handle_claimed(now, items);
             }
-            ReconcileAction::Lookup(item) => {
-                if let Some(r) = self.row_of(item.event_id, item.member) {
-                    let r = r as usize;
-                    if self.lookups.len() <= r {
-                        self.lookups.resize(r + 1, 0);
-                    }
-                    self.lookups[r] += 1;
-                    if self.lookups[r] > LOOKUPS_PER_ROW_MAX {
-                        self.violation_of(Violation::Liveness, 6_000_000 + r as u32, || {
-                            format!("row {r} looked up more than {LOOKUPS_PER_ROW_MAX} times: the reconciler spins")
-                        });
-                    }
+            ReconcileAction::LookupMany(group) => {
+                for item in &group {
+                    self.count_lookup(item);
                 }
+                let lookups = self.broker_scan(&group);
+                let t = self.now + range(&mut self.rng, 1, 200);
+                self.at(
+                    t,
+                    Ev::ScanDone {
+                        epoch,
+                        group,
+                        lookups,
+                    },
+                );
+            }
+            ReconcileAction::Lookup(item) => {
+                self.count_lookup(&item);
                 let lookup = self.broker_lookup(&item.destination, item.event_id, item.member);
                 let t = self.now + range(&mut self.rng, 1, 200);
                 self.at(
@@ -2092,6 +2124,118 @@ impl World {
             }
         }
         items
+    }
+
+    /// The lookup budget: a row looked up more than [`LOOKUPS_PER_ROW_MAX`] times in a trace
+    /// means the reconciler spins.
+    fn count_lookup(&mut self, item: &ReconcileItem) {
+        if let Some(r) = self.row_of(item.event_id, item.member) {
+            let r = r as usize;
+            if self.lookups.len() <= r {
+                self.lookups.resize(r + 1, 0);
+            }
+            self.lookups[r] += 1;
+            if self.lookups[r] > LOOKUPS_PER_ROW_MAX {
+                self.violation_of(Violation::Liveness, 6_000_000 + r as u32, || {
+                    format!("row {r} looked up more than {LOOKUPS_PER_ROW_MAX} times: the reconciler spins")
+                });
+            }
+        }
+    }
+
+    /// One bulk lookup against the simulated broker, as a Kafka scan does it: from the first
+    /// message minted no earlier than the group's earliest event (the broker's record
+    /// timestamps are send times, never before the mint) to the end fixed when it starts, at
+    /// most `scan_max` records; the answers are the core's (`decide_scanned`, through the
+    /// protocol). Checker: no event is answered "absent" while the broker holds it.
+    fn broker_scan(&mut self, group: &[ReconcileItem]) -> Vec<Lookup> {
+        let unavailable = || vec![Lookup::Unavailable; group.len()];
+        let Some(dest) = group.first().map(|i| i.destination.clone()) else {
+            return Vec::new();
+        };
+        let Some(s) = self.stream_of(&dest) else {
+            return unavailable();
+        };
+        let stream = &self.streams[s as usize];
+        if self.broker_down_until[stream.cluster as usize] > self.now
+            || self.stream_deleted_until[s as usize] > self.now
+        {
+            return unavailable();
+        }
+        let from_ms = group
+            .iter()
+            .filter_map(|i| i.event_id.minted_unix_ms())
+            .min()
+            .unwrap_or(0);
+        let end = stream.msgs.len();
+        let start = stream
+            .msgs
+            .iter()
+            .position(|m| m.event_id.minted_unix_ms().unwrap_or(0) >= from_ms)
+            .unwrap_or(end);
+        // While faults are on, a scan reads at most `scan_max` records (cut short: a bound,
+        // a time limit, a fetch error); afterwards it reads to its end, as a scan with a
+        // bound raised by the operator does.
+        let read_to = if self.faults_on {
+            end.min(start + self.cfg.scan_max)
+        } else {
+            end
+        };
+        let cut_short = read_to < end;
+        let read = &stream.msgs[start..read_to];
+        let reach = ScanReach {
+            finished: !cut_short,
+            start_deleted: false,
+        };
+        let events: Vec<(EventId, u16)> = group.iter().map(|i| (i.event_id, i.member)).collect();
+        let topic = dest.topic.clone();
+        let cluster = dest.cluster.clone();
+        let lookups = self.proto.decide_scanned(
+            &events,
+            |event_id, member| {
+                read.iter()
+                    .position(|m| m.event_id == event_id && m.member == member)
+                    .map(|k| {
+                        let m = &read[k];
+                        Receipt {
+                            event_id: m.event_id,
+                            member: m.member,
+                            envelope_generation: m.envelope_generation,
+                            attempt_id: m.attempt_id,
+                            payload_digest: m.payload_digest,
+                            destination_digest: m.destination_digest,
+                            cluster: cluster.clone(),
+                            stream: topic.clone(),
+                            partition: None,
+                            sequence: (start + k) as u64 + 1,
+                            broker_duplicate: false,
+                            source: ReceiptSource::Lookup,
+                        }
+                    })
+            },
+            reach,
+        );
+        let false_absences: Vec<EventId> = events
+            .iter()
+            .zip(&lookups)
+            .filter(|((event_id, member), l)| {
+                **l == Lookup::Absent
+                    && stream
+                        .msgs
+                        .iter()
+                        .any(|m| m.event_id == *event_id && m.member == *member)
+            })
+            .map(|((event_id, _), _)| *event_id)
+            .collect();
+        if cut_short {
+            self.fault(Fault::ScanCutShort);
+        }
+        for event_id in false_absences {
+            self.violation(Violation::FalseAbsences, || {
+                format!("a scan answered {event_id} absent while the broker holds it")
+            });
+        }
+        lookups
     }
 
     /// "Did you store event X at destination D?" against the simulated broker: the last
@@ -2490,6 +2634,18 @@ impl World {
         Some((x.aggregate, x.version))
     }
 
+    /// True when consumer `c` dead-lettered an earlier version of this event's aggregate: an
+    /// ordered consumer holds this one until its owner resolves the dead letter.
+    fn behind_dead_letter(&self, c: usize, event_id: EventId) -> bool {
+        let Some((agg, version)) = self.aggregate_version(event_id) else {
+            return false;
+        };
+        self.consumers[c].dead_letters.iter().any(|d| {
+            self.aggregate_version(*d)
+                .is_some_and(|(a, v)| a == agg && v < version)
+        })
+    }
+
     /// True when a consumer waits in vain for an earlier version of this event's aggregate:
     /// a database restore lost it with its business row before it reached the broker. The
     /// consumer's owner seeds the aggregate's version past the gap (the documented exit).
@@ -2822,6 +2978,13 @@ impl World {
                 }
                 if n == 0 && self.consumers[c].dead_letters.contains(&eid) {
                     // Dead-lettered with its record: the consumer owner's manual exit.
+                    continue;
+                }
+                if n == 0 && self.behind_dead_letter(c, eid) {
+                    // An ordered consumer holds the later versions of an aggregate whose
+                    // earlier version it dead-lettered, until the owner resolves that dead
+                    // letter (the same exit): waiting, not lost.
+                    self.stats.ordering_gaps_parked += 1;
                     continue;
                 }
                 if n != 1 {

@@ -83,6 +83,7 @@ fn expected_class(m: Mutant) -> Option<Violation> {
         Mutant::OrderingIgnoresEarlierEvent => Some(Violation::Ordering),
         Mutant::RefusalFailsBatch => Some(Violation::Liveness),
         Mutant::AckFailedEffect => Some(Violation::Liveness),
+        Mutant::AbsentFromUnfinishedScan => Some(Violation::FalseAbsences),
     }
 }
 

@@ -851,6 +851,15 @@ pub async fn reconciler<B: Broker>(
                         Answer::Unknown(item, l)
                     }));
                 }
+                ReconcileAction::LookupMany(group) => {
+                    let b = broker.clone();
+                    lookups.push(Box::pin(async move {
+                        let destination = group[0].destination.clone();
+                        let events: Vec<_> = group.iter().map(|i| (i.event_id, i.member)).collect();
+                        let l = b.lookup_many(&destination, &events).await;
+                        Answer::Many(group, l)
+                    }));
+                }
                 ReconcileAction::Finish(item, lookup) => {
                     let Some(client) = connected(&mut pg, &*db, "reconciler").await else {
                         // The row's reconciler lease runs out and a later scan takes it.
@@ -965,6 +974,12 @@ pub async fn reconciler<B: Broker>(
                     observe::record_lookup("verify", &l);
                     m.handle_verify_lookup(ms_since(epoch), item, &l)
                 }
+                Answer::Many(group, ls) => {
+                    for l in &ls {
+                        observe::record_lookup("unknown", l);
+                    }
+                    m.handle_lookups(group, ls)
+                }
             },
             _ = tokio::time::sleep(Duration::from_millis(wait)) => {}
         }
@@ -976,6 +991,8 @@ pub async fn reconciler<B: Broker>(
 enum Answer {
     Unknown(ReconcileItem, Lookup),
     Verify(VerifyItem, Lookup),
+    /// One scan's answers, one per row of the group.
+    Many(Vec<ReconcileItem>, Vec<Lookup>),
 }
 
 /// Spawns `dispatchers` dispatcher tasks and, if asked, one reconciler beside them, each
