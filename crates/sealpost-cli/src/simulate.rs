@@ -182,6 +182,10 @@ fn print_table(s: &TraceStats, elapsed_s: f64) {
         ("early purges refused", s.purges_refused),
         ("poison released by operator", s.quarantine_released),
         ("ordered claims that waited", s.ordering_waits),
+        (
+            "receipts accepted by the guarded fast path",
+            s.guarded_accepts,
+        ),
         ("ordered deliveries held", s.ordering_holds),
         ("ordered gaps a restore left", s.ordering_gaps_parked),
     ];

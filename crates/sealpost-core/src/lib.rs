@@ -21,6 +21,7 @@ pub mod reconciler;
 pub mod row;
 pub mod secret;
 pub mod state;
+pub mod step;
 pub mod subscription;
 pub mod wire;
 
@@ -29,4 +30,4 @@ pub use encoding::{Digest, DIGEST_LEN};
 pub use envelope::{Destination, EventId, RoutePolicy, SealedEnvelope};
 pub use receipt::{DuplicateKind, QuarantineReason, Receipt, ReceiptVerdict, RejectReason};
 pub use row::{Attempt, AttemptStatus, Claim, EventRow, Pacing};
-pub use state::{State, TransitionError};
+pub use state::{Phase, State, TransitionError};

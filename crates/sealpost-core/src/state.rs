@@ -62,9 +62,22 @@ impl State {
         State::ALL.into_iter().find(|st| st.as_str() == s)
     }
 
-    /// True once the publish slot is filled (the event was accepted by the broker).
+    /// True once the publish slot is filled (the event was accepted by the broker): the
+    /// [`Phase::Settled`] states.
     pub fn is_published(self) -> bool {
-        matches!(self, State::Published | State::Retained | State::Purged)
+        self.phase() == Phase::Settled
+    }
+
+    /// The group of states a store indexes this state under ([`Phase`]).
+    pub fn phase(self) -> Phase {
+        match self {
+            State::Pending | State::Claimed | State::Sending | State::RetryClaimed => {
+                Phase::Dispatchable
+            }
+            State::DispatchUnknown | State::Reconciling => Phase::Unknown,
+            State::Published | State::Retained | State::Purged => Phase::Settled,
+            State::Quarantined => Phase::Parked,
+        }
     }
 
     /// True while the broker outcome of some attempt is not known.
@@ -76,6 +89,48 @@ impl State {
 impl std::fmt::Display for State {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.as_str())
+    }
+}
+
+/// The groups of states the store's indexes are partial on (the work row's `phase` column):
+/// one definition, used by the claim and reconcile steps, the store's writes and the SQL
+/// predicates it generates ([`Phase::code`]), and the simulator.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Phase {
+    /// `PENDING`, `CLAIMED`, `SENDING`, `RETRY_CLAIMED`: the dispatch claim scans these.
+    Dispatchable,
+    /// `DISPATCH_UNKNOWN`, `RECONCILING`: the reconciler's scan.
+    Unknown,
+    /// `PUBLISHED`, `RETAINED`, `PURGED`: the publish slot is filled; never unresolved again.
+    Settled,
+    /// `QUARANTINED`: waits for an operator; still unresolved (it holds back later versions
+    /// of an ordered aggregate, R29).
+    Parked,
+}
+
+impl Phase {
+    /// Every phase.
+    pub const ALL: [Phase; 4] = [
+        Phase::Dispatchable,
+        Phase::Unknown,
+        Phase::Settled,
+        Phase::Parked,
+    ];
+
+    /// The value stored in the work row's `phase` column (migrations 3 and 5).
+    pub const fn code(self) -> i16 {
+        match self {
+            Phase::Dispatchable => 0,
+            Phase::Unknown => 1,
+            Phase::Settled => 2,
+            Phase::Parked => 3,
+        }
+    }
+
+    /// True while the event's outcome is not settled: it holds back later versions of its
+    /// aggregate at an ordered destination (R29).
+    pub fn is_unresolved(self) -> bool {
+        self != Phase::Settled
     }
 }
 

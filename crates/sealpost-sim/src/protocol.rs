@@ -11,6 +11,7 @@ use sealpost_core::receipt::{self, Receipt, ReceiptVerdict, RejectReason};
 use sealpost_core::reconcile::{self, Lookup, ReconcileDecision, ReconcilePolicy};
 use sealpost_core::row::EventRow;
 use sealpost_core::state::State;
+use sealpost_core::step::{self, ClaimInput, ClaimRules, ClaimStep, Pick, Served, StepError};
 use sealpost_core::subscription;
 use sealpost_core::QuarantineReason;
 
@@ -68,11 +69,15 @@ pub enum Mutant {
     /// A bulk lookup (one scan for many unknown events) answers "absent" for every event it
     /// did not see, even when the scan stopped short of the end it fixed (its record bound).
     AbsentFromUnfinishedScan,
+    /// The dispatcher's guarded fast path writes its receipt on the row as its claim left it
+    /// without checking that the row is still that version (no `xmin` guard): a late ACK
+    /// overwrites whatever the reconciler or another dispatcher wrote since.
+    UnguardedFastPath,
 }
 
 impl Mutant {
     /// Every mutant, in `--list-mutants` order.
-    pub const ALL: [Mutant; 20] = [
+    pub const ALL: [Mutant; 21] = [
         Mutant::AcceptWithoutDigestCheck,
         Mutant::RetryToOtherDestination,
         Mutant::AcceptUnregisteredAttempt,
@@ -93,6 +98,7 @@ impl Mutant {
         Mutant::RefusalFailsBatch,
         Mutant::AckFailedEffect,
         Mutant::AbsentFromUnfinishedScan,
+        Mutant::UnguardedFastPath,
     ];
 
     /// The CLI name.
@@ -118,6 +124,7 @@ impl Mutant {
             Mutant::RefusalFailsBatch => "refusal-fails-batch",
             Mutant::AckFailedEffect => "ack-failed-effect",
             Mutant::AbsentFromUnfinishedScan => "absent-from-unfinished-scan",
+            Mutant::UnguardedFastPath => "unguarded-fast-path",
         }
     }
 
@@ -172,6 +179,32 @@ impl Protocol {
         let earlier_unresolved =
             earlier_unresolved && !self.is(Mutant::OrderingIgnoresEarlierEvent);
         claim::decide_dispatch_claim_for(row, clusters, earlier_unresolved, now_ms, lease_ms)
+    }
+
+    /// The store's claim transaction: the core's [`step::step_claim`] with this protocol's
+    /// claim and begin-send decisions as its hooks (so the mutants of either apply).
+    /// `policy_destination(i)` and `fresh_id()` are only called by the mutants.
+    pub fn step_claim<R: std::borrow::BorrowMut<EventRow>>(
+        &self,
+        rows: &mut [R],
+        picked: &[Pick],
+        input: &ClaimInput<'_>,
+        policy_destination: impl FnMut(usize) -> Digest,
+        fresh_id: impl FnMut() -> EventId,
+    ) -> Result<ClaimStep, StepError> {
+        let mut hooks = Hooks {
+            proto: self,
+            policy_destination,
+            fresh_id,
+        };
+        step::step_claim(rows, picked, input, &mut hooks)
+    }
+
+    /// The guarded fast path's guard: the stored row is still the version the dispatcher's
+    /// claim wrote (PostgreSQL compares the row's `xmin`; the model compares the rows, which
+    /// is as strict: every write changes a generation, a state or an attempt).
+    pub fn guard_holds(&self, held: &EventRow, stored: &EventRow) -> bool {
+        self.is(Mutant::UnguardedFastPath) || held == stored
     }
 
     /// The ordered consumer's gap rule.
@@ -431,5 +464,53 @@ impl Protocol {
     /// True when cleanup should also run right at acceptance (only the purge-at-ack mutant).
     pub fn purge_on_accept(&self) -> bool {
         self.is(Mutant::PurgeAtAck)
+    }
+}
+
+/// [`Protocol`]'s decisions as the claim step's hooks.
+struct Hooks<'a, D, F> {
+    proto: &'a Protocol,
+    policy_destination: D,
+    fresh_id: F,
+}
+
+impl<D: FnMut(usize) -> Digest, F: FnMut() -> EventId> ClaimRules for Hooks<'_, D, F> {
+    fn decide_claim(
+        &mut self,
+        _index: usize,
+        row: &EventRow,
+        served: Served<'_>,
+        earlier_unresolved: bool,
+        now_ms: u64,
+        lease_ms: u64,
+    ) -> claim::ClaimDecision {
+        match served {
+            Served::Only(clusters) => self.proto.decide_dispatch_claim(
+                row,
+                clusters,
+                earlier_unresolved,
+                now_ms,
+                lease_ms,
+            ),
+            Served::Every => self.proto.decide_dispatch_claim(
+                row,
+                std::slice::from_ref(&row.destination.cluster),
+                earlier_unresolved,
+                now_ms,
+                lease_ms,
+            ),
+        }
+    }
+
+    fn decide_begin_send(
+        &mut self,
+        index: usize,
+        row: &EventRow,
+        token: ClaimToken,
+        now_ms: u64,
+    ) -> Result<BeginSend, claim::Fenced> {
+        let (dest, fresh) = (&mut self.policy_destination, &mut self.fresh_id);
+        self.proto
+            .decide_begin_send(row, token, now_ms, || dest(index), fresh)
     }
 }

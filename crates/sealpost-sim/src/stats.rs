@@ -366,6 +366,8 @@ pub struct TraceStats {
     pub conflicts_parked: u64,
     /// Claims that waited for an earlier event of their aggregate (R29).
     pub ordering_waits: u64,
+    /// Receipts accepted by the dispatcher's guarded fast path (the held row unchanged).
+    pub guarded_accepts: u64,
     /// Deliveries an ordered consumer held back for an earlier version (R29).
     pub ordering_holds: u64,
     /// Ordered events a consumer could not apply because a restore lost an earlier version
@@ -395,6 +397,7 @@ impl TraceStats {
         self.never_sent += o.never_sent;
         self.conflicts_parked += o.conflicts_parked;
         self.ordering_waits += o.ordering_waits;
+        self.guarded_accepts += o.guarded_accepts;
         self.ordering_holds += o.ordering_holds;
         self.ordering_gaps_parked += o.ordering_gaps_parked;
         self.inbox_duplicates += o.inbox_duplicates;

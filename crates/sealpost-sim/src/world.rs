@@ -11,8 +11,8 @@ use rand_chacha::ChaCha8Rng;
 use rand_core::{Rng, SeedableRng};
 
 use sealpost_core::claim::{
-    apply_begin_send, apply_claim, apply_release_quarantine, decide_reconcile_claim,
-    decide_send_outcome, ClaimDecision, ClaimToken, SendOutcome,
+    apply_claim, apply_release_quarantine, decide_reconcile_claim, decide_send_outcome,
+    ClaimDecision, ClaimToken, SendOutcome,
 };
 use sealpost_core::cleanup::{
     apply_retention, PurgeRefusal, RetentionDecision, RetentionPolicy, Watermark,
@@ -39,6 +39,7 @@ use sealpost_core::reconciler::{
 };
 use sealpost_core::row::{AttemptStatus, EventRow};
 use sealpost_core::state::{transition, State};
+use sealpost_core::step::{self, Authorised, ClaimInput, Pick, PickOutcome, Served};
 use sealpost_core::subscription::{Processed, Settlement};
 
 use crate::protocol::Protocol;
@@ -296,6 +297,9 @@ struct Dispatcher {
     scan_high_water: u64,
     /// The earliest wake-up already queued.
     wake_at: Option<u64>,
+    /// The rows this process's claims wrote, as they wrote them (`store::Held`): an ordinary
+    /// ACK for one of them takes the guarded fast path while the row is still exactly that.
+    held: Vec<(u32, EventRow)>,
 }
 
 #[derive(Clone, Debug)]
@@ -563,6 +567,7 @@ impl World {
                     claim_meta: Vec::new(),
                     scan_high_water: 0,
                     wake_at: None,
+                    held: Vec::new(),
                 }
             })
             .collect();
@@ -991,6 +996,7 @@ impl World {
         disp.machine = DispatcherMachine::new(dispatcher_config(), now);
         disp.batch = None;
         disp.claim_meta.clear();
+        disp.held.clear();
         disp.wake_at = Some(now);
         let inc = disp.inc;
         self.at(now, Ev::DispatchWake { d, inc });
@@ -1088,95 +1094,136 @@ impl World {
         }
     }
 
-    /// The store's claim transaction (`store::claim_batch`): claim in commit order, only the
-    /// clusters this dispatcher serves, and register each attempt before anything is sent.
-    /// The claim scan in commit order (row index = commit position), from `from_position`.
+    /// The store's claim transaction (`store::claim_batch`): the scan picks, in commit order
+    /// (row index = commit position) from `from_position`, the rows of this dispatcher's
+    /// clusters that the core's [`step::picks`] takes, up to the batch (the store's `LIMIT`),
+    /// with the fact "an earlier version is unresolved" and an attempt id drawn per picked
+    /// row; then the core's claim step, the one the store runs, decides every row.
     fn store_claim(&mut self, d: u8, max: usize, from_position: u64) -> Claimed {
         self.db_version += 1;
         let di = d as usize;
         let owner = self.dispatchers[di].owner;
         let clusters = std::mem::take(&mut self.dispatchers[di].clusters);
+        let now = self.now;
         let mut claimed = Claimed {
-            claim_started_ms: self.now,
-            db_now_ms: self.now,
+            claim_started_ms: now,
+            db_now_ms: now,
             sends: Vec::new(),
             last_position: None,
             ordered_from: None,
         };
-        let mut meta = Vec::new();
         let from = self
             .proto
             .scan_from(from_position, self.dispatchers[di].scan_high_water);
-        for i in (from as usize)..self.db.rows.len() {
-            if claimed.sends.len() >= max {
-                break;
-            }
-            // The store reads this fact in the claim's own statement, from every earlier
-            // version of the aggregate whoever holds it.
-            let earlier = self.earlier_unresolved(i);
-            let decision = self.proto.decide_dispatch_claim(
-                &self.db.rows[i],
-                &clusters,
-                earlier,
-                self.now,
-                LEASE_MS,
-            );
-            if decision == ClaimDecision::Skip {
-                continue;
-            }
-            if decision == ClaimDecision::Wait {
-                self.stats.ordering_waits += 1;
-                claimed.last_position = Some(i as u64);
-                continue;
-            }
-            claimed.last_position = Some(i as u64);
-            if self.db.rows[i].state == State::Pending {
-                if let Some(&(n, not_before)) = self.never_sent_ghost.get(i) {
-                    if self.now < not_before {
-                        let early = not_before - self.now;
-                        self.violation_of(Violation::Liveness, 5_000_000 + i as u32, || {
-                            format!("row {i} claimed again {early} ms before the backoff of its {n} never-sent outcome(s) ended")
-                        });
+        let served = Served::Only(&clusters);
+        let idx: Vec<usize> = ((from as usize)..self.db.rows.len())
+            .filter(|&i| step::picks(&self.db.rows[i], served, now))
+            .take(max)
+            .collect();
+        let picked: Vec<Pick> = idx
+            .iter()
+            .enumerate()
+            .map(|(k, &i)| Pick {
+                position: i as u64,
+                earlier_unresolved: self.earlier_unresolved(i),
+                attempt_id: self.db.next_attempt_id + k as u64,
+            })
+            .collect();
+        // Like a sequence, an id drawn for a row that was not sent is not given out again.
+        self.db.next_attempt_id += idx.len() as u64;
+        let input = ClaimInput {
+            owner,
+            served,
+            now_ms: now,
+            lease_ms: LEASE_MS,
+            batch_max: max,
+        };
+        let (policy, mode) = (self.db.policy, self.cfg.ordering_mode);
+        let (facts, row_fact) = (&self.facts, &self.db.row_fact);
+        let rng = &mut self.rng;
+        let mut rows: Vec<&mut EventRow> = {
+            let mut want = idx.iter().copied().peekable();
+            self.db
+                .rows
+                .iter_mut()
+                .enumerate()
+                .filter_map(|(i, r)| {
+                    if want.peek() == Some(&i) {
+                        want.next();
+                        Some(r)
+                    } else {
+                        None
                     }
-                }
+                })
+                .collect()
+        };
+        let members: Vec<u16> = rows.iter().map(|r| r.member).collect();
+        let step = self.proto.step_claim(
+            &mut rows,
+            &picked,
+            &input,
+            |k| {
+                let agg = facts[row_fact[idx[k]] as usize].aggregate;
+                member_destination(policy, mode, agg, members[k]).digest()
+            },
+            || {
+                let mut random = [0u8; 10];
+                rng.fill_bytes(&mut random);
+                EventId::mint(1_800_000_000_000 + now, random)
+            },
+        );
+        drop(rows);
+        let step = match step {
+            Ok(step) => step,
+            Err(e) => {
+                self.violation(Violation::Liveness, || format!("claim step: {e}"));
+                self.dispatchers[di].clusters = clusters;
+                return claimed;
             }
-            if let ClaimDecision::Grant {
-                superseding: true, ..
-            } = decision
-            {
-                self.fault(Fault::ClaimSuperseded);
-            }
-            let now = self.now;
-            let token = match apply_claim(&mut self.db.rows[i], &decision, owner, now) {
-                Ok(Some(token)) => token,
-                Ok(None) => {
+        };
+        let mut meta = Vec::new();
+        for (k, outcome) in step.outcomes.iter().enumerate() {
+            let i = idx[k];
+            match *outcome {
+                PickOutcome::Waits => self.stats.ordering_waits += 1,
+                PickOutcome::ExpiredToUnknown => {
                     // F3: a claim whose send may still be in flight is superseded; the row
                     // is unknown and races the reconciler's retry.
                     self.fault(Fault::ClaimSuperseded);
                     self.note(|| format!("d{d} expires SENDING row {i} -> DISPATCH_UNKNOWN"));
-                    continue;
                 }
-                Err(e) => {
-                    self.violation(Violation::Liveness, || format!("claim: {e}"));
-                    continue;
+                PickOutcome::Send(sent) => {
+                    if sent.was_pending {
+                        if let Some(&(n, not_before)) = self.never_sent_ghost.get(i) {
+                            if now < not_before {
+                                let early = not_before - now;
+                                self.violation_of(Violation::Liveness, 5_000_000 + i as u32, || {
+                                    format!("row {i} claimed again {early} ms before the backoff of its {n} never-sent outcome(s) ended")
+                                });
+                            }
+                        }
+                    }
+                    if sent.superseding {
+                        self.fault(Fault::ClaimSuperseded);
+                    }
+                    if let Some((req, stream)) = self.sent(d, i, &sent) {
+                        meta.push((i as u32, stream, sent.token, sent.lease_until_ms));
+                        claimed.sends.push(ClaimedSend {
+                            request: req,
+                            token: sent.token,
+                            db_lease_until_ms: sent.lease_until_ms,
+                        });
+                    }
                 }
-            };
-            if let Some((req, stream)) = self.begin_send(d, i, token) {
-                let lease_until_ms = self.db.rows[i]
-                    .claim
-                    .as_ref()
-                    .map_or(now, |c| c.lease_until_ms);
-                meta.push((i as u32, stream, token, lease_until_ms));
-                if self.db.rows[i].destination.ordering == EventOrdering::PerAggregate {
-                    let p = i as u64;
-                    claimed.ordered_from = Some(claimed.ordered_from.map_or(p, |q| q.min(p)));
-                }
-                claimed.sends.push(ClaimedSend {
-                    request: req,
-                    token,
-                    db_lease_until_ms: lease_until_ms,
-                });
             }
+        }
+        claimed.last_position = step.last_position;
+        claimed.ordered_from = step.ordered_from;
+        for &(r, ..) in &meta {
+            let row = self.db.rows[r as usize].clone();
+            let held = &mut self.dispatchers[di].held;
+            held.retain(|(h, _)| *h != r);
+            held.push((r, row));
         }
         self.dispatchers[di].claim_meta = meta;
         self.dispatchers[di].clusters = clusters;
@@ -1222,36 +1269,14 @@ impl World {
         })
     }
 
-    /// Registers the attempt of a fresh claim (same transaction as the claim).
-    fn begin_send(&mut self, d: u8, r: usize, token: ClaimToken) -> Option<(SendRequest, u8)> {
+    /// The checks and the message of a send the claim step authorised (its attempt is
+    /// registered, the row `SENDING`).
+    fn sent(&mut self, d: u8, r: usize, sent: &Authorised) -> Option<(SendRequest, u8)> {
         let fact = self.db.row_fact[r];
         let agg = self.facts[fact as usize].aggregate;
         let mode = self.cfg.ordering_mode;
-        let (policy, member, now) = (self.db.policy, self.db.rows[r].member, self.now);
-        let mut random = [0u8; 10];
-        self.rng.fill_bytes(&mut random);
-        // Only the mutants look at these two: computed on demand.
-        let begin = match self.proto.decide_begin_send(
-            &self.db.rows[r],
-            token,
-            self.now,
-            || member_destination(policy, mode, agg, member).digest(),
-            || EventId::mint(1_800_000_000_000 + now, random),
-        ) {
-            Ok(b) => b,
-            Err(f) => {
-                self.stats.fenced_writes += 1;
-                self.note(|| format!("d{d} begin-send on row {r} fenced: {f:?}"));
-                return None;
-            }
-        };
-        let attempt_id = self.db.next_attempt_id;
-        self.db.next_attempt_id += 1;
-        let now = self.now;
-        if let Err(e) = apply_begin_send(&mut self.db.rows[r], &begin, token, attempt_id, now) {
-            self.violation(Violation::Liveness, || format!("begin send: {e}"));
-            return None;
-        }
+        let (policy, member) = (self.db.policy, self.db.rows[r].member);
+        let (begin, token, attempt_id) = (sent.begin, sent.token, sent.attempt_id);
         // Checker: a row that cannot leave is retried with a backoff, not in a hot loop that
         // starves the rows behind it.
         if self.db.rows[r].attempts.len() > ATTEMPTS_PER_ROW_MAX {
@@ -1561,11 +1586,31 @@ impl World {
             self.fault(Fault::ReceiptRollback);
             return false;
         }
+        let held = std::mem::take(&mut self.dispatchers[d as usize].held);
         for receipt in &sub.receipts {
             match self.row_of(receipt.event_id, receipt.member) {
                 Some(r) => {
                     let genuine = self.genuine(receipt);
-                    self.accept(r, receipt, genuine);
+                    // The guarded fast path (`store::submit_held`): the core's guarded step on
+                    // the row as this dispatcher's claim left it, written only if the row is
+                    // still exactly that (the store's `xmin` guard).
+                    let for_row = sub
+                        .receipts
+                        .iter()
+                        .filter(|x| (x.event_id, x.member) == (receipt.event_id, receipt.member))
+                        .count();
+                    let snapshot = held
+                        .iter()
+                        .find(|(h, _)| *h == r)
+                        .map(|(_, row)| row)
+                        .filter(|row| self.proto.guard_holds(row, &self.db.rows[r as usize]));
+                    let guarded = snapshot.and_then(|row| {
+                        step::step_guarded(row, receipt, for_row, self.now, |row, x| {
+                            self.proto.decide_receipt(row, x, self.now).verdict
+                        })
+                        .unwrap_or(None)
+                    });
+                    self.accept(r, receipt, genuine, guarded);
                 }
                 None => self.stats.rejected_receipts += 1,
             }
@@ -1576,6 +1621,15 @@ impl World {
             };
             self.report_outcome(d, r, rep);
         }
+        // Answered rows are no longer held; the rest stay for a later submission.
+        let mut held = held;
+        held.retain(|(r, _)| {
+            let row = &self.db.rows[*r as usize];
+            let answered = |e: EventId, m: u16| (e, m) == (row.event_id, row.member);
+            !sub.receipts.iter().any(|x| answered(x.event_id, x.member))
+                && !sub.reports.iter().any(|x| answered(x.event_id, x.member))
+        });
+        self.dispatchers[d as usize].held = held;
         true
     }
 
@@ -1817,7 +1871,9 @@ impl World {
         let t = self.now + delay;
         self.at(t, ack(SendResult::Receipt(receipt)));
     }
-    fn accept(&mut self, row: u32, receipt: &Receipt, genuine: bool) {
+    /// The acceptance point for one receipt: the locked path, or with `guarded` the row the
+    /// guarded step computed on the dispatcher's held copy (a `Primary` verdict).
+    fn accept(&mut self, row: u32, receipt: &Receipt, genuine: bool, guarded: Option<EventRow>) {
         self.db_version += 1;
         let r = row as usize;
         if r >= self.db.rows.len() || self.db.rows[r].event_id != receipt.event_id {
@@ -1837,7 +1893,16 @@ impl World {
                     c.generation != a.claim_generation || c.lease_until_ms <= self.now
                 })
             });
-        let v = self.proto.decide_receipt(snapshot_row, receipt, self.now);
+        let v = match guarded {
+            Some(_) => crate::protocol::Verdict {
+                verdict: ReceiptVerdict::Primary,
+                overwrite_primary: false,
+            },
+            None => self.proto.decide_receipt(snapshot_row, receipt, self.now),
+        };
+        if guarded.is_some() {
+            self.stats.guarded_accepts += 1;
+        }
         if late {
             self.stats.late_acks += 1;
             if matches!(
@@ -1850,6 +1915,9 @@ impl World {
         let now = self.now;
         let prev_primary = self.db.rows[r].primary.clone();
         match v.verdict {
+            ReceiptVerdict::Primary if guarded.is_some() => {
+                self.db.rows[r] = guarded.expect("guarded");
+            }
             ReceiptVerdict::Primary if v.overwrite_primary => {
                 // Mutant path only: the slot is overwritten.
                 self.db.rows[r].primary = Some(receipt.clone());
@@ -2304,7 +2372,7 @@ impl World {
         match &decision {
             ReconcileDecision::Accept(receipt) => {
                 let genuine = self.genuine(receipt);
-                self.accept(row, receipt, genuine)
+                self.accept(row, receipt, genuine, None)
             }
             ReconcileDecision::Fenced(_) => self.stats.fenced_writes += 1,
             ReconcileDecision::RetrySameDestination { quarantine, .. } => {

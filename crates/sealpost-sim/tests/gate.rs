@@ -84,6 +84,7 @@ fn expected_class(m: Mutant) -> Option<Violation> {
         Mutant::RefusalFailsBatch => Some(Violation::Liveness),
         Mutant::AckFailedEffect => Some(Violation::Liveness),
         Mutant::AbsentFromUnfinishedScan => Some(Violation::FalseAbsences),
+        Mutant::UnguardedFastPath => Some(Violation::LostEvents),
     }
 }
 

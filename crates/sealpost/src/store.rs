@@ -5,12 +5,11 @@
 use std::collections::HashMap;
 
 use sealpost_core::claim::apply_release_quarantine;
+use sealpost_core::claim::NEVER_SENT_ALERT_COUNT;
 use sealpost_core::claim::{
-    apply_begin_send, apply_claim, apply_send_outcome, decide_begin_send,
-    decide_dispatch_claim_with, decide_reconcile_claim, decide_send_outcome, ClaimDecision,
-    ClaimToken, SendOutcome, SendOutcomeDecision,
+    apply_claim, apply_send_outcome, decide_reconcile_claim, decide_send_outcome, ClaimToken,
+    SendOutcome, SendOutcomeDecision,
 };
-use sealpost_core::claim::{decide_dispatch_claim_for, NEVER_SENT_ALERT_COUNT};
 use sealpost_core::dispatcher::{Claimed, ClaimedSend, Submission};
 use sealpost_core::encoding::Digest;
 use sealpost_core::envelope::{
@@ -27,7 +26,8 @@ use sealpost_core::reconcile::{
 };
 use sealpost_core::reconciler::{verify_window_rows, VerifyItem};
 use sealpost_core::row::{Attempt, AttemptStatus, Claim, EventRow, Pacing, Superseded};
-use sealpost_core::state::State;
+use sealpost_core::state::{Phase, State};
+use sealpost_core::step::{self, ClaimInput, CoreRules, Pick, Served, StepError};
 use tokio_postgres::{GenericClient, Transaction};
 use uuid::Uuid;
 
@@ -85,6 +85,10 @@ pub enum StoreError {
         /// The field and the rule it broke.
         source: sealpost_core::wire::FieldError,
     },
+    /// A core step refused its inputs or broke its own postcondition: a bug in the store's
+    /// query or in the core, never bad data from a user. The transaction was rolled back.
+    #[error("internal invariant broken, nothing was written: {0}; please report it with `sealpost trace` of the event")]
+    Invariant(#[from] StepError),
     /// A stored row does not parse (corrupted or written by a newer version).
     #[error("stored row is invalid: {0}; was it written by a newer Sealpost?")]
     Corrupt(String),
@@ -562,6 +566,11 @@ async fn insert_envelope(
     Ok(())
 }
 
+/// The work row's `phase` codes ([`Phase::code`]): the SQL below is generated from them.
+const DISPATCHABLE: i16 = Phase::Dispatchable.code();
+const UNKNOWN: i16 = Phase::Unknown.code();
+const SETTLED: i16 = Phase::Settled.code();
+
 /// The columns every decision reads: the work row and its current sealed generation.
 const ROW_COLS: &str =
     "w.event_id, w.member, w.envelope_generation, e.payload_digest, e.dest_cluster, e.dest_topic,
@@ -615,10 +624,17 @@ fn locked_rows_sql(pick: &str, extra_cols: &str, order: &str) -> String {
 /// The producer's side of the bargain: version v + 1 of an aggregate commits after version v
 /// (it is written after reading v under the aggregate's lock, as an optimistic version check
 /// does). An earlier version committed *later* is not seen by a claim that ran before it.
-const EARLIER_UNRESOLVED_SQL: &str = "(w.ordering_key IS NOT NULL AND EXISTS (
+///
+/// This is [`step::holds_back`] in SQL: `ordering_key` is set exactly for rows bound for a
+/// per-aggregate-ordered destination, and the phase is the core's [`Phase`].
+fn earlier_unresolved_sql() -> String {
+    format!(
+        "(w.ordering_key IS NOT NULL AND EXISTS (
         SELECT 1 FROM sealpost.work p
         WHERE p.ordering_key = w.ordering_key AND p.aggregate_version < w.aggregate_version
-          AND p.ordering_key IS NOT NULL AND p.phase <> 2))";
+          AND p.ordering_key IS NOT NULL AND p.phase <> {SETTLED}))"
+    )
+}
 
 /// The sealed envelope's description of the event, read by the claim for the wire headers
 /// ([`WireEnvelope`]); [`wire_envelope`] parses them from the given column on.
@@ -784,17 +800,6 @@ fn parse_status(s: &str) -> Result<AttemptStatus> {
         "FAILED" => AttemptStatus::Failed,
         other => return Err(StoreError::Corrupt(format!("attempt status `{other}`"))),
     })
-}
-
-/// The index of `state` in the work row's `phase` (see migration 3).
-fn phase_of(state: State) -> i16 {
-    match state {
-        State::Pending | State::Claimed | State::Sending | State::RetryClaimed => 0,
-        State::DispatchUnknown | State::Reconciling => 1,
-        // Migration 5: parked poison stays among the unresolved rows of the ordering index.
-        State::Quarantined => 3,
-        _ => 2,
-    }
 }
 
 /// Parses loaded rows and puts the earlier attempts (kept in `sealpost.attempt` only for rows
@@ -1106,7 +1111,7 @@ async fn persist_guarded(
             u_id.push(uuid_of(a.event_id));
             u_member.push(a.member as i16);
             u_state.push(a.state.as_str().to_string());
-            u_phase.push(phase_of(a.state));
+            u_phase.push(a.state.phase().code());
             u_owner.push(a.claim.as_ref().map(|c| c.owner as i64));
             u_cgen.push(a.claim_generation as i64);
             u_lease.push(a.claim.as_ref().map(|c| c.lease_until_ms as i64));
@@ -1530,10 +1535,11 @@ async fn claim_in(
     .await?;
     // One statement reads the clock, picks and locks the batch, joins the sealed envelope
     // (destination, digests, payload) and draws an attempt id per row.
+    // The pick is `step::picks` in SQL (the step checks every picked row against it).
     let q = locked_rows_sql(
         &format!(
             "FROM sealpost.work w
-             WHERE w.phase = 0 AND ($2::text IS NULL OR w.dest_cluster = $2)
+             WHERE w.phase = {DISPATCHABLE} AND ($2::text IS NULL OR w.dest_cluster = $2)
                AND w.committed_seq >= $3
                AND (w.state = 'PENDING' OR w.lease_until_ms IS NULL OR w.lease_until_ms <= {NOW_MS_SQL})
                AND (w.state <> 'PENDING' OR w.not_before_ms <= {NOW_MS_SQL})
@@ -1542,7 +1548,8 @@ async fn claim_in(
         &format!(
             ", e.payload, nextval('sealpost.attempt_id_seq'), {NOW_MS_SQL}, w.committed_seq,
                (SELECT pg_current_xact_id()::xid::text::bigint), w.created_at_ms,
-               {EARLIER_UNRESOLVED_SQL}, {WIRE_ENVELOPE_COLS}"
+               {}, {WIRE_ENVELOPE_COLS}",
+            earlier_unresolved_sql()
         ),
         "",
     );
@@ -1566,67 +1573,52 @@ async fn claim_in(
     };
     let served: Vec<String> = cluster.map(str::to_string).into_iter().collect();
     let mut payloads = Vec::with_capacity(found.len());
-    let mut ids = Vec::with_capacity(found.len());
+    let mut picked = Vec::with_capacity(found.len());
     for r in &found {
         payloads.push(r.get::<_, Vec<u8>>(ROW_COLS_LEN));
-        ids.push(r.get::<_, i64>(ROW_COLS_LEN + 1));
+        picked.push(Pick {
+            position: r.get::<_, i64>(ROW_COLS_LEN + 3) as u64,
+            earlier_unresolved: r.get::<_, bool>(ROW_COLS_LEN + 6),
+            attempt_id: r.get::<_, i64>(ROW_COLS_LEN + 1) as u64,
+        });
     }
     let before = finish_load(&tx, &found).await?;
     let mut after = before.clone();
+    let input = ClaimInput {
+        owner,
+        served: match cluster {
+            Some(_) => Served::Only(&served),
+            None => Served::Every,
+        },
+        now_ms,
+        lease_ms,
+        batch_max: batch_size_max,
+    };
+    let step = step::step_claim(&mut after, &picked, &input, &mut CoreRules)?;
     let mut batch = ClaimBatch {
         db_now_ms: now_ms,
-        last_position: found
-            .iter()
-            .map(|r| r.get::<_, i64>(ROW_COLS_LEN + 3) as u64)
-            .max(),
+        last_position: step.last_position,
+        ordered_from: step.ordered_from,
+        expired_to_unknown: step.expired_to_unknown,
+        ordering_waits: step.ordering_waits,
         ..ClaimBatch::default()
     };
-    let mut ordered_from: Option<u64> = None;
-    for (i, row) in after.iter_mut().enumerate() {
-        let earlier_unresolved = found[i].get::<_, bool>(ROW_COLS_LEN + 6);
-        let decision = match cluster {
-            Some(_) => {
-                decide_dispatch_claim_for(row, &served, earlier_unresolved, now_ms, lease_ms)
-            }
-            None => decide_dispatch_claim_with(row, earlier_unresolved, now_ms, lease_ms),
-        };
-        if decision == ClaimDecision::Wait {
-            batch.ordering_waits += 1;
-        }
-        match apply_claim(row, &decision, owner, now_ms) {
-            Ok(Some(token)) => {
-                let begin = decide_begin_send(row, token, now_ms)
-                    .map_err(|f| StoreError::Corrupt(format!("fresh claim fenced: {f:?}")))?;
-                let attempt_id = ids[i] as u64;
-                apply_begin_send(row, &begin, token, attempt_id, now_ms)
-                    .map_err(|e| StoreError::Corrupt(e.to_string()))?;
-                if row.destination.ordering == EventOrdering::PerAggregate {
-                    let p = found[i].get::<_, i64>(ROW_COLS_LEN + 3) as u64;
-                    ordered_from = Some(ordered_from.map_or(p, |q| q.min(p)));
-                }
-                batch.outgoing.push(Outgoing {
-                    event_id: begin.event_id,
-                    member: row.member,
-                    envelope_generation: begin.envelope_generation,
-                    attempt_id,
-                    token,
-                    payload_digest: row.payload_digest,
-                    destination: row.destination.clone(),
-                    destination_digest: begin.destination_digest,
-                    payload: std::mem::take(&mut payloads[i]),
-                    lease_until_ms: row.claim.as_ref().map_or(now_ms, |c| c.lease_until_ms),
-                    envelope: wire_envelope(&found[i], ROW_COLS_LEN + 7)?,
-                });
-            }
-            Ok(None) => {
-                if decision == ClaimDecision::ExpireToUnknown {
-                    batch.expired_to_unknown += 1;
-                }
-            }
-            Err(e) => return Err(StoreError::Corrupt(e.to_string())),
-        }
+    for (i, sent) in step.sends() {
+        let row = &after[i];
+        batch.outgoing.push(Outgoing {
+            event_id: sent.begin.event_id,
+            member: row.member,
+            envelope_generation: sent.begin.envelope_generation,
+            attempt_id: sent.attempt_id,
+            token: sent.token,
+            payload_digest: row.payload_digest,
+            destination: row.destination.clone(),
+            destination_digest: sent.begin.destination_digest,
+            payload: std::mem::take(&mut payloads[i]),
+            lease_until_ms: sent.lease_until_ms,
+            envelope: wire_envelope(&found[i], ROW_COLS_LEN + 7)?,
+        });
     }
-    batch.ordered_from = ordered_from;
     persist_guarded(
         &tx,
         &before,
@@ -1957,18 +1949,11 @@ async fn submit_held_in(
                 guarded += 1;
                 continue;
             }
-            if seen[&key] != 1 || r.source != ReceiptSource::Ack || r.broker_duplicate {
+            // The core's guarded step on the row as the claim left it; the write below lands
+            // only if the row is still that version (its `xmin`).
+            let Some(a) = step::step_guarded(&h.row, r, seen[&key], now_ms, decide_receipt)? else {
                 continue;
-            }
-            let v = decide_receipt(&h.row, r);
-            if v != ReceiptVerdict::Primary {
-                continue;
-            }
-            let mut a = h.row.clone();
-            apply_receipt(&mut a, r, v, now_ms).map_err(|e| StoreError::Corrupt(e.to_string()))?;
-            if a.attempts.len() != h.row.attempts.len() {
-                continue;
-            }
+            };
             fast.push(k);
             before.push(h.row.clone());
             after.push(a);
@@ -2191,10 +2176,12 @@ pub async fn claim_unknown(
     // Due unknown rows in the order they fell due: a range scan of `work_unknown_due` that
     // stops at `now`, never walking rows that are not due.
     let q = locked_rows_sql(
-        "FROM sealpost.work w
-         WHERE w.phase = 1 AND w.next_lookup_at_ms <= $1
+        &format!(
+            "FROM sealpost.work w
+         WHERE w.phase = {UNKNOWN} AND w.next_lookup_at_ms <= $1
            AND (w.lease_until_ms IS NULL OR w.lease_until_ms <= $1)
-         ORDER BY w.next_lookup_at_ms LIMIT $2 FOR UPDATE OF w SKIP LOCKED",
+         ORDER BY w.next_lookup_at_ms LIMIT $2 FOR UPDATE OF w SKIP LOCKED"
+        ),
         "",
         "w.next_lookup_at_ms",
     );
@@ -2208,12 +2195,14 @@ pub async fn claim_unknown(
     // them (claims go in commit order). Every dispatcher's claim scan moves any expired
     // `SENDING` row it passes to `DISPATCH_UNKNOWN` as well.
     let q = locked_rows_sql(
-        "FROM sealpost.work w
-         JOIN (SELECT event_id, member FROM sealpost.work WHERE phase = 0
+        &format!(
+            "FROM sealpost.work w
+         JOIN (SELECT event_id, member FROM sealpost.work WHERE phase = {DISPATCHABLE}
                ORDER BY dest_cluster, committed_seq LIMIT $3) f
            ON f.event_id = w.event_id AND f.member = w.member
          WHERE w.state = 'SENDING' AND w.lease_until_ms <= $1
-         LIMIT $2 FOR UPDATE OF w SKIP LOCKED",
+         LIMIT $2 FOR UPDATE OF w SKIP LOCKED"
+        ),
         "",
         "w.committed_seq",
     );
@@ -2372,7 +2361,9 @@ pub async fn unknown_age(client: &impl GenericClient) -> Result<(i64, f64)> {
     let now_ms = db_now_ms(client).await? as i64;
     let r = client
         .query_one(
-            "SELECT count(*), min(unknown_since_ms) FROM sealpost.work WHERE phase = 1",
+            &format!(
+                "SELECT count(*), min(unknown_since_ms) FROM sealpost.work WHERE phase = {UNKNOWN}"
+            ),
             &[],
         )
         .await?;
@@ -2407,11 +2398,11 @@ pub async fn status(client: &impl GenericClient) -> Result<Status> {
     }
     let r = client
         .query_one(
-            "SELECT (SELECT min(created_at_ms) FROM sealpost.work WHERE phase = 0 AND state = 'PENDING'),
-                    (SELECT min(unknown_since_ms) FROM sealpost.work WHERE phase = 1),
-                    (SELECT count(*) FROM sealpost.work WHERE phase = 1),
+            &format!("SELECT (SELECT min(created_at_ms) FROM sealpost.work WHERE phase = {DISPATCHABLE} AND state = 'PENDING'),
+                    (SELECT min(unknown_since_ms) FROM sealpost.work WHERE phase = {UNKNOWN}),
+                    (SELECT count(*) FROM sealpost.work WHERE phase = {UNKNOWN}),
                     (SELECT count(*) FROM sealpost.quarantine)
-                      + (SELECT count(*) FROM sealpost.work WHERE state = 'QUARANTINED')",
+                      + (SELECT count(*) FROM sealpost.work WHERE state = 'QUARANTINED')"),
             &[],
         )
         .await?;
@@ -2435,8 +2426,8 @@ pub async fn status(client: &impl GenericClient) -> Result<Status> {
     }
     for r in client
         .query(
-            "SELECT event_id::text, never_sent, coalesce(last_error, '') FROM sealpost.work
-             WHERE phase = 0 AND state = 'PENDING' AND never_sent >= $1 ORDER BY committed_seq LIMIT 20",
+            &format!("SELECT event_id::text, never_sent, coalesce(last_error, '') FROM sealpost.work
+             WHERE phase = {DISPATCHABLE} AND state = 'PENDING' AND never_sent >= $1 ORDER BY committed_seq LIMIT 20"),
             &[&(NEVER_SENT_ALERT_COUNT as i32)],
         )
         .await?

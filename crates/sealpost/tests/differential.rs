@@ -3,21 +3,32 @@
 //! claims, and reconciler lookups are applied both to PostgreSQL (through `sealpost::store`)
 //! and to an in-memory copy of the rows (through `sealpost-core`'s `apply_*`). After every
 //! step each row must be identical in both: the SQL persists exactly what the core decided.
+//!
+//! The model runs the same core steps as the store: the claim is `step::picks` over the rows in
+//! commit order up to the batch, then `step::step_claim`; half the claims and receipts go
+//! through the dispatcher's guarded fast path (`claim_batch_held` / `submit_held`), which the
+//! model runs as `step::step_guarded` on the row as its claim left it, guarded by "the row is
+//! still exactly that" — and the store must have taken the guarded write for exactly those
+//! receipts.
 
 mod common;
 
 use sealpost::runtime;
 use sealpost::store::{self, Accepted, OutcomeReport};
+use std::collections::HashMap;
+
 use sealpost_core::claim::{
-    apply_begin_send, apply_claim, apply_send_outcome, decide_begin_send, decide_dispatch_claim,
-    decide_reconcile_claim, decide_send_outcome, ClaimDecision, ClaimToken, SendOutcome,
+    apply_claim, apply_send_outcome, decide_reconcile_claim, decide_send_outcome, ClaimToken,
+    SendOutcome,
 };
+use sealpost_core::dispatcher::Submission;
 use sealpost_core::envelope::NewEvent;
 use sealpost_core::receipt::{apply_receipt, decide_receipt, Receipt, ReceiptSource};
 use sealpost_core::reconcile::{
     apply_reconcile, decide_reconcile, Lookup, ReconcileDecision, ReconcilePolicy,
 };
 use sealpost_core::row::EventRow;
+use sealpost_core::step::{self, ClaimInput, CoreRules, Pick, Served};
 use sealpost_core::{Digest, EventId};
 
 const LEASE_MS: u64 = 3_600_000;
@@ -111,6 +122,7 @@ async fn random_fault_sequences_persist_exactly_what_the_core_decides() {
     let mut pg = runtime::pg_connect(&cfg.database_url).await.unwrap();
     store::migrate(&pg).await.unwrap();
     let mut steps = 0;
+    let mut guarded_total = 0;
     for seed in 1..=12u64 {
         pg.batch_execute("TRUNCATE sealpost.envelope, sealpost.work, sealpost.attempt, sealpost.receipt, sealpost.quarantine, sealpost.audit")
             .await
@@ -127,48 +139,86 @@ async fn random_fault_sequences_persist_exactly_what_the_core_decides() {
         tx.commit().await.unwrap();
         let mut model: Vec<EventRow> = envs.iter().map(|e| EventRow::pending(e, 0)).collect();
         let keyset: Vec<(EventId, u16)> = model.iter().map(|r| (r.event_id, 0)).collect();
-        let mut tokens: Vec<(usize, ClaimToken, u64)> = Vec::new(); // (row, token, attempt)
+        let mut tokens: Vec<(usize, ClaimToken, u64, u64)> = Vec::new(); // (row, token, attempt, owner)
+                                                                         // Per owner: the store's held rows, and the model's rows as that owner's claim left them.
+        let mut held: HashMap<u64, store::Held> = HashMap::new();
+        let mut held_model: HashMap<EventId, (u64, EventRow)> = HashMap::new();
         for _ in 0..60 {
             steps += 1;
             let now = store::db_now_ms(&pg).await.unwrap();
             match rng.below(6) {
-                // Claim a batch (registers attempts).
+                // Claim a batch (registers attempts), plainly or keeping what it claimed.
                 0 | 1 => {
                     let owner = 1 + rng.below(3);
                     let max = 1 + rng.below(3) as usize;
-                    let b = store::claim_batch(&mut pg, owner, max, LEASE_MS)
-                        .await
-                        .unwrap();
-                    let mut granted = 0;
-                    for (i, row) in model.iter_mut().enumerate() {
-                        if granted == max {
-                            break;
-                        }
-                        let d = decide_dispatch_claim(row, now, LEASE_MS);
-                        if d == ClaimDecision::Skip {
-                            continue;
-                        }
-                        let token = apply_claim(row, &d, owner, now).unwrap().expect("a grant");
-                        let begin = decide_begin_send(row, token, now).unwrap();
-                        let o = b
-                            .outgoing
-                            .get(granted)
-                            .expect("the store granted fewer claims than the core");
-                        assert_eq!(o.event_id, row.event_id, "claim order");
-                        apply_begin_send(row, &begin, token, o.attempt_id, now).unwrap();
-                        tokens.push((i, token, o.attempt_id));
-                        granted += 1;
-                    }
+                    let keep = rng.below(2) == 0;
+                    let b = if keep {
+                        let h = held.entry(owner).or_default();
+                        store::claim_batch_held(&mut pg, owner, None, 0, max, LEASE_MS, h)
+                            .await
+                            .unwrap()
+                    } else {
+                        store::claim_batch(&mut pg, owner, max, LEASE_MS)
+                            .await
+                            .unwrap()
+                    };
+                    // The core's pick over the model, in commit order, up to the batch.
+                    let idx: Vec<usize> = (0..model.len())
+                        .filter(|&i| step::picks(&model[i], Served::Every, now))
+                        .take(max)
+                        .collect();
+                    let attempt_of = |i: usize| {
+                        b.outgoing
+                            .iter()
+                            .find(|o| o.event_id == model[i].event_id)
+                            .map_or(0, |o| o.attempt_id)
+                    };
+                    let picked: Vec<Pick> = idx
+                        .iter()
+                        .map(|&i| Pick {
+                            position: i as u64,
+                            earlier_unresolved: false,
+                            attempt_id: attempt_of(i),
+                        })
+                        .collect();
+                    let mut rows: Vec<EventRow> = idx.iter().map(|&i| model[i].clone()).collect();
+                    let input = ClaimInput {
+                        owner,
+                        served: Served::Every,
+                        now_ms: now,
+                        lease_ms: LEASE_MS,
+                        batch_max: max,
+                    };
+                    let st = step::step_claim(&mut rows, &picked, &input, &mut CoreRules).unwrap();
+                    let sent: Vec<_> = st
+                        .sends()
+                        .map(|(k, a)| (rows[k].event_id, a.attempt_id))
+                        .collect();
+                    let stored: Vec<_> = b
+                        .outgoing
+                        .iter()
+                        .map(|o| (o.event_id, o.attempt_id))
+                        .collect();
                     assert_eq!(
-                        granted,
-                        b.outgoing.len(),
-                        "the store granted more claims than the core"
+                        stored, sent,
+                        "seed {seed}: the store's claim and the core's step differ"
                     );
+                    assert_eq!(b.expired_to_unknown, st.expired_to_unknown);
+                    for (k, a) in st.sends() {
+                        tokens.push((idx[k], a.token, a.attempt_id, owner));
+                    }
+                    for (k, &i) in idx.iter().enumerate() {
+                        model[i] = rows[k].clone();
+                        if keep && sent.iter().any(|(e, _)| *e == model[i].event_id) {
+                            held_model.insert(model[i].event_id, (owner, model[i].clone()));
+                        }
+                    }
                 }
                 // A receipt: genuine, duplicate at the same or another position, seq 0,
-                // forged attempt, or corrupted digest (F2, F4, F8).
+                // forged attempt, or corrupted digest (F2, F4, F8); through the guarded path
+                // of the claim's owner or the locked acceptance.
                 2 | 3 => {
-                    let Some(&(i, _, attempt)) =
+                    let Some(&(i, token, attempt, _)) =
                         tokens.get(rng.below(tokens.len() as u64 + 1) as usize)
                     else {
                         continue;
@@ -181,16 +231,55 @@ async fn random_fault_sequences_persist_exactly_what_the_core_decides() {
                         3 => r.payload_digest = Digest([9; 32]),
                         _ => {}
                     }
-                    let got = store::accept_receipts(&mut pg, std::slice::from_ref(&r))
-                        .await
-                        .unwrap();
-                    let v = decide_receipt(&model[i], &r);
-                    apply_receipt(&mut model[i], &r, v, now).unwrap();
-                    assert_eq!(got, vec![Accepted::Verdict(v)]);
+                    if rng.below(2) == 0 {
+                        let owner = token.owner;
+                        let h = held.entry(owner).or_default();
+                        let sub = Submission {
+                            receipts: vec![r.clone()],
+                            reports: Vec::new(),
+                        };
+                        let got = store::submit_held(&mut pg, &sub, 3, h).await.unwrap();
+                        // The model: the guarded step on the row as the owner's claim left
+                        // it, if the row is still exactly that; else the locked decision.
+                        let key = model[i].event_id;
+                        let snapshot = held_model
+                            .get(&key)
+                            .filter(|(o, row)| *o == owner && *row == model[i])
+                            .map(|(_, row)| row.clone());
+                        let guarded = match snapshot {
+                            Some(row) => {
+                                step::step_guarded(&row, &r, 1, now, decide_receipt).unwrap()
+                            }
+                            None => None,
+                        };
+                        let v = decide_receipt(&model[i], &r);
+                        let took_guarded = guarded.is_some();
+                        match guarded {
+                            Some(after) => model[i] = after,
+                            None => apply_receipt(&mut model[i], &r, v, now).unwrap(),
+                        }
+                        if held_model.get(&key).is_some_and(|(o, _)| *o == owner) {
+                            held_model.remove(&key);
+                        }
+                        assert_eq!(got.accepted, vec![Accepted::Verdict(v)]);
+                        assert_eq!(
+                            got.guarded,
+                            usize::from(took_guarded),
+                            "seed {seed}: the store's guarded write and the core's guarded step differ"
+                        );
+                        guarded_total += got.guarded;
+                    } else {
+                        let got = store::accept_receipts(&mut pg, std::slice::from_ref(&r))
+                            .await
+                            .unwrap();
+                        let v = decide_receipt(&model[i], &r);
+                        apply_receipt(&mut model[i], &r, v, now).unwrap();
+                        assert_eq!(got, vec![Accepted::Verdict(v)]);
+                    }
                 }
                 // An outcome report from the current or a stale claim (F3, F7 retries).
                 4 => {
-                    let Some(&(i, token, attempt)) =
+                    let Some(&(i, token, attempt, _)) =
                         tokens.get(rng.below(tokens.len() as u64 + 1) as usize)
                     else {
                         continue;
@@ -279,4 +368,6 @@ async fn random_fault_sequences_persist_exactly_what_the_core_decides() {
         println!("seed {seed}: {published} published, {unknown} unknown after 60 steps");
     }
     assert_eq!(steps, 12 * 60);
+    println!("{guarded_total} receipts accepted by the guarded write");
+    assert!(guarded_total > 0, "the guarded path was never taken");
 }
