@@ -7,6 +7,14 @@ use crate::encoding::{Canonical, Digest};
 pub const DESTINATION_DOMAIN: &str = "sealpost.destination.v1";
 /// Domain tag of the payload digest.
 pub const PAYLOAD_DOMAIN: &str = "sealpost.payload.v1";
+
+/// The payload digest of `payload`: what the sealed envelope holds for it, and what a copy
+/// found at a broker is judged by. A lookup's receipt carries this digest of the bytes the
+/// broker holds, never the digest a header claims: anyone who may publish can write any
+/// header, so a header is no proof (a forged copy with a matching header would be adopted).
+pub fn payload_digest(payload: &[u8]) -> Digest {
+    Digest::of_bytes(PAYLOAD_DOMAIN, payload)
+}
 /// Domain tag of the payload schema digest.
 pub const SCHEMA_DOMAIN: &str = "sealpost.schema.v1";
 /// Domain tag of the envelope digest.
@@ -385,7 +393,7 @@ impl SealedEnvelope {
             aggregate_version: ev.aggregate_version,
             event_type: ev.event_type.to_string(),
             payload_schema_digest: Digest::of_bytes(SCHEMA_DOMAIN, ev.payload_schema.as_bytes()),
-            payload_digest: Digest::of_bytes(PAYLOAD_DOMAIN, ev.payload),
+            payload_digest: payload_digest(ev.payload),
             tenant: ev.tenant.to_string(),
             occurred_at_ms: ev.occurred_at_ms,
             creating_txid: ev.creating_txid,

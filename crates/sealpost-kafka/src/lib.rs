@@ -78,7 +78,7 @@ use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 use rdkafka::{Offset, TopicPartitionList};
 use sealpost_core::encoding::Digest;
-use sealpost_core::envelope::{Destination, EventId, PartitionAlgorithm};
+use sealpost_core::envelope::{payload_digest, Destination, EventId, PartitionAlgorithm};
 use sealpost_core::port::{
     encode_request, may_leave, Broker, Capabilities, NeverSentReason, RefusalKind, SendRequest,
     SendResult,
@@ -808,7 +808,8 @@ impl Kafka {
                             member,
                             envelope_generation: get(H_ENVELOPE_GENERATION)?.parse().ok()?,
                             attempt_id: get(H_ATTEMPT_ID)?.parse().ok()?,
-                            payload_digest: Digest::from_hex(get(H_PAYLOAD_DIGEST)?)?,
+                            // The digest of the bytes stored, not the header's claim.
+                            payload_digest: payload_digest(m.payload().unwrap_or_default()),
                             destination_digest: Digest::from_hex(get(H_DESTINATION_DIGEST)?)?,
                             cluster: self.cfg.cluster.clone(),
                             stream: topic.to_string(),

@@ -57,7 +57,7 @@ use async_nats::header::{HeaderName, HeaderValue};
 use async_nats::jetstream::{self, context::PublishErrorKind, stream::LastRawMessageErrorKind};
 use async_nats::{HeaderMap, ServerError};
 use sealpost_core::encoding::Digest;
-use sealpost_core::envelope::{Destination, EventId};
+use sealpost_core::envelope::{payload_digest, Destination, EventId};
 use sealpost_core::port::{
     encode_request, may_leave, Broker, Capabilities, NeverSentReason, RefusalKind, ScannedMessage,
     SendRequest, SendResult, StreamCursor, StreamScan,
@@ -436,7 +436,9 @@ impl Nats {
                         member: h(H_MEMBER)?.parse().ok()?,
                         envelope_generation: h(H_ENVELOPE_GENERATION)?.parse().ok()?,
                         attempt_id: h(H_ATTEMPT_ID)?.parse().ok()?,
-                        payload_digest: Digest::from_hex(&h(H_PAYLOAD_DIGEST)?)?,
+                        // The digest of the bytes stored, not the header's claim: a copy
+                        // someone else published with our headers is no proof of our send.
+                        payload_digest: payload_digest(&m.payload),
                         destination_digest: Digest::from_hex(&h(H_DESTINATION_DIGEST)?)?,
                         cluster: self.cluster.clone(),
                         stream: topic.to_string(),

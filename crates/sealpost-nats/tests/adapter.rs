@@ -147,6 +147,105 @@ async fn receipt_duplicate_already_stored_and_lookup() {
     let _ = nats.js.delete_stream(&t).await;
 }
 
+/// Issue 23's forgery: someone who may publish copies a genuine message's headers onto an
+/// event's subject, with that event's sealed payload digest in the digest header (it is no
+/// secret: every consumer sees it) and a foreign payload. The lookup's receipt carries the
+/// digest of the bytes stored, not the header's, so the reconciler cannot adopt the copy: at
+/// this create-if-absent broker it becomes a conflict for an operator, never `PUBLISHED`
+/// (before, the header's digest matched the sealed one and the copy was adopted).
+#[tokio::test]
+async fn a_forged_copy_with_matching_headers_is_never_adopted() {
+    use sealpost_core::claim::ClaimToken;
+    use sealpost_core::reconcile::{decide_reconcile, ReconcileDecision, ReconcilePolicy};
+    use sealpost_core::row::{Attempt, AttemptStatus, Claim, EventRow};
+    use sealpost_core::{QuarantineReason, State};
+
+    let t = topic("FRG");
+    let (nats, _stream) = connect(&t).await;
+    let d = destination(CLUSTER, &t);
+    // The genuine message of one event, sent: its headers are what a forger copies.
+    let genuine = request(&d, b"{\"order\":\"o-1\"}");
+    assert!(matches!(
+        nats.send_batch(vec![genuine.clone()], later()).await[0],
+        SendResult::Receipt(_)
+    ));
+    let stored = nats
+        .js
+        .get_stream(&t)
+        .await
+        .unwrap()
+        .get_last_raw_message_by_subject(&subject(&t, genuine.event_id, 0))
+        .await
+        .unwrap();
+    // The victim: another event, sealed but not yet stored (its send timed out, say).
+    let victim = request(&d, b"{\"order\":\"o-2\",\"total_cents\":100}");
+    let foreign = b"{\"order\":\"o-2\",\"total_cents\":999999}";
+    let mut headers = stored.headers.clone();
+    let forged_digest = Digest::of_bytes(PAYLOAD_DOMAIN, foreign);
+    headers.insert(
+        sealpost_nats::H_EVENT_ID,
+        victim.event_id.to_string().as_str(),
+    );
+    headers.insert(
+        sealpost_nats::H_PAYLOAD_DIGEST,
+        victim.payload_digest.to_prefixed_hex().as_str(),
+    );
+    headers.insert(
+        "Nats-Msg-Id",
+        format!("{}:0:{}", victim.event_id, victim.attempt_id).as_str(),
+    );
+    nats.js
+        .publish_with_headers(
+            subject(&t, victim.event_id, 0),
+            headers,
+            foreign.to_vec().into(),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    let found = match nats.lookup(&d, victim.event_id, 0).await {
+        Lookup::Found(r) => r,
+        other => panic!("the forged copy is found: {other:?}"),
+    };
+    assert_eq!(
+        found.payload_digest, forged_digest,
+        "the receipt carries the digest of the stored bytes"
+    );
+    assert_ne!(found.payload_digest, victim.payload_digest);
+    // The reconciler's decision on the victim's row: a conflict, not an adoption.
+    let mut row = EventRow::new_pending(victim.event_id, 0, victim.payload_digest, d.clone());
+    row.state = State::Reconciling;
+    row.claim_generation = 2;
+    row.claim = Some(Claim {
+        owner: 9,
+        generation: 2,
+        lease_until_ms: u64::MAX,
+    });
+    row.attempts.push(Attempt {
+        id: found.attempt_id,
+        attempt_generation: 1,
+        claim_generation: 1,
+        owner: 1,
+        envelope_generation: 1,
+        destination_digest: d.digest(),
+        status: AttemptStatus::Unknown,
+        started_at_ms: 0,
+    });
+    let token = ClaimToken {
+        owner: 9,
+        generation: 2,
+    };
+    let policy = ReconcilePolicy {
+        create_if_absent: true,
+        ..ReconcilePolicy::default()
+    };
+    assert_eq!(
+        decide_reconcile(&row, token, &Lookup::Found(found), policy, 1),
+        ReconcileDecision::Conflict(QuarantineReason::PayloadDigestMismatch)
+    );
+}
+
 #[tokio::test]
 async fn nothing_leaves_after_the_deadline_or_for_another_cluster_or_stream() {
     let t = topic("DL");
