@@ -13,18 +13,29 @@
 //! * [`holds_back`]: "an earlier version of this aggregate is unresolved" (R29).
 //! * [`step_claim`]: the claim transaction: grant or expire or wait per picked row, register
 //!   an attempt for each grant, the scan's next position and the ordered sends' lowest one.
+//! * [`step_accept`]: the locked acceptance point (R10–R12) for a batch of receipts: the
+//!   verdict per receipt, the row changes, and which receipts are kept as evidence.
 //! * [`guarded_eligible`] and [`step_guarded`]: the dispatcher's fast acceptance path, a
 //!   receipt accepted on the row as the dispatcher's own claim left it, written only if the
 //!   row is still exactly that.
+//! * [`step_report`]: the senders' outcome reports (ACK timeout, never sent, refused).
+//! * [`picks_for_reconcile`], [`EXPIRY_FRONT_PER_BATCH`] and [`step_claim_unknown`]: the
+//!   reconciler's claim of due unknown rows and of expired `SENDING` rows at the front of the
+//!   claim order.
 //!
-//! Mutants and other variations of a decision come in through the [`ClaimRules`] hooks (the
-//! simulator's `Protocol`); production passes [`CoreRules`].
+//! Mutants and other variations of a decision come in through the [`ClaimRules`],
+//! [`AcceptRules`] and [`ReportRules`] hooks (the simulator's `Protocol`); production passes
+//! [`CoreRules`].
 
 use std::borrow::BorrowMut;
 
-use crate::claim::{self, apply_begin_send, apply_claim, BeginSend, ClaimDecision, ClaimToken};
+use crate::claim::{
+    self, apply_begin_send, apply_claim, BeginSend, ClaimDecision, ClaimToken, SendOutcome,
+    SendOutcomeDecision, NEVER_SENT_ALERT_COUNT,
+};
+use crate::dispatcher::OutcomeReport;
 use crate::envelope::EventOrdering;
-use crate::receipt::{self, Receipt, ReceiptSource, ReceiptVerdict};
+use crate::receipt::{self, DuplicateKind, Receipt, ReceiptSource, ReceiptVerdict};
 use crate::row::{AttemptStatus, EventRow};
 use crate::state::{Phase, State, TransitionError};
 
@@ -369,6 +380,303 @@ pub fn step_claim<R: BorrowMut<EventRow>>(
         step.outcomes.push(outcome);
     }
     Ok(step)
+}
+
+/// The acceptance decisions, as hooks ([`CoreRules`]: the core's own).
+pub trait AcceptRules {
+    /// `acceptDispatchReceipt`'s verdict.
+    fn decide_receipt(&mut self, row: &EventRow, r: &Receipt) -> ReceiptVerdict {
+        receipt::decide_receipt(row, r)
+    }
+
+    /// Applies the verdict to the row.
+    fn apply_receipt(
+        &mut self,
+        row: &mut EventRow,
+        r: &Receipt,
+        verdict: ReceiptVerdict,
+        now_ms: u64,
+    ) -> Result<(), TransitionError> {
+        receipt::apply_receipt(row, r, verdict, now_ms)
+    }
+}
+
+impl AcceptRules for CoreRules {}
+
+/// A receipt the acceptance keeps as a row of evidence (`sealpost.receipt`). The happy
+/// path's primary receipt lives in the work row alone (R10).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Evidence {
+    /// A primary found by a lookup, or one the broker reported as a duplicate publish.
+    Primary,
+    /// A duplicate transport receipt at the primary's position.
+    SamePosition,
+    /// A second stored copy (a finding).
+    SecondCopy,
+}
+
+impl Evidence {
+    /// The `kind` stored with the receipt row.
+    pub fn kind(self) -> &'static str {
+        match self {
+            Evidence::Primary => "primary",
+            Evidence::SamePosition => "same_position",
+            Evidence::SecondCopy => "second_copy",
+        }
+    }
+
+    /// What, if anything, of `r` is kept as evidence after `verdict`.
+    pub fn of(r: &Receipt, verdict: ReceiptVerdict) -> Option<Evidence> {
+        match verdict {
+            ReceiptVerdict::Primary if r.source == ReceiptSource::Lookup || r.broker_duplicate => {
+                Some(Evidence::Primary)
+            }
+            ReceiptVerdict::Duplicate(DuplicateKind::SamePosition) => Some(Evidence::SamePosition),
+            ReceiptVerdict::Duplicate(DuplicateKind::SecondCopy) => Some(Evidence::SecondCopy),
+            _ => None,
+        }
+    }
+}
+
+/// What the acceptance did with one receipt.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Acceptance {
+    /// No locked row has the receipt's event id and member (an unknown or purged event, a
+    /// forged id): audited.
+    UnknownEvent,
+    /// The verdict on the row at `row` (its index in the step's slice).
+    Judged {
+        /// The row's index.
+        row: usize,
+        /// The acceptance point's verdict.
+        verdict: ReceiptVerdict,
+        /// The evidence row to keep, if any.
+        evidence: Option<Evidence>,
+    },
+}
+
+const ACCEPT: &str = "acceptance step";
+
+/// The locked acceptance point over `rows` (each event and member once, locked by the
+/// shell) for `receipts` in order: each receipt is judged on its row as the receipts before
+/// it left it (two receipts for one row compete for one slot). It does not look at claims: a
+/// late ACK from an expired attempt competes like any other (R11).
+///
+/// Postcondition: a `Primary` verdict left its row published.
+pub fn step_accept<R: BorrowMut<EventRow>>(
+    rows: &mut [R],
+    receipts: &[Receipt],
+    now_ms: u64,
+    rules: &mut impl AcceptRules,
+) -> Result<Vec<Acceptance>, StepError> {
+    let mut index = std::collections::HashMap::with_capacity(rows.len());
+    for (i, r) in rows.iter().enumerate() {
+        let row: &EventRow = r.borrow();
+        if index.insert((row.event_id, row.member), i).is_some() {
+            return Err(pre(
+                ACCEPT,
+                format!("event {} member {} locked twice", row.event_id, row.member),
+            ));
+        }
+    }
+    let mut out = Vec::with_capacity(receipts.len());
+    for r in receipts {
+        let Some(&i) = index.get(&(r.event_id, r.member)) else {
+            out.push(Acceptance::UnknownEvent);
+            continue;
+        };
+        let row: &mut EventRow = rows[i].borrow_mut();
+        let verdict = rules.decide_receipt(row, r);
+        rules.apply_receipt(row, r, verdict, now_ms)?;
+        if verdict == ReceiptVerdict::Primary && !row.state.is_published() {
+            return Err(post(
+                ACCEPT,
+                format!(
+                    "a primary receipt left event {} {}",
+                    row.event_id, row.state
+                ),
+            ));
+        }
+        out.push(Acceptance::Judged {
+            row: i,
+            verdict,
+            evidence: Evidence::of(r, verdict),
+        });
+    }
+    Ok(out)
+}
+
+/// The outcome-report decisions, as hooks ([`CoreRules`]: the core's own).
+pub trait ReportRules {
+    /// The verdict on a report.
+    fn decide_send_outcome(
+        &mut self,
+        row: &EventRow,
+        rep: &OutcomeReport,
+        now_ms: u64,
+        rejection_limit: u32,
+    ) -> SendOutcomeDecision {
+        claim::decide_send_outcome(
+            row,
+            rep.token,
+            rep.attempt_id,
+            rep.outcome,
+            now_ms,
+            rejection_limit,
+        )
+    }
+
+    /// Applies the verdict to the row.
+    fn apply_send_outcome(
+        &mut self,
+        row: &mut EventRow,
+        decision: SendOutcomeDecision,
+        rep: &OutcomeReport,
+        now_ms: u64,
+    ) -> Result<(), TransitionError> {
+        claim::apply_send_outcome(row, decision, rep.attempt_id, rep.outcome, now_ms)
+    }
+}
+
+impl ReportRules for CoreRules {}
+
+/// What the report step did with one report.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Reported {
+    /// The row's index in the step's slice (`None`: no such row; the verdict is an audit).
+    pub row: Option<usize>,
+    /// The verdict.
+    pub decision: SendOutcomeDecision,
+    /// The report's detail is the row's latest evidence of why it could not leave (not an
+    /// audit, not an ACK timeout).
+    pub records_error: bool,
+    /// The row could not leave `NEVER_SENT_ALERT_COUNT` times or more: an operator alert.
+    pub stuck: Option<u32>,
+    /// The row is quarantined as poison, refused this many times.
+    pub quarantined_after: Option<u32>,
+}
+
+/// The senders' outcome reports over `rows` (each event and member once, locked by the
+/// shell), in order. A report from a claim that is no longer current, or for a row that is
+/// gone, is an audit only (R9).
+pub fn step_report<R: BorrowMut<EventRow>>(
+    rows: &mut [R],
+    reports: &[OutcomeReport],
+    rejection_limit: u32,
+    now_ms: u64,
+    rules: &mut impl ReportRules,
+) -> Result<Vec<Reported>, StepError> {
+    let mut index = std::collections::HashMap::with_capacity(rows.len());
+    for (i, r) in rows.iter().enumerate() {
+        let row: &EventRow = r.borrow();
+        if index.insert((row.event_id, row.member), i).is_some() {
+            return Err(pre(
+                "report step",
+                format!("event {} member {} locked twice", row.event_id, row.member),
+            ));
+        }
+    }
+    let mut out = Vec::with_capacity(reports.len());
+    for rep in reports {
+        let Some(&i) = index.get(&(rep.event_id, rep.member)) else {
+            out.push(Reported {
+                row: None,
+                decision: SendOutcomeDecision::Audit(claim::Fenced::NotCurrentAttempt),
+                records_error: false,
+                stuck: None,
+                quarantined_after: None,
+            });
+            continue;
+        };
+        let row: &mut EventRow = rows[i].borrow_mut();
+        let decision = rules.decide_send_outcome(row, rep, now_ms, rejection_limit);
+        rules.apply_send_outcome(row, decision, rep, now_ms)?;
+        let counted = !matches!(decision, SendOutcomeDecision::Audit(_))
+            && rep.outcome != SendOutcome::AckTimeout;
+        out.push(Reported {
+            row: Some(i),
+            decision,
+            records_error: counted,
+            stuck: (counted
+                && rep.outcome == SendOutcome::NeverSent
+                && row.pacing.never_sent >= NEVER_SENT_ALERT_COUNT)
+                .then_some(row.pacing.never_sent),
+            quarantined_after: (decision == SendOutcomeDecision::ToQuarantine)
+                .then_some(row.rejections),
+        });
+    }
+    Ok(out)
+}
+
+/// Does the reconciler's claim take `row`? A `DISPATCH_UNKNOWN` row whose next lookup is
+/// due and which no reconciler holds (or a `RECONCILING` row whose reconciler's lease ran
+/// out), or a `SENDING` row whose lease ran out (it becomes `DISPATCH_UNKNOWN`).
+///
+/// The store reads the unknown rows in the order their lookups fell due, up to the batch,
+/// and the expired `SENDING` rows among the first [`EXPIRY_FRONT_PER_BATCH`] × batch rows of
+/// the dispatchable phase in claim order (cluster, commit position), up to the batch: the
+/// lease is not indexed, and a dispatcher that died mid-send left its rows at the front
+/// (claims go in commit order); every dispatch claim scan expires the rows it passes too.
+pub fn picks_for_reconcile(row: &EventRow, now_ms: u64) -> bool {
+    claim::decide_reconcile_claim(row, now_ms, 0) != ClaimDecision::Skip
+}
+
+/// How far into the claim order the reconciler's claim looks for expired `SENDING` rows, in
+/// batches ([`picks_for_reconcile`]).
+pub const EXPIRY_FRONT_PER_BATCH: usize = 8;
+
+/// What the reconciler's claim did with one picked row.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum UnknownPick {
+    /// Now `RECONCILING` under this claim: the reconciler looks it up.
+    Claimed {
+        /// The reconciler's claim.
+        token: ClaimToken,
+        /// It superseded a reconciler whose lease ran out.
+        superseding: bool,
+    },
+    /// A `SENDING` row whose lease ran out, now `DISPATCH_UNKNOWN`.
+    ExpiredToUnknown,
+}
+
+/// The reconciler's claim transaction over the rows it picked. Precondition: every row is
+/// one [`picks_for_reconcile`] takes at `now_ms`.
+pub fn step_claim_unknown<R: BorrowMut<EventRow>>(
+    rows: &mut [R],
+    owner: u64,
+    now_ms: u64,
+    lease_ms: u64,
+) -> Result<Vec<UnknownPick>, StepError> {
+    const STEP: &str = "reconciler claim step";
+    for r in rows.iter() {
+        let row: &EventRow = r.borrow();
+        if !picks_for_reconcile(row, now_ms) {
+            return Err(pre(
+                STEP,
+                format!(
+                    "event {} ({}) was picked but the reconciler's claim rule does not take it at {now_ms} ms",
+                    row.event_id, row.state
+                ),
+            ));
+        }
+    }
+    let mut out = Vec::with_capacity(rows.len());
+    for r in rows.iter_mut() {
+        let row: &mut EventRow = r.borrow_mut();
+        let d = claim::decide_reconcile_claim(row, now_ms, lease_ms);
+        let superseding = matches!(
+            d,
+            ClaimDecision::Grant {
+                superseding: true,
+                ..
+            }
+        );
+        out.push(match apply_claim(row, &d, owner, now_ms)? {
+            Some(token) => UnknownPick::Claimed { token, superseding },
+            None => UnknownPick::ExpiredToUnknown,
+        });
+    }
+    Ok(out)
 }
 
 /// May `receipt` take the guarded fast path? Only an ordinary first ACK: from the sender,

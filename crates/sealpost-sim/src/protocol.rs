@@ -4,6 +4,7 @@
 
 use sealpost_core::claim::{self, BeginSend, ClaimToken};
 use sealpost_core::cleanup::{self, PurgeRefusal, RetentionPolicy, Watermark};
+use sealpost_core::dispatcher::OutcomeReport;
 use sealpost_core::encoding::Digest;
 use sealpost_core::envelope::EventId;
 use sealpost_core::inbox::{self, InboxDecision, InboxRecord};
@@ -11,7 +12,10 @@ use sealpost_core::receipt::{self, Receipt, ReceiptVerdict, RejectReason};
 use sealpost_core::reconcile::{self, Lookup, ReconcileDecision, ReconcilePolicy};
 use sealpost_core::row::EventRow;
 use sealpost_core::state::State;
-use sealpost_core::step::{self, ClaimInput, ClaimRules, ClaimStep, Pick, Served, StepError};
+use sealpost_core::step::{
+    self, AcceptRules, Acceptance, ClaimInput, ClaimRules, ClaimStep, Pick, ReportRules, Reported,
+    Served, StepError,
+};
 use sealpost_core::subscription;
 use sealpost_core::QuarantineReason;
 
@@ -198,6 +202,40 @@ impl Protocol {
             fresh_id,
         };
         step::step_claim(rows, picked, input, &mut hooks)
+    }
+
+    /// The store's locked acceptance: the core's [`step::step_accept`] with this protocol's
+    /// receipt decision (and a mutant's slot overwrite) as its hooks.
+    pub fn step_accept<R: std::borrow::BorrowMut<EventRow>>(
+        &self,
+        rows: &mut [R],
+        receipts: &[Receipt],
+        now_ms: u64,
+    ) -> Result<Vec<Acceptance>, StepError> {
+        let mut hooks = AcceptHooks {
+            proto: self,
+            now_ms,
+            overwrite: false,
+        };
+        step::step_accept(rows, receipts, now_ms, &mut hooks)
+    }
+
+    /// The store's outcome reports: the core's [`step::step_report`] with this protocol's
+    /// apply (a mutant drops the never-sent count and backoff).
+    pub fn step_report<R: std::borrow::BorrowMut<EventRow>>(
+        &self,
+        rows: &mut [R],
+        reports: &[OutcomeReport],
+        rejection_limit: u32,
+        now_ms: u64,
+    ) -> Result<Vec<Reported>, StepError> {
+        step::step_report(
+            rows,
+            reports,
+            rejection_limit,
+            now_ms,
+            &mut ReportHooks { proto: self },
+        )
     }
 
     /// The guarded fast path's guard: the stored row is still the version the dispatcher's
@@ -512,5 +550,54 @@ impl<D: FnMut(usize) -> Digest, F: FnMut() -> EventId> ClaimRules for Hooks<'_, 
         let (dest, fresh) = (&mut self.policy_destination, &mut self.fresh_id);
         self.proto
             .decide_begin_send(row, token, now_ms, || dest(index), fresh)
+    }
+}
+
+/// [`Protocol`]'s receipt decision as the acceptance step's hooks.
+struct AcceptHooks<'a> {
+    proto: &'a Protocol,
+    now_ms: u64,
+    /// The last verdict came from a mutant that overwrites a filled slot.
+    overwrite: bool,
+}
+
+impl AcceptRules for AcceptHooks<'_> {
+    fn decide_receipt(&mut self, row: &EventRow, r: &Receipt) -> ReceiptVerdict {
+        let v = self.proto.decide_receipt(row, r, self.now_ms);
+        self.overwrite = v.overwrite_primary;
+        v.verdict
+    }
+
+    fn apply_receipt(
+        &mut self,
+        row: &mut EventRow,
+        r: &Receipt,
+        verdict: ReceiptVerdict,
+        now_ms: u64,
+    ) -> Result<(), sealpost_core::TransitionError> {
+        if self.overwrite && verdict == ReceiptVerdict::Primary {
+            // Mutant path only: the slot is overwritten.
+            row.primary = Some(r.clone());
+            return Ok(());
+        }
+        receipt::apply_receipt(row, r, verdict, now_ms)
+    }
+}
+
+/// [`Protocol`]'s send-outcome apply as the report step's hook.
+struct ReportHooks<'a> {
+    proto: &'a Protocol,
+}
+
+impl ReportRules for ReportHooks<'_> {
+    fn apply_send_outcome(
+        &mut self,
+        row: &mut EventRow,
+        decision: claim::SendOutcomeDecision,
+        rep: &OutcomeReport,
+        now_ms: u64,
+    ) -> Result<(), sealpost_core::TransitionError> {
+        self.proto
+            .apply_send_outcome(row, decision, rep.attempt_id, rep.outcome, now_ms)
     }
 }

@@ -10,10 +10,7 @@ use std::collections::BinaryHeap;
 use rand_chacha::ChaCha8Rng;
 use rand_core::{Rng, SeedableRng};
 
-use sealpost_core::claim::{
-    apply_claim, apply_release_quarantine, decide_reconcile_claim, decide_send_outcome,
-    ClaimDecision, ClaimToken, SendOutcome,
-};
+use sealpost_core::claim::{apply_release_quarantine, ClaimToken, SendOutcome};
 use sealpost_core::cleanup::{
     apply_retention, PurgeRefusal, RetentionDecision, RetentionPolicy, Watermark,
 };
@@ -28,7 +25,7 @@ use sealpost_core::envelope::{
 use sealpost_core::inbox::{ApplyOrder, Failure, InboxDecision, InboxRecord, RedeliveryPolicy};
 use sealpost_core::migration::{apply_migration, decide_migration};
 use sealpost_core::port::{Capabilities, NeverSentReason, RefusalKind, SendRequest, SendResult};
-use sealpost_core::receipt::{apply_receipt, Receipt, ReceiptSource, ReceiptVerdict};
+use sealpost_core::receipt::{Receipt, ReceiptSource, ReceiptVerdict};
 use sealpost_core::reconcile::{
     apply_reconcile, decide_reconcile_missing, Lookup, LookupScan, ReconcileDecision,
     ReconcilePolicy, ScanReach,
@@ -38,8 +35,10 @@ use sealpost_core::reconciler::{
     VerifyItem,
 };
 use sealpost_core::row::{AttemptStatus, EventRow};
-use sealpost_core::state::{transition, State};
-use sealpost_core::step::{self, Authorised, ClaimInput, Pick, PickOutcome, Served};
+use sealpost_core::state::{transition, Phase, State};
+use sealpost_core::step::{
+    self, Acceptance, Authorised, ClaimInput, Pick, PickOutcome, Served, UnknownPick,
+};
 use sealpost_core::subscription::{Processed, Settlement};
 
 use crate::protocol::Protocol;
@@ -1657,14 +1656,20 @@ impl World {
     fn report_outcome(&mut self, d: u8, row: u32, rep: &OutcomeReport) {
         self.db_version += 1;
         let r = row as usize;
-        let decision = decide_send_outcome(
-            &self.db.rows[r],
-            rep.token,
-            rep.attempt_id,
-            rep.outcome,
-            self.now,
+        let now = self.now;
+        // The store's report step on this one row.
+        let decision = match self.proto.step_report(
+            std::slice::from_mut(&mut self.db.rows[r]),
+            std::slice::from_ref(rep),
             REJECTION_LIMIT,
-        );
+            now,
+        ) {
+            Ok(out) => out[0].decision,
+            Err(e) => {
+                self.violation(Violation::Liveness, || format!("send outcome: {e}"));
+                return;
+            }
+        };
         if rep.outcome == SendOutcome::NeverSent {
             self.stats.never_sent += 1;
         }
@@ -1673,16 +1678,6 @@ impl World {
                 self.refusals.resize(r + 1, (0, false));
             }
             self.refusals[r].1 = true;
-        }
-        let now = self.now;
-        if let Err(e) = self.proto.apply_send_outcome(
-            &mut self.db.rows[r],
-            decision,
-            rep.attempt_id,
-            rep.outcome,
-            now,
-        ) {
-            self.violation(Violation::Liveness, || format!("send outcome: {e}"));
         }
         if rep.outcome == SendOutcome::NeverSent
             && decision == sealpost_core::SendOutcomeDecision::ToPending
@@ -1893,45 +1888,48 @@ impl World {
                     c.generation != a.claim_generation || c.lease_until_ms <= self.now
                 })
             });
-        let v = match guarded {
-            Some(_) => crate::protocol::Verdict {
-                verdict: ReceiptVerdict::Primary,
-                overwrite_primary: false,
-            },
-            None => self.proto.decide_receipt(snapshot_row, receipt, self.now),
+        let now = self.now;
+        let prev_primary = self.db.rows[r].primary.clone();
+        // The guarded step already ran on the dispatcher's copy; otherwise the store's locked
+        // acceptance step on this one row.
+        let verdict = match guarded {
+            Some(after) => {
+                self.stats.guarded_accepts += 1;
+                self.db.rows[r] = after;
+                ReceiptVerdict::Primary
+            }
+            None => {
+                match self.proto.step_accept(
+                    std::slice::from_mut(&mut self.db.rows[r]),
+                    std::slice::from_ref(receipt),
+                    now,
+                ) {
+                    Ok(j) => match j.first() {
+                        Some(&Acceptance::Judged { verdict, .. }) => verdict,
+                        _ => {
+                            self.stats.rejected_receipts += 1;
+                            return;
+                        }
+                    },
+                    Err(e) => {
+                        self.violation(Violation::Liveness, || format!("accept: {e}"));
+                        return;
+                    }
+                }
+            }
         };
-        if guarded.is_some() {
-            self.stats.guarded_accepts += 1;
-        }
         if late {
             self.stats.late_acks += 1;
             if matches!(
-                v.verdict,
+                verdict,
                 ReceiptVerdict::Primary | ReceiptVerdict::Duplicate(_)
             ) {
                 self.stats.late_acks_converged += 1;
             }
         }
-        let now = self.now;
-        let prev_primary = self.db.rows[r].primary.clone();
-        match v.verdict {
-            ReceiptVerdict::Primary if guarded.is_some() => {
-                self.db.rows[r] = guarded.expect("guarded");
-            }
-            ReceiptVerdict::Primary if v.overwrite_primary => {
-                // Mutant path only: the slot is overwritten.
-                self.db.rows[r].primary = Some(receipt.clone());
-            }
-            verdict => {
-                if let Err(e) = apply_receipt(&mut self.db.rows[r], receipt, verdict, now) {
-                    self.violation(Violation::Liveness, || format!("accept: {e}"));
-                    return;
-                }
-            }
-        }
-        match v.verdict {
+        match verdict {
             ReceiptVerdict::Primary | ReceiptVerdict::Duplicate(_) => {
-                if matches!(v.verdict, ReceiptVerdict::Duplicate(_)) {
+                if matches!(verdict, ReceiptVerdict::Duplicate(_)) {
                     self.db.duplicates.push((row, receipt.clone()));
                     self.stats.duplicate_receipts += 1;
                 }
@@ -1950,7 +1948,7 @@ impl World {
                 "accept attempt {} seq {} on row {r}: {:?}{}",
                 receipt.attempt_id,
                 receipt.sequence,
-                v.verdict,
+                verdict,
                 if late { " (late ACK)" } else { "" }
             )
         });
@@ -2149,46 +2147,63 @@ impl World {
         self.drive_reconciler();
     }
 
-    /// The store's reconciler claim (`store::claim_unknown`): due rows first, in the order
-    /// their lookups fell due, so every unknown row gets its turn.
+    /// The store's reconciler claim (`store::claim_unknown`), picking as its SQL does: the
+    /// due unknown rows in the order their lookups fell due, up to the batch, and the expired
+    /// `SENDING` rows among the front of the claim order (`step::EXPIRY_FRONT_PER_BATCH`
+    /// batches of the dispatchable rows, by cluster and commit position), up to the batch;
+    /// then the core's `step::step_claim_unknown` decides them.
     fn claim_unknown(&mut self, max: usize) -> Vec<ReconcileItem> {
         self.db_version += 1;
         let owner = 1;
-        let mut due: Vec<(u64, usize)> = Vec::new();
-        for i in 0..self.db.rows.len() {
-            match decide_reconcile_claim(&self.db.rows[i], self.now, RECONCILE_LEASE_MS) {
-                ClaimDecision::Skip | ClaimDecision::Wait => {}
-                ClaimDecision::ExpireToUnknown => {
-                    self.fault(Fault::ClaimSuperseded);
-                    let d = ClaimDecision::ExpireToUnknown;
-                    let now = self.now;
-                    if let Err(e) = apply_claim(&mut self.db.rows[i], &d, owner, now) {
-                        self.violation(Violation::Liveness, || format!("expire: {e}"));
-                    }
-                }
-                ClaimDecision::Grant { superseding, .. } => {
+        let now = self.now;
+        let rows = &self.db.rows;
+        let mut due: Vec<(u64, usize)> = (0..rows.len())
+            .filter(|&i| rows[i].state.is_unknown() && step::picks_for_reconcile(&rows[i], now))
+            .map(|i| (rows[i].pacing.next_lookup_at_ms, i))
+            .collect();
+        due.sort_unstable();
+        due.truncate(max);
+        let mut front: Vec<(&str, usize)> = (0..rows.len())
+            .filter(|&i| rows[i].state.phase() == Phase::Dispatchable)
+            .map(|i| (rows[i].destination.cluster.as_str(), i))
+            .collect();
+        front.sort_unstable();
+        front.truncate(max * step::EXPIRY_FRONT_PER_BATCH);
+        let mut picked: Vec<usize> = due.into_iter().map(|(_, i)| i).collect();
+        picked.extend(
+            front
+                .into_iter()
+                .map(|(_, i)| i)
+                .filter(|&i| {
+                    rows[i].state == State::Sending && step::picks_for_reconcile(&rows[i], now)
+                })
+                .take(max),
+        );
+        let mut batch: Vec<EventRow> = picked.iter().map(|&i| self.db.rows[i].clone()).collect();
+        let outcomes = match step::step_claim_unknown(&mut batch, owner, now, RECONCILE_LEASE_MS) {
+            Ok(o) => o,
+            Err(e) => {
+                self.violation(Violation::Liveness, || format!("reconcile claim: {e}"));
+                return Vec::new();
+            }
+        };
+        let mut items = Vec::with_capacity(picked.len());
+        for ((&i, row), outcome) in picked.iter().zip(batch).zip(outcomes) {
+            self.db.rows[i] = row;
+            match outcome {
+                UnknownPick::ExpiredToUnknown => self.fault(Fault::ClaimSuperseded),
+                UnknownPick::Claimed { token, superseding } => {
                     if superseding {
                         self.fault(Fault::ClaimSuperseded);
                     }
-                    due.push((self.db.rows[i].pacing.next_lookup_at_ms, i));
+                    let row = &self.db.rows[i];
+                    items.push(ReconcileItem {
+                        event_id: row.event_id,
+                        member: row.member,
+                        token,
+                        destination: row.destination.clone(),
+                    });
                 }
-            }
-        }
-        due.sort_unstable();
-        due.truncate(max);
-        let mut items = Vec::with_capacity(due.len());
-        for (_, i) in due {
-            let decision = decide_reconcile_claim(&self.db.rows[i], self.now, RECONCILE_LEASE_MS);
-            let now = self.now;
-            match apply_claim(&mut self.db.rows[i], &decision, owner, now) {
-                Ok(Some(token)) => items.push(ReconcileItem {
-                    event_id: self.db.rows[i].event_id,
-                    member: self.db.rows[i].member,
-                    token,
-                    destination: self.db.rows[i].destination.clone(),
-                }),
-                Ok(None) => {}
-                Err(e) => self.violation(Violation::Liveness, || format!("reconcile claim: {e}")),
             }
         }
         items

@@ -6,10 +6,7 @@ use std::collections::HashMap;
 
 use sealpost_core::claim::apply_release_quarantine;
 use sealpost_core::claim::NEVER_SENT_ALERT_COUNT;
-use sealpost_core::claim::{
-    apply_claim, apply_send_outcome, decide_reconcile_claim, decide_send_outcome, ClaimToken,
-    SendOutcome, SendOutcomeDecision,
-};
+use sealpost_core::claim::{ClaimToken, SendOutcomeDecision};
 use sealpost_core::dispatcher::{Claimed, ClaimedSend, Submission};
 use sealpost_core::encoding::Digest;
 use sealpost_core::envelope::{
@@ -17,9 +14,7 @@ use sealpost_core::envelope::{
     SealedEnvelope,
 };
 use sealpost_core::port::{SendRequest, WireEnvelope};
-use sealpost_core::receipt::{
-    apply_receipt, decide_receipt, Receipt, ReceiptSource, ReceiptVerdict,
-};
+use sealpost_core::receipt::{decide_receipt, Receipt, ReceiptSource, ReceiptVerdict};
 use sealpost_core::reconcile::{
     apply_reconcile, decide_reconcile, decide_reconcile_missing, Lookup, ReconcileDecision,
     ReconcilePolicy,
@@ -27,7 +22,7 @@ use sealpost_core::reconcile::{
 use sealpost_core::reconciler::{verify_window_rows, VerifyItem};
 use sealpost_core::row::{Attempt, AttemptStatus, Claim, EventRow, Pacing, Superseded};
 use sealpost_core::state::{Phase, State};
-use sealpost_core::step::{self, ClaimInput, CoreRules, Pick, Served, StepError};
+use sealpost_core::step::{self, Acceptance, ClaimInput, CoreRules, Pick, Served, StepError};
 use tokio_postgres::{GenericClient, Transaction};
 use uuid::Uuid;
 
@@ -1709,46 +1704,37 @@ async fn accept_in(
     let (before, created) = lock_rows_created(tx, &keys).await?;
     let mut published = Vec::new();
     let mut after = before.clone();
-    let index: HashMap<(EventId, u16), usize> = after
-        .iter()
-        .enumerate()
-        .map(|(i, r)| ((r.event_id, r.member), i))
-        .collect();
+    let judged = step::step_accept(&mut after, receipts, now_ms, &mut CoreRules)?;
     let mut out = Vec::with_capacity(receipts.len());
     let mut rec_rows: Vec<(usize, &'static str)> = Vec::new();
     let mut quarantine: Vec<(usize, String)> = Vec::new();
     let mut audit: Vec<(usize, String)> = Vec::new();
-    for (k, r) in receipts.iter().enumerate() {
-        let Some(&i) = index.get(&(r.event_id, r.member)) else {
-            out.push(Accepted::UnknownEvent);
-            audit.push((k, "receipt for an unknown event id".to_string()));
-            continue;
+    for (k, j) in judged.into_iter().enumerate() {
+        let (i, v, evidence) = match j {
+            Acceptance::UnknownEvent => {
+                out.push(Accepted::UnknownEvent);
+                audit.push((k, "receipt for an unknown event id".to_string()));
+                continue;
+            }
+            Acceptance::Judged {
+                row,
+                verdict,
+                evidence,
+            } => (row, verdict, evidence),
         };
-        let v = decide_receipt(&after[i], r);
-        apply_receipt(&mut after[i], r, v, now_ms)
-            .map_err(|e| StoreError::Corrupt(e.to_string()))?;
         if v == ReceiptVerdict::Primary {
             published.push(Published {
                 topic: after[i].destination.topic.clone(),
                 latency_ms: now_ms.saturating_sub(created[i]),
             });
         }
+        if let Some(e) = evidence {
+            rec_rows.push((k, e.kind()));
+        }
         match v {
-            // The happy path's primary receipt lives in the work row (R10); a receipt row is
-            // evidence kept only where there is something to show: a primary found by a
-            // lookup, a broker-side duplicate, a second copy.
-            ReceiptVerdict::Primary if r.source == ReceiptSource::Lookup || r.broker_duplicate => {
-                rec_rows.push((k, "primary"))
-            }
-            ReceiptVerdict::Primary => {}
-            ReceiptVerdict::Duplicate(sealpost_core::DuplicateKind::SamePosition) => {
-                rec_rows.push((k, "same_position"))
-            }
-            ReceiptVerdict::Duplicate(sealpost_core::DuplicateKind::SecondCopy) => {
-                rec_rows.push((k, "second_copy"))
-            }
             ReceiptVerdict::Quarantine(q) => quarantine.push((k, format!("{q:?}"))),
             ReceiptVerdict::Reject(why) => audit.push((k, format!("receipt rejected: {why:?}"))),
+            ReceiptVerdict::Primary | ReceiptVerdict::Duplicate(_) => {}
         }
         out.push(Accepted::Verdict(v));
     }
@@ -2063,51 +2049,31 @@ async fn report_in(
     let mut topics = Vec::with_capacity(reports.len());
     let before = lock_rows(tx, &keys).await?;
     let mut after = before.clone();
-    let index: HashMap<(EventId, u16), usize> = after
-        .iter()
-        .enumerate()
-        .map(|(i, r)| ((r.event_id, r.member), i))
-        .collect();
+    let reported = step::step_report(&mut after, reports, rejection_limit, now_ms, &mut CoreRules)?;
     let mut out = Vec::with_capacity(reports.len());
     let mut stuck = Vec::new();
     let mut e_id = Vec::new();
     let mut e_member = Vec::new();
     let mut e_text = Vec::new();
     let mut q_rows = Vec::new();
-    for rep in reports {
-        let Some(&i) = index.get(&(rep.event_id, rep.member)) else {
-            out.push(SendOutcomeDecision::Audit(
-                sealpost_core::claim::Fenced::NotCurrentAttempt,
-            ));
-            topics.push(String::new());
-            continue;
-        };
-        topics.push(after[i].destination.topic.clone());
-        let d = decide_send_outcome(
-            &after[i],
-            rep.token,
-            rep.attempt_id,
-            rep.outcome,
-            now_ms,
-            rejection_limit,
+    for (rep, r) in reports.iter().zip(reported) {
+        topics.push(
+            r.row
+                .map_or_else(String::new, |i| after[i].destination.topic.clone()),
         );
-        apply_send_outcome(&mut after[i], d, rep.attempt_id, rep.outcome, now_ms)
-            .map_err(|e| StoreError::Corrupt(e.to_string()))?;
-        if !matches!(d, SendOutcomeDecision::Audit(_)) && rep.outcome != SendOutcome::AckTimeout {
+        if r.records_error {
             // Evidence of why the row could not leave, shown by `status` and `trace`.
             e_id.push(uuid_of(rep.event_id));
             e_member.push(rep.member as i16);
             e_text.push(format!("{:?}: {}", rep.outcome, rep.detail));
-            if rep.outcome == SendOutcome::NeverSent
-                && after[i].pacing.never_sent >= NEVER_SENT_ALERT_COUNT
-            {
-                stuck.push((rep.event_id, after[i].pacing.never_sent, rep.detail.clone()));
-            }
         }
-        if d == SendOutcomeDecision::ToQuarantine {
-            q_rows.push((rep, after[i].rejections));
+        if let Some(n) = r.stuck {
+            stuck.push((rep.event_id, n, rep.detail.clone()));
         }
-        if let SendOutcomeDecision::Audit(f) = d {
+        if let Some(rejections) = r.quarantined_after {
+            q_rows.push((rep, rejections));
+        }
+        if let (SendOutcomeDecision::Audit(f), Some(_)) = (r.decision, r.row) {
             tx.execute(
                 "INSERT INTO sealpost.audit (event_id, member, attempt_id, owner, what, detail, at_ms)
                  VALUES ($1, $2, $3, $4, 'fenced outcome report', $5, $6)",
@@ -2122,7 +2088,7 @@ async fn report_in(
             )
             .await?;
         }
-        out.push(d);
+        out.push(r.decision);
     }
     persist(tx, &before, &after).await?;
     if !e_id.is_empty() {
@@ -2212,7 +2178,7 @@ pub async fn claim_unknown(
             &[
                 &(now_ms as i64),
                 &(batch_size_max as i64),
-                &((batch_size_max * 8) as i64),
+                &((batch_size_max * step::EXPIRY_FRONT_PER_BATCH) as i64),
             ],
         )
         .await?,
@@ -2220,11 +2186,9 @@ pub async fn claim_unknown(
     let before = finish_load(&tx, &found).await?;
     let mut after = before.clone();
     let mut out = Vec::new();
-    for row in &mut after {
-        let d = decide_reconcile_claim(row, now_ms, lease_ms);
-        if let Some(token) =
-            apply_claim(row, &d, owner, now_ms).map_err(|e| StoreError::Corrupt(e.to_string()))?
-        {
+    let picked = step::step_claim_unknown(&mut after, owner, now_ms, lease_ms)?;
+    for (row, p) in after.iter().zip(picked) {
+        if let step::UnknownPick::Claimed { token, .. } = p {
             out.push(Reconciling {
                 event_id: row.event_id,
                 member: row.member,

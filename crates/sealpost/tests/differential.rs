@@ -17,13 +17,10 @@ use sealpost::runtime;
 use sealpost::store::{self, Accepted, OutcomeReport};
 use std::collections::HashMap;
 
-use sealpost_core::claim::{
-    apply_claim, apply_send_outcome, decide_reconcile_claim, decide_send_outcome, ClaimToken,
-    SendOutcome,
-};
+use sealpost_core::claim::{ClaimToken, SendOutcome};
 use sealpost_core::dispatcher::Submission;
 use sealpost_core::envelope::NewEvent;
-use sealpost_core::receipt::{apply_receipt, decide_receipt, Receipt, ReceiptSource};
+use sealpost_core::receipt::{decide_receipt, Receipt, ReceiptSource, ReceiptVerdict};
 use sealpost_core::reconcile::{
     apply_reconcile, decide_reconcile, Lookup, ReconcileDecision, ReconcilePolicy,
 };
@@ -77,6 +74,21 @@ fn essence(r: &EventRow) -> String {
         primary,
         r.unknown_since_ms.is_some()
     )
+}
+
+/// The locked acceptance step on one model row; its verdict.
+fn accept(row: &mut EventRow, r: &Receipt, now: u64) -> ReceiptVerdict {
+    match step::step_accept(
+        std::slice::from_mut(row),
+        std::slice::from_ref(r),
+        now,
+        &mut CoreRules,
+    )
+    .unwrap()[0]
+    {
+        step::Acceptance::Judged { verdict, .. } => verdict,
+        step::Acceptance::UnknownEvent => unreachable!("the model row is the receipt's"),
+    }
 }
 
 fn receipt_for(row: &EventRow, attempt: u64, sequence: u64) -> Receipt {
@@ -256,7 +268,9 @@ async fn random_fault_sequences_persist_exactly_what_the_core_decides() {
                         let took_guarded = guarded.is_some();
                         match guarded {
                             Some(after) => model[i] = after,
-                            None => apply_receipt(&mut model[i], &r, v, now).unwrap(),
+                            None => {
+                                accept(&mut model[i], &r, now);
+                            }
                         }
                         if held_model.get(&key).is_some_and(|(o, _)| *o == owner) {
                             held_model.remove(&key);
@@ -272,8 +286,7 @@ async fn random_fault_sequences_persist_exactly_what_the_core_decides() {
                         let got = store::accept_receipts(&mut pg, std::slice::from_ref(&r))
                             .await
                             .unwrap();
-                        let v = decide_receipt(&model[i], &r);
-                        apply_receipt(&mut model[i], &r, v, now).unwrap();
+                        let v = accept(&mut model[i], &r, now);
                         assert_eq!(got, vec![Accepted::Verdict(v)]);
                     }
                 }
@@ -297,9 +310,18 @@ async fn random_fault_sequences_persist_exactly_what_the_core_decides() {
                         outcome,
                         detail: String::new(),
                     };
-                    let got = store::report_outcomes(&mut pg, &[rep], 3).await.unwrap();
-                    let d = decide_send_outcome(&model[i], token, attempt, outcome, now, 3);
-                    apply_send_outcome(&mut model[i], d, attempt, outcome, now).unwrap();
+                    let got = store::report_outcomes(&mut pg, std::slice::from_ref(&rep), 3)
+                        .await
+                        .unwrap();
+                    let d = step::step_report(
+                        std::slice::from_mut(&mut model[i]),
+                        &[rep],
+                        3,
+                        now,
+                        &mut CoreRules,
+                    )
+                    .unwrap()[0]
+                        .decision;
                     assert_eq!(got, vec![d]);
                 }
                 // The reconciler: claim unknowns, then a lookup result (F5-style unavailable,
@@ -308,15 +330,22 @@ async fn random_fault_sequences_persist_exactly_what_the_core_decides() {
                     let items = store::claim_unknown(&mut pg, 9, 10, LEASE_MS)
                         .await
                         .unwrap();
+                    // Six rows: the store's due scan and its expiry front reach them all.
                     let mut expected = Vec::new();
-                    for row in model.iter_mut() {
-                        let d = decide_reconcile_claim(row, now, LEASE_MS);
-                        if let Some(t) = apply_claim(row, &d, 9, now).unwrap() {
-                            expected.push((row.event_id, t));
+                    let mut picked: Vec<&mut EventRow> = model
+                        .iter_mut()
+                        .filter(|r| step::picks_for_reconcile(r, now))
+                        .collect();
+                    let outcomes = step::step_claim_unknown(&mut picked, 9, now, LEASE_MS).unwrap();
+                    for (row, o) in picked.iter().zip(outcomes) {
+                        if let step::UnknownPick::Claimed { token, .. } = o {
+                            expected.push((row.event_id, token));
                         }
                     }
-                    let got: Vec<_> = items.iter().map(|it| (it.event_id, it.token)).collect();
-                    assert_eq!(got.len(), expected.len());
+                    let mut got: Vec<_> = items.iter().map(|it| (it.event_id, it.token)).collect();
+                    got.sort_by_key(|x| x.0);
+                    expected.sort_by_key(|x| x.0);
+                    assert_eq!(got, expected, "seed {seed}: the reconciler's claim differs");
                     for it in &items {
                         let i = model
                             .iter()
@@ -344,8 +373,7 @@ async fn random_fault_sequences_persist_exactly_what_the_core_decides() {
                         );
                         match &d {
                             ReconcileDecision::Accept(r) => {
-                                let v = decide_receipt(&model[i], r);
-                                apply_receipt(&mut model[i], r, v, now).unwrap();
+                                accept(&mut model[i], r, now);
                             }
                             other => apply_reconcile(&mut model[i], other, now).unwrap(),
                         }
