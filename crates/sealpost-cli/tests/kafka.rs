@@ -341,6 +341,74 @@ async fn dispatcher_killed_between_send_and_receipt_is_resolved_by_the_partition
     d.finish().await;
 }
 
+/// The measurement of issue 25's bulk lookups (a figure, not a gate: run it with
+/// `cargo test --release --test kafka -- --ignored --nocapture`). The same drill as above,
+/// twice in one process: a reconciler whose adapter answers one event per partition scan
+/// (`[kafka] lookup_group_max = 1`, the per-event rule), then one with the default groups.
+/// Each prints unknowns resolved per second, from the moment the second dispatcher starts
+/// (the first one's lease of 3 s still running) to the last row `PUBLISHED`.
+#[tokio::test]
+#[ignore = "a measurement: prints unknowns resolved per second, per-event against bulk"]
+async fn unknowns_resolved_per_second_one_event_per_scan_against_bulk_scans() {
+    let _serial = ONE_AT_A_TIME.lock().await;
+    let n: usize = std::env::var("SEALPOST_BULK_EVENTS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(300);
+    let mut figures = Vec::new();
+    for (label, group) in [
+        ("one event per scan", "kafka_lookup_group_max = 1\n"),
+        ("bulk scans", ""),
+    ] {
+        let mut d = drill("bulk", &[], EventOrdering::Unordered).await;
+        d.enqueue_orders(n, br#"{"order_id":"x","total_cents":1}"#)
+            .await;
+        // One batch of every event, published, then A sits before its receipt transaction.
+        let a = d.spawn(
+            &format!(
+                "lease_ms = 3000\nack_timeout_ms = 1000\ndrill_pause_after_publish_ms = 600000\nbatch_size_max = {n}\n"
+            ),
+            &["dispatch", "--no-reconciler"],
+        );
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while d.stored() < n as i64 {
+            assert!(Instant::now() < deadline, "dispatcher A never published");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        d.children[a].kill().unwrap();
+        d.children[a].wait().unwrap();
+        let started = Instant::now();
+        d.spawn(
+            &format!("lease_ms = 3000\nack_timeout_ms = 1000\n{group}"),
+            &["dispatch"],
+        );
+        d.wait_for(
+            "published",
+            "SELECT count(*) FROM sealpost.outbox WHERE state = 'PUBLISHED'",
+            n as i64,
+            Duration::from_secs(1_800),
+        )
+        .await;
+        let secs = started.elapsed().as_secs_f64();
+        assert_eq!(
+            d.count("SELECT count(*) FROM sealpost.attempts").await,
+            n as i64,
+            "no event was sent a second time"
+        );
+        assert_eq!(d.stored(), n as i64, "the topic holds one record per event");
+        println!(
+            "{label}: {n} unknowns resolved in {secs:.1} s, {:.1} per second",
+            n as f64 / secs
+        );
+        figures.push(n as f64 / secs);
+        d.finish().await;
+    }
+    println!(
+        "bulk / one event per scan: {:.1}x",
+        figures[1] / figures[0].max(f64::MIN_POSITIVE)
+    );
+}
+
 #[tokio::test]
 async fn an_oversized_payload_is_refused_until_it_is_quarantined() {
     let _serial = ONE_AT_A_TIME.lock().await;

@@ -22,6 +22,8 @@
 //! * [`picks_for_reconcile`], [`EXPIRY_FRONT_PER_BATCH`] and [`step_claim_unknown`]: the
 //!   reconciler's claim of due unknown rows and of expired `SENDING` rows at the front of the
 //!   claim order.
+//! * [`step_finish_reconcile`]: the reconciler's verdict on one row after its lookup; a found
+//!   copy goes through the acceptance step in the same transaction.
 //!
 //! Mutants and other variations of a decision come in through the [`ClaimRules`],
 //! [`AcceptRules`] and [`ReportRules`] hooks (the simulator's `Protocol`); production passes
@@ -36,6 +38,7 @@ use crate::claim::{
 use crate::dispatcher::OutcomeReport;
 use crate::envelope::EventOrdering;
 use crate::receipt::{self, DuplicateKind, Receipt, ReceiptSource, ReceiptVerdict};
+use crate::reconcile::{self, Lookup, ReconcileDecision, ReconcilePolicy};
 use crate::row::{AttemptStatus, EventRow};
 use crate::state::{Phase, State, TransitionError};
 
@@ -677,6 +680,73 @@ pub fn step_claim_unknown<R: BorrowMut<EventRow>>(
         });
     }
     Ok(out)
+}
+
+/// The reconciler's decisions, as hooks ([`CoreRules`]: the core's own).
+pub trait ReconcileRules: AcceptRules {
+    /// The verdict on a looked-up row.
+    fn decide_reconcile(
+        &mut self,
+        row: &EventRow,
+        token: ClaimToken,
+        lookup: &Lookup,
+        policy: ReconcilePolicy,
+        now_ms: u64,
+    ) -> ReconcileDecision {
+        reconcile::decide_reconcile(row, token, lookup, policy, now_ms)
+    }
+
+    /// Applies a verdict other than `Accept`.
+    fn apply_reconcile(
+        &mut self,
+        row: &mut EventRow,
+        decision: &ReconcileDecision,
+        now_ms: u64,
+    ) -> Result<(), TransitionError> {
+        reconcile::apply_reconcile(row, decision, now_ms)
+    }
+}
+
+impl ReconcileRules for CoreRules {}
+
+/// What finishing a reconcile did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Finished {
+    /// The reconciler's verdict.
+    pub decision: ReconcileDecision,
+    /// For `Accept`: what the acceptance point did with the found copy.
+    pub accepted: Option<Acceptance>,
+}
+
+/// The reconciler's verdict on `row` after its lookup (R13–R14), applied: a found copy the
+/// core can tie to a registered attempt goes through [`step_accept`] (the acceptance point is
+/// still the only door to `PUBLISHED`); a retry to the same destination, "stay unknown" and a
+/// conflict change the row; a fenced reconciler changes nothing.
+pub fn step_finish_reconcile(
+    row: &mut EventRow,
+    token: ClaimToken,
+    lookup: &Lookup,
+    policy: ReconcilePolicy,
+    now_ms: u64,
+    rules: &mut impl ReconcileRules,
+) -> Result<Finished, StepError> {
+    let decision = rules.decide_reconcile(row, token, lookup, policy, now_ms);
+    let accepted = match &decision {
+        ReconcileDecision::Accept(r) => Some(
+            step_accept(
+                std::slice::from_mut(row),
+                std::slice::from_ref(r),
+                now_ms,
+                rules,
+            )?[0],
+        ),
+        ReconcileDecision::Fenced(_) => None,
+        other => {
+            rules.apply_reconcile(row, other, now_ms)?;
+            None
+        }
+    };
+    Ok(Finished { decision, accepted })
 }
 
 /// May `receipt` take the guarded fast path? Only an ordinary first ACK: from the sender,

@@ -13,8 +13,8 @@ use sealpost_core::reconcile::{self, Lookup, ReconcileDecision, ReconcilePolicy}
 use sealpost_core::row::EventRow;
 use sealpost_core::state::State;
 use sealpost_core::step::{
-    self, AcceptRules, Acceptance, ClaimInput, ClaimRules, ClaimStep, Pick, ReportRules, Reported,
-    Served, StepError,
+    self, AcceptRules, Acceptance, ClaimInput, ClaimRules, ClaimStep, Finished, Pick,
+    ReconcileRules, ReportRules, Reported, Served, StepError,
 };
 use sealpost_core::subscription;
 use sealpost_core::QuarantineReason;
@@ -218,6 +218,24 @@ impl Protocol {
             overwrite: false,
         };
         step::step_accept(rows, receipts, now_ms, &mut hooks)
+    }
+
+    /// The store's finish-reconcile step: the core's [`step::step_finish_reconcile`] with this
+    /// protocol's reconcile decision and apply, and its receipt decision for a found copy.
+    pub fn step_finish_reconcile(
+        &self,
+        row: &mut EventRow,
+        token: ClaimToken,
+        lookup: &Lookup,
+        policy: ReconcilePolicy,
+        now_ms: u64,
+    ) -> Result<Finished, StepError> {
+        let mut hooks = AcceptHooks {
+            proto: self,
+            now_ms,
+            overwrite: false,
+        };
+        step::step_finish_reconcile(row, token, lookup, policy, now_ms, &mut hooks)
     }
 
     /// The store's outcome reports: the core's [`step::step_report`] with this protocol's
@@ -599,5 +617,28 @@ impl ReportRules for ReportHooks<'_> {
     ) -> Result<(), sealpost_core::TransitionError> {
         self.proto
             .apply_send_outcome(row, decision, rep.attempt_id, rep.outcome, now_ms)
+    }
+}
+
+impl ReconcileRules for AcceptHooks<'_> {
+    fn decide_reconcile(
+        &mut self,
+        row: &EventRow,
+        token: ClaimToken,
+        lookup: &Lookup,
+        policy: ReconcilePolicy,
+        now_ms: u64,
+    ) -> ReconcileDecision {
+        self.proto
+            .decide_reconcile(row, token, lookup, policy, now_ms)
+    }
+
+    fn apply_reconcile(
+        &mut self,
+        row: &mut EventRow,
+        decision: &ReconcileDecision,
+        now_ms: u64,
+    ) -> Result<(), sealpost_core::TransitionError> {
+        self.proto.apply_reconcile(row, decision, now_ms)
     }
 }

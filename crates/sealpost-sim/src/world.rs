@@ -27,8 +27,7 @@ use sealpost_core::migration::{apply_migration, decide_migration};
 use sealpost_core::port::{Capabilities, NeverSentReason, RefusalKind, SendRequest, SendResult};
 use sealpost_core::receipt::{Receipt, ReceiptSource, ReceiptVerdict};
 use sealpost_core::reconcile::{
-    apply_reconcile, decide_reconcile_missing, Lookup, LookupScan, ReconcileDecision,
-    ReconcilePolicy, ScanReach,
+    decide_reconcile_missing, Lookup, LookupScan, ReconcileDecision, ReconcilePolicy, ScanReach,
 };
 use sealpost_core::reconciler::{
     verify_window_rows, ReconcileAction, ReconcileItem, ReconcilerConfig, ReconcilerMachine,
@@ -1876,20 +1875,8 @@ impl World {
             self.stats.rejected_receipts += 1;
             return;
         }
-        let snapshot_row = &self.db.rows[r];
-        // Late ACK bookkeeping (G2): a genuine ACK of a registered attempt whose claim is
-        // no longer the current, unexpired one.
-        let late = genuine
-            && receipt.source == ReceiptSource::Ack
-            && receipt.sequence != 0
-            && snapshot_row.state != State::Purged
-            && snapshot_row.attempt(receipt.attempt_id).is_some_and(|a| {
-                snapshot_row.claim.as_ref().is_none_or(|c| {
-                    c.generation != a.claim_generation || c.lease_until_ms <= self.now
-                })
-            });
+        let pre = self.before_accept(r, receipt, genuine);
         let now = self.now;
-        let prev_primary = self.db.rows[r].primary.clone();
         // The guarded step already ran on the dispatcher's copy; otherwise the store's locked
         // acceptance step on this one row.
         let verdict = match guarded {
@@ -1918,6 +1905,35 @@ impl World {
                 }
             }
         };
+        self.after_accept(row, receipt, verdict, pre);
+    }
+
+    /// What the checkers need of a row before a receipt is judged on it: whether the receipt
+    /// is a late ACK (G2: a genuine ACK of a registered attempt whose claim is no longer the
+    /// current, unexpired one) and whether the slot was empty.
+    fn before_accept(&self, r: usize, receipt: &Receipt, genuine: bool) -> (bool, bool) {
+        let snapshot_row = &self.db.rows[r];
+        let late = genuine
+            && receipt.source == ReceiptSource::Ack
+            && receipt.sequence != 0
+            && snapshot_row.state != State::Purged
+            && snapshot_row.attempt(receipt.attempt_id).is_some_and(|a| {
+                snapshot_row.claim.as_ref().is_none_or(|c| {
+                    c.generation != a.claim_generation || c.lease_until_ms <= self.now
+                })
+            });
+        (late, snapshot_row.primary.is_none())
+    }
+
+    /// The checkers' bookkeeping once the acceptance point judged `receipt` on `row`.
+    fn after_accept(
+        &mut self,
+        row: u32,
+        receipt: &Receipt,
+        verdict: ReceiptVerdict,
+        (late, slot_was_empty): (bool, bool),
+    ) {
+        let r = row as usize;
         if late {
             self.stats.late_acks += 1;
             if matches!(
@@ -1936,7 +1952,7 @@ impl World {
                 let s = self.stream_index(&receipt.cluster, &receipt.stream);
                 self.accepted
                     .push((row, s, receipt.sequence, receipt.attempt_id));
-                if prev_primary.is_none() && self.proto.purge_on_accept() {
+                if slot_was_empty && self.proto.purge_on_accept() {
                     self.cleanup(Some(row));
                 }
             }
@@ -2371,13 +2387,29 @@ impl World {
             return;
         };
         let r = row as usize;
-        let decision = self.proto.decide_reconcile(
-            &self.db.rows[r],
+        // The store's finish step (`step::step_finish_reconcile`) with this protocol's hooks.
+        let pre = match &lookup {
+            Lookup::Found(found) => {
+                let genuine = self.genuine(found);
+                Some(self.before_accept(r, found, genuine))
+            }
+            _ => None,
+        };
+        let now = self.now;
+        let finished = match self.proto.step_finish_reconcile(
+            &mut self.db.rows[r],
             item.token,
             &lookup,
             ReconcilePolicy::for_capabilities(self.cfg.caps),
-            self.now,
-        );
+            now,
+        ) {
+            Ok(f) => f,
+            Err(e) => {
+                self.violation(Violation::Liveness, || format!("reconcile: {e}"));
+                return;
+            }
+        };
+        let decision = finished.decision;
         self.note(|| {
             format!(
                 "reconcile row {r} lookup {:?}: {decision:?}",
@@ -2385,36 +2417,23 @@ impl World {
             )
         });
         match &decision {
-            ReconcileDecision::Accept(receipt) => {
-                let genuine = self.genuine(receipt);
-                self.accept(row, receipt, genuine, None)
-            }
+            ReconcileDecision::Accept(receipt) => match (finished.accepted, pre) {
+                (Some(Acceptance::Judged { verdict, .. }), Some(pre)) => {
+                    self.after_accept(row, receipt, verdict, pre)
+                }
+                _ => self.stats.rejected_receipts += 1,
+            },
             ReconcileDecision::Fenced(_) => self.stats.fenced_writes += 1,
+            // The step applied these to the row already.
             ReconcileDecision::RetrySameDestination { quarantine, .. } => {
                 if quarantine.is_some() {
                     self.stats.quarantined_receipts += 1;
                 }
-                let now = self.now;
-                if let Err(e) = apply_reconcile(&mut self.db.rows[r], &decision, now) {
-                    self.violation(Violation::Liveness, || format!("reconcile: {e}"));
-                }
                 self.wake_dispatchers();
             }
-            ReconcileDecision::StayUnknown => {
-                let now = self.now;
-                if let Err(e) = self
-                    .proto
-                    .apply_reconcile(&mut self.db.rows[r], &decision, now)
-                {
-                    self.violation(Violation::Liveness, || format!("reconcile: {e}"));
-                }
-            }
+            ReconcileDecision::StayUnknown => {}
             ReconcileDecision::Conflict(_) => {
                 self.stats.quarantined_receipts += 1;
-                let now = self.now;
-                if let Err(e) = apply_reconcile(&mut self.db.rows[r], &decision, now) {
-                    self.violation(Violation::Liveness, || format!("reconcile: {e}"));
-                }
                 // Ghost: this row waits for an operator who must move it elsewhere; the
                 // simulated operator only releases poison.
                 if !self.conflicts.contains(&row) {

@@ -16,8 +16,7 @@ use sealpost_core::envelope::{
 use sealpost_core::port::{SendRequest, WireEnvelope};
 use sealpost_core::receipt::{decide_receipt, Receipt, ReceiptSource, ReceiptVerdict};
 use sealpost_core::reconcile::{
-    apply_reconcile, decide_reconcile, decide_reconcile_missing, Lookup, ReconcileDecision,
-    ReconcilePolicy,
+    decide_reconcile_missing, Lookup, ReconcileDecision, ReconcilePolicy,
 };
 use sealpost_core::reconciler::{verify_window_rows, VerifyItem};
 use sealpost_core::row::{Attempt, AttemptStatus, Claim, EventRow, Pacing, Superseded};
@@ -1702,9 +1701,23 @@ async fn accept_in(
 ) -> Result<(Vec<Accepted>, Vec<Published>)> {
     let keys: Vec<(EventId, u16)> = receipts.iter().map(|r| (r.event_id, r.member)).collect();
     let (before, created) = lock_rows_created(tx, &keys).await?;
-    let mut published = Vec::new();
     let mut after = before.clone();
     let judged = step::step_accept(&mut after, receipts, now_ms, &mut CoreRules)?;
+    write_acceptance(tx, &before, &after, &created, receipts, judged, now_ms).await
+}
+
+/// Persists what [`step::step_accept`] decided over the locked rows `before` (now `after`):
+/// the rows, the evidence receipts, quarantine and audit entries.
+async fn write_acceptance(
+    tx: &Transaction<'_>,
+    before: &[EventRow],
+    after: &[EventRow],
+    created: &[u64],
+    receipts: &[Receipt],
+    judged: Vec<Acceptance>,
+    now_ms: u64,
+) -> Result<(Vec<Accepted>, Vec<Published>)> {
+    let mut published = Vec::new();
     let mut out = Vec::with_capacity(receipts.len());
     let mut rec_rows: Vec<(usize, &'static str)> = Vec::new();
     let mut quarantine: Vec<(usize, String)> = Vec::new();
@@ -1738,7 +1751,7 @@ async fn accept_in(
         }
         out.push(Accepted::Verdict(v));
     }
-    persist(tx, &before, &after).await?;
+    persist(tx, before, after).await?;
     if !rec_rows.is_empty() {
         let mut ids = Vec::new();
         let mut members = Vec::new();
@@ -2248,23 +2261,38 @@ pub async fn finish_reconcile_published(
     let mut published = None;
     let tx = client.transaction().await?;
     let now_ms = db_now_ms(&tx).await?;
-    let before = lock_rows(&tx, &[(item.event_id, item.member)]).await?;
-    let Some(row) = before.first() else {
+    let (before, created) = lock_rows_created(&tx, &[(item.event_id, item.member)]).await?;
+    if before.is_empty() {
         tx.commit().await?;
         return Ok((decide_reconcile_missing(), None));
-    };
-    let d = decide_reconcile(row, item.token, lookup, policy, now_ms);
+    }
+    let mut after = before.clone();
+    let finished = step::step_finish_reconcile(
+        &mut after[0],
+        item.token,
+        lookup,
+        policy,
+        now_ms,
+        &mut CoreRules,
+    )?;
+    let d = finished.decision;
     match &d {
         ReconcileDecision::Accept(r) => {
-            published = accept_in(&tx, std::slice::from_ref(r), now_ms)
-                .await?
-                .1
-                .pop();
+            let judged = finished.accepted.into_iter().collect();
+            published = write_acceptance(
+                &tx,
+                &before,
+                &after,
+                &created,
+                std::slice::from_ref(r),
+                judged,
+                now_ms,
+            )
+            .await?
+            .1
+            .pop();
         }
         ReconcileDecision::Conflict(q) => {
-            let mut after = before.clone();
-            apply_reconcile(&mut after[0], &d, now_ms)
-                .map_err(|e| StoreError::Corrupt(e.to_string()))?;
             persist(&tx, &before, &after).await?;
             let detail = match lookup {
                 Lookup::Found(r) => format!(
@@ -2286,9 +2314,6 @@ pub async fn finish_reconcile_published(
             .await?;
         }
         ReconcileDecision::RetrySameDestination { .. } | ReconcileDecision::StayUnknown => {
-            let mut after = before.clone();
-            apply_reconcile(&mut after[0], &d, now_ms)
-                .map_err(|e| StoreError::Corrupt(e.to_string()))?;
             persist(&tx, &before, &after).await?;
         }
         ReconcileDecision::Fenced(_) => {}

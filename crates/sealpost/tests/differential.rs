@@ -21,9 +21,7 @@ use sealpost_core::claim::{ClaimToken, SendOutcome};
 use sealpost_core::dispatcher::Submission;
 use sealpost_core::envelope::NewEvent;
 use sealpost_core::receipt::{decide_receipt, Receipt, ReceiptSource, ReceiptVerdict};
-use sealpost_core::reconcile::{
-    apply_reconcile, decide_reconcile, Lookup, ReconcileDecision, ReconcilePolicy,
-};
+use sealpost_core::reconcile::{Lookup, ReconcilePolicy};
 use sealpost_core::row::EventRow;
 use sealpost_core::step::{self, ClaimInput, CoreRules, Pick, Served};
 use sealpost_core::{Digest, EventId};
@@ -364,19 +362,16 @@ async fn random_fault_sequences_persist_exactly_what_the_core_decides() {
                             },
                         };
                         let got = store::finish_reconcile(&mut pg, it, &lookup).await.unwrap();
-                        let d = decide_reconcile(
-                            &model[i],
+                        let d = step::step_finish_reconcile(
+                            &mut model[i],
                             it.token,
                             &lookup,
                             ReconcilePolicy::default(),
                             now,
-                        );
-                        match &d {
-                            ReconcileDecision::Accept(r) => {
-                                accept(&mut model[i], r, now);
-                            }
-                            other => apply_reconcile(&mut model[i], other, now).unwrap(),
-                        }
+                            &mut CoreRules,
+                        )
+                        .unwrap()
+                        .decision;
                         assert_eq!(got, d);
                     }
                 }
