@@ -472,16 +472,7 @@ pub fn step_accept<R: BorrowMut<EventRow>>(
     now_ms: u64,
     rules: &mut impl AcceptRules,
 ) -> Result<Vec<Acceptance>, StepError> {
-    let mut index = std::collections::HashMap::with_capacity(rows.len());
-    for (i, r) in rows.iter().enumerate() {
-        let row: &EventRow = r.borrow();
-        if index.insert((row.event_id, row.member), i).is_some() {
-            return Err(pre(
-                ACCEPT,
-                format!("event {} member {} locked twice", row.event_id, row.member),
-            ));
-        }
-    }
+    let index = index_locked(rows, ACCEPT)?;
     let mut out = Vec::with_capacity(receipts.len());
     for r in receipts {
         let Some(&i) = index.get(&(r.event_id, r.member)) else {
@@ -507,6 +498,25 @@ pub fn step_accept<R: BorrowMut<EventRow>>(
         });
     }
     Ok(out)
+}
+
+/// The slice position of each locked row by event and member; a row locked twice breaks the
+/// step's precondition.
+fn index_locked<R: BorrowMut<EventRow>>(
+    rows: &[R],
+    step: &'static str,
+) -> Result<std::collections::HashMap<(crate::envelope::EventId, u16), usize>, StepError> {
+    let mut index = std::collections::HashMap::with_capacity(rows.len());
+    for (i, r) in rows.iter().enumerate() {
+        let row: &EventRow = r.borrow();
+        if index.insert((row.event_id, row.member), i).is_some() {
+            return Err(pre(
+                step,
+                format!("event {} member {} locked twice", row.event_id, row.member),
+            ));
+        }
+    }
+    Ok(index)
 }
 
 /// The outcome-report decisions, as hooks ([`CoreRules`]: the core's own).
@@ -569,16 +579,7 @@ pub fn step_report<R: BorrowMut<EventRow>>(
     now_ms: u64,
     rules: &mut impl ReportRules,
 ) -> Result<Vec<Reported>, StepError> {
-    let mut index = std::collections::HashMap::with_capacity(rows.len());
-    for (i, r) in rows.iter().enumerate() {
-        let row: &EventRow = r.borrow();
-        if index.insert((row.event_id, row.member), i).is_some() {
-            return Err(pre(
-                "report step",
-                format!("event {} member {} locked twice", row.event_id, row.member),
-            ));
-        }
-    }
+    let index = index_locked(rows, "report step")?;
     let mut out = Vec::with_capacity(reports.len());
     for rep in reports {
         let Some(&i) = index.get(&(rep.event_id, rep.member)) else {
@@ -915,6 +916,142 @@ mod tests {
         rows[1].destination.cluster = "b".into();
         let ok = step_claim(&mut rows, &[pick(2), pick(1)], &input(2), &mut CoreRules).unwrap();
         assert_eq!(ok.sends().count(), 2);
+    }
+
+    fn sent_row(n: u8) -> EventRow {
+        let mut rows = vec![row(n, "c")];
+        let st = step_claim(&mut rows, &[pick(1)], &input(1), &mut CoreRules).unwrap();
+        assert_eq!(st.sends().count(), 1);
+        rows.pop().unwrap()
+    }
+
+    fn ack(r: &EventRow, sequence: u64) -> Receipt {
+        Receipt {
+            event_id: r.event_id,
+            member: r.member,
+            envelope_generation: r.envelope_generation,
+            attempt_id: 101,
+            payload_digest: r.payload_digest,
+            destination_digest: r.destination_digest,
+            cluster: r.destination.cluster.clone(),
+            stream: r.destination.topic.clone(),
+            partition: None,
+            sequence,
+            broker_duplicate: false,
+            source: ReceiptSource::Ack,
+        }
+    }
+
+    #[test]
+    fn receipts_for_one_row_compete_for_its_slot_in_order() {
+        let mut rows = vec![sent_row(1)];
+        let first = ack(&rows[0], 5);
+        let again = ack(&rows[0], 5);
+        let mut stranger = ack(&rows[0], 6);
+        stranger.event_id = EventId([9; 16]);
+        let out = step_accept(&mut rows, &[first, again, stranger], 2_000, &mut CoreRules).unwrap();
+        assert_eq!(
+            out,
+            vec![
+                Acceptance::Judged {
+                    row: 0,
+                    verdict: ReceiptVerdict::Primary,
+                    evidence: None
+                },
+                Acceptance::Judged {
+                    row: 0,
+                    verdict: ReceiptVerdict::Duplicate(DuplicateKind::SamePosition),
+                    evidence: Some(Evidence::SamePosition)
+                },
+                Acceptance::UnknownEvent,
+            ]
+        );
+        assert!(rows[0].state.is_published());
+        let twice = vec![rows[0].clone(), rows[0].clone()];
+        let e = step_accept(&mut twice.clone(), &[], 0, &mut CoreRules);
+        assert!(matches!(e, Err(StepError::Precondition { .. })), "{e:?}");
+    }
+
+    #[test]
+    fn the_guarded_step_takes_only_an_ordinary_first_ack() {
+        let held = sent_row(1);
+        let r = ack(&held, 5);
+        let after = step_guarded(&held, &r, 1, 2_000, receipt::decide_receipt)
+            .unwrap()
+            .expect("guarded");
+        assert!(after.state.is_published());
+        assert_eq!(
+            step_guarded(&held, &r, 2, 2_000, receipt::decide_receipt),
+            Ok(None)
+        );
+        let mut dup = r.clone();
+        dup.broker_duplicate = true;
+        assert_eq!(
+            step_guarded(&held, &dup, 1, 2_000, receipt::decide_receipt),
+            Ok(None)
+        );
+        let mut forged = r.clone();
+        forged.payload_digest = crate::Digest([0; 32]);
+        assert_eq!(
+            step_guarded(&held, &forged, 1, 2_000, receipt::decide_receipt),
+            Ok(None)
+        );
+    }
+
+    #[test]
+    fn the_reconciler_claims_due_unknowns_and_expires_stale_sends_only() {
+        let mut unknown = sent_row(1);
+        let mut sending = sent_row(2);
+        // Both leases (500 ms from 1,000) are over at 2,000.
+        let rep = OutcomeReport {
+            event_id: unknown.event_id,
+            member: 0,
+            token: unknown
+                .claim
+                .as_ref()
+                .map(|c| ClaimToken {
+                    owner: c.owner,
+                    generation: c.generation,
+                })
+                .unwrap(),
+            attempt_id: 101,
+            outcome: SendOutcome::AckTimeout,
+            detail: String::new(),
+        };
+        let out = step_report(
+            std::slice::from_mut(&mut unknown),
+            &[rep],
+            3,
+            1_200,
+            &mut CoreRules,
+        )
+        .unwrap();
+        assert_eq!(out[0].decision, SendOutcomeDecision::ToUnknown);
+        assert!(
+            !out[0].records_error,
+            "an ACK timeout is no reason a row cannot leave"
+        );
+        assert!(picks_for_reconcile(&unknown, 2_000));
+        assert!(picks_for_reconcile(&sending, 2_000));
+        assert!(
+            !picks_for_reconcile(&sending, 1_200),
+            "its lease still runs"
+        );
+        let mut rows = vec![&mut unknown, &mut sending];
+        let got = step_claim_unknown(&mut rows, 9, 2_000, 1_000).unwrap();
+        assert!(matches!(
+            got[0],
+            UnknownPick::Claimed {
+                superseding: false,
+                ..
+            }
+        ));
+        assert_eq!(got[1], UnknownPick::ExpiredToUnknown);
+        assert_eq!(unknown.state, State::Reconciling);
+        assert_eq!(sending.state, State::DispatchUnknown);
+        let mut pending = vec![row(3, "c")];
+        let e = step_claim_unknown(&mut pending, 9, 2_000, 1_000);
+        assert!(matches!(e, Err(StepError::Precondition { .. })), "{e:?}");
     }
 
     #[test]
