@@ -117,6 +117,27 @@ impl Drill {
         }
     }
 
+    /// Enqueues `n` orders; dispatcher A publishes them all in one batch (acknowledged), then
+    /// is killed before its receipt transaction: `n` rows left `SENDING` under a 3 s lease.
+    async fn publish_then_die(&mut self, n: usize) {
+        self.enqueue_orders(n, br#"{"order_id":"x","total_cents":1}"#)
+            .await;
+        let a = self.spawn(
+            &format!(
+                "lease_ms = 3000\nack_timeout_ms = 1000\ndrill_pause_after_publish_ms = 600000\nbatch_size_max = {}\n",
+                n.max(1000)
+            ),
+            &["dispatch", "--no-reconciler"],
+        );
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while self.stored() < n as i64 {
+            assert!(Instant::now() < deadline, "dispatcher A never published");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        self.children[a].kill().unwrap();
+        self.children[a].wait().unwrap();
+    }
+
     /// Starts `sealpost <args>` with this drill's database, Kafka and `extra` config.
     fn spawn(&mut self, extra: &str, args: &[&str]) -> usize {
         let path = self.dir.join(format!("c{}.toml", self.children.len()));
@@ -287,21 +308,8 @@ async fn dispatcher_killed_between_send_and_receipt_is_resolved_by_the_partition
     let _serial = ONE_AT_A_TIME.lock().await;
     let n = 300;
     let mut d = drill("kill", &["c1", "c2"], EventOrdering::Unordered).await;
-    d.enqueue_orders(n, br#"{"order_id":"x","total_cents":1}"#)
-        .await;
-    // Dispatcher A publishes (acknowledged), then sits before its receipt transaction.
-    let a = d.spawn(
-        "lease_ms = 3000\nack_timeout_ms = 1000\ndrill_pause_after_publish_ms = 600000\n",
-        &["dispatch", "--no-reconciler"],
-    );
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while d.stored() < n as i64 {
-        assert!(Instant::now() < deadline, "dispatcher A never published");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    d.publish_then_die(n).await;
     assert_eq!(d.count("SELECT count(*) FROM sealpost.receipts").await, 0);
-    d.children[a].kill().unwrap();
-    d.children[a].wait().unwrap();
     // B's reconciler finds the rows unknown once A's lease ends and asks the broker: the
     // bounded scan of each frozen partition finds every record; nothing is sent again.
     d.spawn("lease_ms = 3000\nack_timeout_ms = 1000\n", &["dispatch"]);
@@ -361,22 +369,7 @@ async fn unknowns_resolved_per_second_one_event_per_scan_against_bulk_scans() {
         ("bulk scans", ""),
     ] {
         let mut d = drill("bulk", &[], EventOrdering::Unordered).await;
-        d.enqueue_orders(n, br#"{"order_id":"x","total_cents":1}"#)
-            .await;
-        // One batch of every event, published, then A sits before its receipt transaction.
-        let a = d.spawn(
-            &format!(
-                "lease_ms = 3000\nack_timeout_ms = 1000\ndrill_pause_after_publish_ms = 600000\nbatch_size_max = {n}\n"
-            ),
-            &["dispatch", "--no-reconciler"],
-        );
-        let deadline = Instant::now() + Duration::from_secs(120);
-        while d.stored() < n as i64 {
-            assert!(Instant::now() < deadline, "dispatcher A never published");
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        d.children[a].kill().unwrap();
-        d.children[a].wait().unwrap();
+        d.publish_then_die(n).await;
         let started = Instant::now();
         d.spawn(
             &format!("lease_ms = 3000\nack_timeout_ms = 1000\n{group}"),

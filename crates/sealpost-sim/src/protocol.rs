@@ -170,19 +170,10 @@ impl Protocol {
         }
     }
 
-    /// The dispatcher's claim decision for one row of a scan, with the store's fact "an
-    /// earlier event of this aggregate is unresolved" (the mutant drops the fact).
-    pub fn decide_dispatch_claim(
-        &self,
-        row: &EventRow,
-        clusters: &[String],
-        earlier_unresolved: bool,
-        now_ms: u64,
-        lease_ms: u64,
-    ) -> claim::ClaimDecision {
-        let earlier_unresolved =
-            earlier_unresolved && !self.is(Mutant::OrderingIgnoresEarlierEvent);
-        claim::decide_dispatch_claim_for(row, clusters, earlier_unresolved, now_ms, lease_ms)
+    /// The store's fact "an earlier event of this aggregate is unresolved" as the claim
+    /// decision takes it (the mutant drops the fact).
+    pub fn earlier_unresolved(&self, fact: bool) -> bool {
+        fact && !self.is(Mutant::OrderingIgnoresEarlierEvent)
     }
 
     /// The store's claim transaction: the core's [`step::step_claim`] with this protocol's
@@ -533,29 +524,15 @@ struct Hooks<'a, D, F> {
 impl<D: FnMut(usize) -> Digest, F: FnMut() -> EventId> ClaimRules for Hooks<'_, D, F> {
     fn decide_claim(
         &mut self,
-        _index: usize,
+        index: usize,
         row: &EventRow,
         served: Served<'_>,
         earlier_unresolved: bool,
         now_ms: u64,
         lease_ms: u64,
     ) -> claim::ClaimDecision {
-        match served {
-            Served::Only(clusters) => self.proto.decide_dispatch_claim(
-                row,
-                clusters,
-                earlier_unresolved,
-                now_ms,
-                lease_ms,
-            ),
-            Served::Every => self.proto.decide_dispatch_claim(
-                row,
-                std::slice::from_ref(&row.destination.cluster),
-                earlier_unresolved,
-                now_ms,
-                lease_ms,
-            ),
-        }
+        let earlier_unresolved = self.proto.earlier_unresolved(earlier_unresolved);
+        step::CoreRules.decide_claim(index, row, served, earlier_unresolved, now_ms, lease_ms)
     }
 
     fn decide_begin_send(
