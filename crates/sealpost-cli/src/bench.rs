@@ -686,6 +686,7 @@ impl OrderMessages {
                 aggregate_id,
                 ..self.envelope.clone()
             },
+            signature: None,
         }
     }
 }

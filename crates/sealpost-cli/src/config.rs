@@ -135,6 +135,9 @@ pub fn load(path: Option<&str>) -> Result<Settings, LoadError> {
     c.run.apply_env();
     c.run.apply_secret_files()?;
     c.run.validate()?;
+    // Signing key and keyring (SEALPOST_SIGNING_KEY_FILE, SEALPOST_VERIFY_KEYS_DIR): read
+    // now, so a bad key stops the command at once with the file named.
+    c.run.load_keys()?;
     c.nats.apply_env();
     c.rabbitmq.apply_env();
     c.kafka

@@ -19,6 +19,7 @@ use sealpost::inbox::Delivery;
 use sealpost::runtime::Config;
 use sealpost::runtime::{pg_connect, RunError};
 use sealpost_core::envelope::PAYLOAD_DOMAIN;
+use sealpost_core::signature::{Presented, SignaturePolicy};
 use sealpost_core::subscription::Subscription;
 use sealpost_core::Digest;
 use sealpost_nats::async_nats::jetstream::Message;
@@ -168,6 +169,9 @@ pub fn delivery(msg: &Message) -> Option<Delivery> {
         member: d.member,
         claimed_digest: d.claimed_digest,
         payload_digest: Digest::of_bytes(PAYLOAD_DOMAIN, &msg.payload),
+        // This view checks no signature (the library consumer does, with its keyring).
+        signatures: SignaturePolicy::Off,
+        presented: Presented::Missing,
         stream: d.stream,
         sequence: d.sequence,
     })

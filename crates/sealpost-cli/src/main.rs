@@ -292,6 +292,17 @@ enum Cmd {
     /// The status web page: states and ages, latency and backlog chart, quarantined rows
     /// with an audited release (behind the operator token), findings, trace search.
     Serve(sealpost_cli::web::ServeArgs),
+    /// Write a new Ed25519 key pair for signed envelopes: DIR/ID.pem (the dispatchers'
+    /// private key, mode 0600: `signing_key_file`) and DIR/ID.pub.pem (for every reader's
+    /// `verify_keys_dir`). Never overwrites a file.
+    Keygen {
+        /// Directory to write the two files into.
+        #[arg(long)]
+        dir: String,
+        /// Key id, 1 to 64 of A-Z a-z 0-9 . _ - (travels in every signature header).
+        #[arg(long)]
+        key_id: String,
+    },
 }
 
 /// The NATS adapter for the configured cluster (the error says what to check).
@@ -305,6 +316,15 @@ fn main() {
     let cli = Cli::parse();
     let code = match cli.cmd {
         Cmd::Simulate(a) => simulate::run(a).map_err(|e| e.to_string()),
+        Cmd::Keygen { dir, key_id } => {
+            sealpost::signing::generate(std::path::Path::new(&dir), &key_id)
+                .map(|(private, public)| {
+                    println!("private key (dispatchers' signing_key_file): {}", private.display());
+                    println!("public key (every reader's verify_keys_dir): {}", public.display());
+                    0
+                })
+                .map_err(|e| e.to_string())
+        }
         Cmd::Capacity {
             file,
             avg_events_per_s,
@@ -360,7 +380,9 @@ fn main() {
 async fn run(cmd: Cmd, cfg: Settings) -> Result<i32, String> {
     let e = |x: runtime::RunError| x.to_string();
     match cmd {
-        Cmd::Simulate(_) | Cmd::Capacity { .. } => unreachable!("handled without a runtime"),
+        Cmd::Simulate(_) | Cmd::Capacity { .. } | Cmd::Keygen { .. } => {
+            unreachable!("handled without a runtime")
+        }
         Cmd::Migrate {
             route,
             durability,

@@ -43,6 +43,8 @@ fn delivery(id: EventId, payload: &[u8], seq: u64) -> Delivery {
         event_id: id,
         member: 0,
         claimed_digest: d,
+        signatures: sealpost_core::signature::SignaturePolicy::Off,
+        presented: sealpost_core::signature::Presented::Missing,
         payload_digest: d,
         stream: "S".into(),
         sequence: seq,

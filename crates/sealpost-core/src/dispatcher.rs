@@ -652,6 +652,7 @@ mod tests {
             destination: d,
             payload: vec![],
             envelope: Default::default(),
+            signature: None,
         }
     }
 

@@ -4,6 +4,7 @@
 
 use crate::encoding::{Canonical, Digest};
 use crate::envelope::EventId;
+use crate::signature::{decide_seal, Presented, SealRefusal, SignaturePolicy};
 
 /// What the consumer's store already holds for `(consumer_id, event_id)`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -40,24 +41,32 @@ pub fn decide_inbox(existing: Option<InboxRecord>, payload_digest: Digest) -> In
 }
 
 /// Why a delivery is refused before the inbox is consulted.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum DeliveryRefusal {
     /// The payload's digest is not the one its headers carry: altered on the way, or forged.
     #[error("payload does not match its digest header")]
     DigestHeaderMismatch,
+    /// The message's signature is refused under the consumer's policy: forged, replayed
+    /// under other facts, unsigned where a signature is required, or signed by a key the
+    /// consumer does not hold.
+    #[error("{0}")]
+    Unsealed(SealRefusal),
 }
 
-/// Checks a delivered message against the digest its headers claim. A mismatch is recorded
-/// in the consumer's quarantine and never applied (R12, R17).
+/// Checks a delivered message before its effect: the payload against the digest its headers
+/// claim, then what its signature presents ([`crate::signature::present`], over the claim
+/// rebuilt from the headers and the digest of the bytes received) under the consumer's
+/// policy. A refusal is recorded in the consumer's quarantine and never applied (R12, R17).
 pub fn decide_delivery(
     claimed_digest: Digest,
     payload_digest: Digest,
+    policy: SignaturePolicy,
+    presented: &Presented,
 ) -> Result<(), DeliveryRefusal> {
-    if claimed_digest == payload_digest {
-        Ok(())
-    } else {
-        Err(DeliveryRefusal::DigestHeaderMismatch)
+    if claimed_digest != payload_digest {
+        return Err(DeliveryRefusal::DigestHeaderMismatch);
     }
+    decide_seal(policy, presented).map_err(DeliveryRefusal::Unsealed)
 }
 
 /// A consumer's limits for a message it cannot apply: how many deliveries it gets and how

@@ -20,6 +20,7 @@ pub mod reconcile;
 pub mod reconciler;
 pub mod row;
 pub mod secret;
+pub mod signature;
 pub mod state;
 pub mod step;
 pub mod subscription;

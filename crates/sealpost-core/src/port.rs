@@ -154,6 +154,9 @@ pub struct SendRequest {
     pub payload: Vec<u8>,
     /// The envelope's description of the event, sent as headers.
     pub envelope: WireEnvelope,
+    /// The dispatcher's signature over the message ([`crate::signature::SignedClaim`]), the
+    /// `Sealpost-Signature` header's value; `None` when the dispatcher holds no signing key.
+    pub signature: Option<String>,
 }
 
 /// Why a message provably never left the process.
@@ -361,6 +364,7 @@ mod tests {
                 aggregate_id: aggregate_id.into(),
                 ..Default::default()
             },
+            signature: None,
         }
     }
 

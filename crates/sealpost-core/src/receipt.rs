@@ -62,6 +62,10 @@ pub enum QuarantineReason {
     /// envelope generation (a restore from a backup followed by a migration of the row,
     /// say). No retry can replace it; an operator decides.
     UnadoptableCopy,
+    /// A copy at a broker that refuses a second one, found by a lookup, whose signature the
+    /// reconciler refused ([`crate::signature::decide_seal`]): a forgery holds the event's
+    /// place. An operator removes it, then releases the row.
+    UnsealedCopy,
 }
 
 /// Why a receipt was rejected (audited, not an error of the event).

@@ -12,8 +12,22 @@ use crate::state::{transition, State, TransitionError};
 /// What the broker said when asked "did you store event X at destination D?".
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Lookup {
-    /// A stored message for the event at the frozen destination, as a receipt.
+    /// A stored message for the event at the frozen destination, as a receipt, whose seal
+    /// the reader admitted ([`crate::signature::judge_copy`]), or a broker whose adapter
+    /// reads no seal.
     Found(Receipt),
+    /// A stored message as the adapter read it, its signature not yet judged: the reader
+    /// turns it into `Found` or `Unsealed` with [`crate::signature::judge_copy`] before any
+    /// decision. Undecided, a decision leaves the row unknown.
+    Copy(Box<crate::signature::FoundCopy>),
+    /// A stored message whose seal the reader refused: forged, or signed by a key it does not
+    /// hold. Never adopted, never counted as present.
+    Unsealed {
+        /// The copy as a receipt.
+        receipt: Receipt,
+        /// Why its seal was refused.
+        refusal: crate::signature::SealRefusal,
+    },
     /// Proven absent: the broker answered and holds no such message.
     Absent,
     /// This broker cannot be asked (no lookup by event id).
@@ -68,21 +82,21 @@ pub struct ScanReach {
     pub start_deleted: bool,
 }
 
-/// The answer of one scan for each event of its group (R13): `Found` for an event the scan
-/// saw, `Absent` only for an event it did not see **and** a scan that read its whole range
+/// The answer of one scan for each event of its group (R13): `Copy` (its seal to be judged)
+/// for an event the scan saw, `Absent` only for an event it did not see **and** a scan that read its whole range
 /// (nothing proven from a range it did not finish: a bound, a time limit or an error stops a
 /// scan short), `Unqueryable` when retention removed records the scan needed, `Unavailable`
 /// (nothing learned) otherwise. Every adapter that scans, and the simulator, answer through
 /// this.
 pub fn decide_scanned(
     group: &[(crate::envelope::EventId, u16)],
-    found: impl Fn(crate::envelope::EventId, u16) -> Option<Receipt>,
+    found: impl Fn(crate::envelope::EventId, u16) -> Option<crate::signature::FoundCopy>,
     reach: ScanReach,
 ) -> Vec<Lookup> {
     group
         .iter()
         .map(|&(event_id, member)| match found(event_id, member) {
-            Some(r) => Lookup::Found(r),
+            Some(c) => Lookup::Copy(Box::new(c)),
             None if reach.start_deleted => Lookup::Unqueryable,
             None if reach.finished => Lookup::Absent,
             None => Lookup::Unavailable,
@@ -205,6 +219,16 @@ pub fn decide_reconcile(
             }
             ReceiptVerdict::Quarantine(q) => retry(Some(q)),
         },
+        // A copy nobody may trust: at a broker that refuses a second copy it blocks the
+        // genuine one for good (an operator removes it, then releases the row); elsewhere the
+        // genuine copy is sent to the same destination beside it, and readers refuse the
+        // forgery by its seal.
+        Lookup::Unsealed { .. } if policy.create_if_absent => {
+            ReconcileDecision::Conflict(QuarantineReason::UnsealedCopy)
+        }
+        Lookup::Unsealed { .. } => retry(None),
+        // Not judged by the shell: nothing is decided on an unchecked copy.
+        Lookup::Copy(_) => ReconcileDecision::StayUnknown,
         Lookup::Absent => retry(None),
         Lookup::Unqueryable if policy.redeliver_when_unqueryable => retry(None),
         Lookup::Unqueryable | Lookup::Unavailable => ReconcileDecision::StayUnknown,

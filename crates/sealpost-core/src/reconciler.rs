@@ -511,8 +511,10 @@ pub fn decide_verify(item: &VerifyItem, lookup: &Lookup) -> VerifyVerdict {
         Lookup::Found(r) if r.event_id == item.event_id && r.member == item.member => {
             VerifyVerdict::Held
         }
-        Lookup::Found(_) | Lookup::Absent => VerifyVerdict::Missing,
-        Lookup::Unavailable | Lookup::Unqueryable => VerifyVerdict::Unknown,
+        // A copy whose seal was refused is not the event: the genuine one is missing.
+        Lookup::Found(_) | Lookup::Unsealed { .. } | Lookup::Absent => VerifyVerdict::Missing,
+        // Not judged: nothing learned.
+        Lookup::Copy(_) | Lookup::Unavailable | Lookup::Unqueryable => VerifyVerdict::Unknown,
     }
 }
 

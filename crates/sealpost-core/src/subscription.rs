@@ -18,6 +18,7 @@ use crate::encoding::Digest;
 use crate::envelope::EventId;
 use crate::inbox::{decide_failed_delivery, FailedDelivery, Failure, RedeliveryPolicy};
 use crate::port::WireEnvelope;
+use crate::signature::{present, Crypto, Presented, SignedClaim, SIGNATURE_LEN};
 
 /// How much one fetch may return: at most `messages_max` messages and, past the first, at
 /// most `bytes_max` payload bytes; waiting at most `wait_ms` for the first.
@@ -61,6 +62,58 @@ pub struct SealpostHeaders {
     pub claimed_digest: Digest,
     /// The envelope's description (R30), when the headers carry it.
     pub envelope: Option<WireEnvelope>,
+    /// The envelope generation the headers carry, if they do.
+    pub envelope_generation: Option<u32>,
+    /// The destination digest the headers carry, if they do.
+    pub destination_digest: Option<Digest>,
+    /// The `Sealpost-Signature` header, if any.
+    pub signature: Option<String>,
+}
+
+/// Header: envelope generation (decimal), as every adapter writes it.
+pub const H_ENVELOPE_GENERATION: &str = "Sealpost-Envelope-Generation";
+/// Header: destination digest (`sha256:` hex), as every adapter writes it.
+pub const H_DESTINATION_DIGEST: &str = "Sealpost-Destination-Digest";
+
+impl SealpostHeaders {
+    /// The headers a message's seal is checked with, read by an adapter's header getter:
+    /// the envelope description, generation, destination digest and signature (each `None`
+    /// when missing or malformed).
+    pub fn with_seal<'a>(mut self, get: impl Fn(&str) -> Option<&'a str>) -> SealpostHeaders {
+        self.envelope = WireEnvelope::from_headers(&get);
+        self.envelope_generation = get(H_ENVELOPE_GENERATION).and_then(|v| v.parse().ok());
+        self.destination_digest = get(H_DESTINATION_DIGEST).and_then(Digest::from_hex);
+        self.signature = get(crate::signature::H_SIGNATURE).map(str::to_string);
+        self
+    }
+
+    /// The claim a signature over this message must cover, rebuilt from these headers and the
+    /// digest of the payload bytes actually received (`None` when the headers lack a part of
+    /// it, which no message Sealpost sends does).
+    pub fn claim(&self, payload_digest: Digest) -> Option<SignedClaim> {
+        Some(SignedClaim {
+            event_id: self.event_id,
+            member: self.member,
+            envelope_generation: self.envelope_generation?,
+            payload_digest,
+            destination_digest: self.destination_digest?,
+            envelope: self.envelope.clone()?,
+        })
+    }
+
+    /// What this message presents for `payload_digest` (the bytes received), its signature
+    /// checked by the reader's `verify` ([`crate::signature::present`]).
+    pub fn presented(
+        &self,
+        payload_digest: Digest,
+        verify: impl FnOnce(&str, &[u8; SIGNATURE_LEN], &Digest) -> Crypto,
+    ) -> Presented {
+        present(
+            self.signature.as_deref(),
+            self.claim(payload_digest).as_ref(),
+            verify,
+        )
+    }
 }
 
 /// One delivered message, as its adapter reads it.

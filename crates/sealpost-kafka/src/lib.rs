@@ -81,10 +81,13 @@ use sealpost_core::encoding::Digest;
 use sealpost_core::envelope::{payload_digest, Destination, EventId, PartitionAlgorithm};
 use sealpost_core::port::{
     encode_request, may_leave, Broker, Capabilities, NeverSentReason, RefusalKind, SendRequest,
-    SendResult,
+    SendResult, WireEnvelope,
 };
 use sealpost_core::receipt::{Receipt, ReceiptSource};
+/// Header: the dispatcher's signature (`sealpost_core::signature`).
+pub use sealpost_core::signature::H_SIGNATURE;
 use sealpost_core::reconcile::{decide_scanned, Lookup, LookupScan, ScanReach};
+use sealpost_core::signature::FoundCopy;
 
 pub use rdkafka;
 pub use subscription::{unreadable_reason, KafkaSubscription};
@@ -751,7 +754,7 @@ impl Kafka {
             .iter()
             .map(|&(e, m)| ((e.to_string(), m.to_string()), (e, m)))
             .collect();
-        let mut found: std::collections::HashMap<(EventId, u16), Receipt> = Default::default();
+        let mut found: std::collections::HashMap<(EventId, u16), FoundCopy> = Default::default();
         // Our id without our headers: not proof of our send.
         let mut unusable: std::collections::HashSet<(EventId, u16)> = Default::default();
         let began = Instant::now();
@@ -821,7 +824,13 @@ impl Kafka {
                     })();
                     match parsed {
                         Some(r) => {
-                            found.entry((event_id, member)).or_insert(r);
+                            found.entry((event_id, member)).or_insert_with(|| {
+                                FoundCopy::read(
+                                    r,
+                                    WireEnvelope::from_headers(|n| header_str(&m, n)),
+                                    get(H_SIGNATURE).map(str::to_string),
+                                )
+                            });
                         }
                         None => {
                             unusable.insert((event_id, member));
@@ -868,6 +877,12 @@ fn header_pairs(r: &SendRequest) -> OwnedHeaders {
         h = h.insert(Header {
             key,
             value: Some(value.as_str()),
+        });
+    }
+    if let Some(sig) = &r.signature {
+        h = h.insert(Header {
+            key: H_SIGNATURE,
+            value: Some(sig.as_str()),
         });
     }
     h

@@ -169,8 +169,12 @@ fn headers_of(m: &OwnedMessage) -> Result<SealpostHeaders, String> {
             event_id: EventId::parse(header_str(m, H_EVENT_ID)?)?,
             member: header_str(m, H_MEMBER)?.parse().ok()?,
             claimed_digest: Digest::from_hex(header_str(m, H_PAYLOAD_DIGEST)?)?,
-            envelope: WireEnvelope::from_headers(|n| header_str(m, n)),
-        })
+            envelope: None,
+            envelope_generation: None,
+            destination_digest: None,
+            signature: None,
+        }
+        .with_seal(|n| header_str(m, n)))
     };
     read().ok_or_else(|| unreadable_reason(m))
 }

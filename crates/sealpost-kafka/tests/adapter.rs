@@ -62,6 +62,7 @@ fn request(destination: &Destination, attempt_id: u64, payload: &[u8]) -> SendRe
             tenant: "tenant-1".into(),
             payload_schema_digest: Digest([9; 32]),
         },
+        signature: None,
     }
 }
 

@@ -60,10 +60,13 @@ use sealpost_core::encoding::Digest;
 use sealpost_core::envelope::{payload_digest, Destination, EventId};
 use sealpost_core::port::{
     encode_request, may_leave, Broker, Capabilities, NeverSentReason, RefusalKind, ScannedMessage,
-    SendRequest, SendResult, StreamCursor, StreamScan,
+    SendRequest, SendResult, StreamCursor, StreamScan, WireEnvelope,
 };
 use sealpost_core::receipt::{Receipt, ReceiptSource};
+/// Header: the dispatcher's signature (`sealpost_core::signature`).
+pub use sealpost_core::signature::H_SIGNATURE;
 use sealpost_core::reconcile::Lookup;
+use sealpost_core::signature::FoundCopy;
 use tokio::sync::Semaphore;
 
 pub use async_nats;
@@ -237,6 +240,9 @@ fn send_headers(r: &SendRequest) -> Result<HeaderMap, String> {
     );
     for (n, v) in r.envelope.headers() {
         headers.insert(name(n), value(n, v)?);
+    }
+    if let Some(sig) = &r.signature {
+        headers.insert(name(H_SIGNATURE), value(H_SIGNATURE, sig.clone())?);
     }
     headers.insert(
         async_nats::header::NATS_MESSAGE_ID,
@@ -449,7 +455,12 @@ impl Nats {
                     })
                 })();
                 match parsed {
-                    Some(r) => Lookup::Found(r),
+                    // The reader judges its seal (`sealpost_core::signature::judge_copy`).
+                    Some(r) => Lookup::Copy(Box::new(FoundCopy::read(
+                        r,
+                        WireEnvelope::from_headers(|n| m.headers.get(n).map(|v| v.as_str())),
+                        h(H_SIGNATURE),
+                    ))),
                     // A message on our subject without our headers: someone else published
                     // there. Not proof of our send; leave it unknown for an operator.
                     None => Lookup::Unavailable,

@@ -193,11 +193,12 @@ impl Subscription for NatsSubscription {
                 event_id: d.event_id,
                 member: d.member,
                 claimed_digest: d.claimed_digest,
-                envelope: m
-                    .headers
-                    .as_ref()
-                    .and_then(|h| WireEnvelope::from_headers(|n| h.get(n).map(|v| v.as_str()))),
-            }),
+                envelope: None,
+                envelope_generation: None,
+                destination_digest: None,
+                signature: None,
+            }
+            .with_seal(|n| m.headers.as_ref()?.get(n).map(|v| v.as_str()))),
             None => Err(unreadable_reason(m)),
         };
         Received {

@@ -68,6 +68,8 @@ use sealpost_core::port::{
     SendResult,
 };
 use sealpost_core::receipt::{Receipt, ReceiptSource};
+/// Header: the dispatcher's signature (`sealpost_core::signature`).
+pub use sealpost_core::signature::H_SIGNATURE;
 use sealpost_core::reconcile::Lookup;
 use tokio::sync::{Mutex, Semaphore};
 
@@ -508,6 +510,9 @@ fn properties(r: &SendRequest) -> BasicProperties {
     );
     for (name, value) in r.envelope.headers() {
         h.insert(name.into(), header(value));
+    }
+    if let Some(sig) = &r.signature {
+        h.insert(H_SIGNATURE.into(), header(sig.as_str()));
     }
     let msg_id = if r.member == 0 {
         r.event_id.to_string()

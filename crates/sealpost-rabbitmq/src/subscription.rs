@@ -298,8 +298,12 @@ impl Subscription for RabbitSubscription {
                     event_id: d.event_id,
                     member: d.member,
                     claimed_digest: d.claimed_digest,
-                    envelope: WireEnvelope::from_headers(|n| all.get(n).map(String::as_str)),
-                })
+                    envelope: None,
+                    envelope_generation: None,
+                    destination_digest: None,
+                    signature: None,
+                }
+                .with_seal(|n| all.get(n).map(String::as_str)))
             }
             None => Err(crate::unreadable_reason(&m.properties)),
         };

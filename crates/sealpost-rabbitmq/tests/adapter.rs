@@ -49,6 +49,7 @@ fn request(destination: &Destination, attempt_id: u64, payload: &[u8]) -> SendRe
         destination_digest: destination.digest(),
         payload: payload.to_vec(),
         envelope: Default::default(),
+        signature: None,
     }
 }
 

@@ -245,6 +245,7 @@ fn request(destination: &Destination, payload: &[u8]) -> SendRequest {
         destination_digest: destination.digest(),
         payload: payload.to_vec(),
         envelope: Default::default(),
+        signature: None,
     }
 }
 

@@ -1326,6 +1326,7 @@ impl World {
                 destination_digest: begin.destination_digest,
                 payload: Vec::new(),
                 envelope: Default::default(),
+                signature: None,
             },
             stream,
         ))

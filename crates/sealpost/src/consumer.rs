@@ -32,6 +32,7 @@ pub use tokio_util::sync::CancellationToken;
 use crate::inbox::{self, BatchOutcome, DeadLetter, DeadLetterKind};
 use crate::pg::{PgConn, PgConnector, PgSource};
 use crate::runtime::{Config, RunError};
+use crate::signing::Keyring;
 use crate::store::StoreError;
 
 /// A handler's failure: any error (its words are logged and, at the delivery limit,
@@ -199,6 +200,10 @@ pub struct Options {
     pub drill_skip_ack: bool,
     /// Messages applied so far (committed with the inbox row), readable while it runs.
     pub applied: Arc<AtomicU64>,
+    /// The signatures this consumer trusts ([`Keyring`]): a message whose seal its policy
+    /// refuses is quarantined with the reason and never reaches the handler. Default: none
+    /// checked ([`Keyring::off`]); [`Options::with_keyring`] or [`Config::keyring`].
+    pub keyring: Arc<Keyring>,
 }
 
 impl Options {
@@ -219,10 +224,17 @@ impl Options {
             #[cfg(feature = "drills")]
             drill_skip_ack: false,
             applied: Arc::new(AtomicU64::new(0)),
+            keyring: Arc::new(Keyring::off()),
         }
     }
 
-    /// The settings the runtime `Config` holds (`consumer_*`, `drill_skip_consumer_ack`).
+    /// The same options, checking signatures with `keyring`.
+    pub fn with_keyring(self, keyring: Arc<Keyring>) -> Options {
+        Options { keyring, ..self }
+    }
+
+    /// The settings the runtime `Config` holds (`consumer_*`, `drill_skip_consumer_ack`, the
+    /// keyring of [`Config::load_keys`]).
     pub fn from_config(cfg: &Config, consumer_id: impl Into<String>) -> Options {
         Options {
             redelivery: RedeliveryPolicy {
@@ -233,6 +245,8 @@ impl Options {
             progress_every_ms: cfg.consumer_progress_every_ms,
             #[cfg(feature = "drills")]
             drill_skip_ack: cfg.drill_skip_consumer_ack,
+            // The keyring `Config::load_keys` read (none checked if it was not called).
+            keyring: cfg.keys.keyring.clone(),
             ..Options::new(consumer_id)
         }
     }
@@ -410,11 +424,14 @@ async fn apply_batch<H: Handler>(
                 other => settled[i] = Some(other),
             },
             Ok(h) => {
+                let payload_digest = Digest::of_bytes(PAYLOAD_DOMAIN, r.payload);
                 inbox_ds.push(inbox::Delivery {
                     event_id: h.event_id,
                     member: h.member,
                     claimed_digest: h.claimed_digest,
-                    payload_digest: Digest::of_bytes(PAYLOAD_DOMAIN, r.payload),
+                    payload_digest,
+                    signatures: options.keyring.policy(),
+                    presented: options.keyring.presented(h, payload_digest),
                     stream: r.stream.clone(),
                     sequence: r.sequence,
                 });

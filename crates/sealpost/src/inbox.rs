@@ -18,6 +18,7 @@ use futures::future::BoxFuture;
 use sealpost_core::encoding::Digest;
 use sealpost_core::envelope::EventId;
 use sealpost_core::inbox::{decide_delivery, decide_inbox, InboxDecision, InboxRecord};
+use sealpost_core::signature::{Presented, SignaturePolicy};
 use tokio_postgres::Transaction;
 use uuid::Uuid;
 
@@ -34,6 +35,10 @@ pub struct Delivery {
     pub claimed_digest: Digest,
     /// Digest of the payload bytes actually received.
     pub payload_digest: Digest,
+    /// The consumer's signature policy.
+    pub signatures: SignaturePolicy,
+    /// What the message's signature presents (`sealpost::signing::Keyring::presented`).
+    pub presented: Presented,
     /// Stream.
     pub stream: String,
     /// Stream sequence.
@@ -83,7 +88,7 @@ pub async fn process(
     effect: Effect<'_>,
 ) -> Result<InboxOutcome> {
     let tx = client.transaction().await?;
-    if let Err(refusal) = decide_delivery(d.claimed_digest, d.payload_digest) {
+    if let Err(refusal) = decide_delivery(d.claimed_digest, d.payload_digest, d.signatures, &d.presented) {
         quarantine(&tx, consumer_id, &[(d, refusal.to_string())]).await?;
         tx.commit().await?;
         return Ok(InboxOutcome::Quarantined);
@@ -250,7 +255,7 @@ pub(crate) async fn process_batch_any(
     let mut candidates = Vec::new();
     let mut followers = Vec::new();
     for (i, d) in ds.iter().enumerate() {
-        if let Err(refusal) = decide_delivery(d.claimed_digest, d.payload_digest) {
+        if let Err(refusal) = decide_delivery(d.claimed_digest, d.payload_digest, d.signatures, &d.presented) {
             refused.push((d, refusal.to_string()));
             outcomes[i] = Some(BatchOutcome::Quarantined);
             continue;

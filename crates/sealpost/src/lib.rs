@@ -11,6 +11,7 @@ pub mod ops;
 pub mod pg;
 pub mod runtime;
 pub mod secret;
+pub mod signing;
 #[cfg(feature = "sqlx")]
 pub mod sqlx_store;
 pub mod store;

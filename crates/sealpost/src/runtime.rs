@@ -14,6 +14,7 @@ use futures::stream::{FuturesUnordered, StreamExt};
 use sealpost_core::dispatcher::{DispatchAction, DispatcherConfig, DispatcherMachine, Submission};
 use sealpost_core::port::{Broker, SendResult};
 use sealpost_core::reconcile::{Lookup, ReconcilePolicy};
+use sealpost_core::signature::SignaturePolicy;
 use sealpost_core::reconciler::{
     ReconcileAction, ReconcileItem, ReconcilerConfig, ReconcilerMachine, VerifyItem,
 };
@@ -26,6 +27,7 @@ pub use tokio_util::sync::CancellationToken;
 use crate::observe;
 use crate::pg::{PgConn, PgSource};
 use crate::secret;
+use crate::signing::{Keyring, Signer};
 use crate::store::{self, Accepted, StoreError, Submitted};
 
 /// Runtime configuration of the store and the loops: the database, leases, batch sizes,
@@ -104,6 +106,42 @@ pub struct Config {
     /// Consumers that must have passed an event before `sealpost purge` removes it (the
     /// `--consumer` flags add to these).
     pub required_consumers: Vec<String>,
+    /// The dispatchers' Ed25519 private key, a PKCS#8 PEM file `<key-id>.pem`
+    /// (`SEALPOST_SIGNING_KEY_FILE`; [`crate::signing`]): every message sent is signed with
+    /// it. Empty: messages go unsigned.
+    pub signing_key_file: String,
+    /// The readers' public keys, every `<key-id>.pub.pem` of this directory
+    /// (`SEALPOST_VERIFY_KEYS_DIR`): consumers, the reconciler and the verification pass check
+    /// signatures with them.
+    pub verify_keys_dir: String,
+    /// What readers demand of signatures (`SEALPOST_SIGNATURES`): `off`, `if-present` (while
+    /// dispatchers start signing) or `require`. Empty: `require` when `verify_keys_dir` is
+    /// set, `off` otherwise.
+    pub signatures: String,
+    /// The keys read from the two settings above ([`Config::load_keys`]).
+    #[serde(skip)]
+    pub keys: LoadedKeys,
+}
+
+/// The signing key and keyring a [`Config`] names, once read ([`Config::load_keys`]).
+#[derive(Clone, Debug)]
+pub struct LoadedKeys {
+    /// Read from the files (false: the defaults, nothing read yet).
+    pub loaded: bool,
+    /// The dispatchers' signer, if a key file is set.
+    pub signer: Option<Arc<Signer>>,
+    /// The readers' keyring ([`Keyring::off`] without a keys directory).
+    pub keyring: Arc<Keyring>,
+}
+
+impl Default for LoadedKeys {
+    fn default() -> Self {
+        LoadedKeys {
+            loaded: false,
+            signer: None,
+            keyring: Arc::new(Keyring::off()),
+        }
+    }
 }
 
 impl Default for Config {
@@ -136,6 +174,10 @@ impl Default for Config {
             consumer_progress_every_ms: 1_000,
             outbox_database_url: String::new(),
             required_consumers: Vec::new(),
+            signing_key_file: String::new(),
+            verify_keys_dir: String::new(),
+            signatures: String::new(),
+            keys: LoadedKeys::default(),
         }
     }
 }
@@ -172,6 +214,10 @@ impl fmt::Debug for Config {
             consumer_progress_every_ms,
             outbox_database_url,
             required_consumers,
+            signing_key_file,
+            verify_keys_dir,
+            signatures,
+            keys,
         } = self;
         let mut d = f.debug_struct("Config");
         d.field("database_url", &secret::redact_dsn(database_url))
@@ -203,6 +249,10 @@ impl fmt::Debug for Config {
                 &secret::redact_dsn(outbox_database_url),
             )
             .field("required_consumers", required_consumers)
+            .field("signing_key_file", signing_key_file)
+            .field("verify_keys_dir", verify_keys_dir)
+            .field("signatures", signatures)
+            .field("keys", keys)
             .finish()
     }
 }
@@ -214,6 +264,9 @@ pub enum ConfigError {
     /// holds.
     #[error(transparent)]
     SecretFile(#[from] secret::SecretFileError),
+    /// A signing key or the keys directory cannot be used (names the file, never a key).
+    #[error(transparent)]
+    Key(#[from] crate::signing::KeyError),
     /// A value out of range.
     #[error("config key `{key}`: {message}")]
     Invalid {
@@ -235,6 +288,77 @@ impl Config {
         if let Ok(v) = std::env::var("DATABASE_PASSWORD_FILE") {
             self.database_password_file = v;
         }
+        for (var, field) in [
+            ("SEALPOST_SIGNING_KEY_FILE", &mut self.signing_key_file),
+            ("SEALPOST_VERIFY_KEYS_DIR", &mut self.verify_keys_dir),
+            ("SEALPOST_SIGNATURES", &mut self.signatures),
+        ] {
+            if let Ok(v) = std::env::var(var) {
+                *field = v;
+            }
+        }
+    }
+
+    /// The readers' signature policy (`signatures`; empty: `require` with a keys directory,
+    /// `off` without).
+    pub fn signature_policy(&self) -> Result<SignaturePolicy, ConfigError> {
+        if self.signatures.is_empty() {
+            return Ok(if self.verify_keys_dir.is_empty() {
+                SignaturePolicy::Off
+            } else {
+                SignaturePolicy::Require
+            });
+        }
+        let p = SignaturePolicy::parse(&self.signatures).ok_or_else(|| ConfigError::Invalid {
+            key: "signatures",
+            message: format!(
+                "`{}` is not one of off, if-present, require",
+                self.signatures
+            ),
+        })?;
+        if p != SignaturePolicy::Off && self.verify_keys_dir.is_empty() {
+            return Err(ConfigError::Invalid {
+                key: "signatures",
+                message: format!(
+                    "`{}` needs verify_keys_dir (SEALPOST_VERIFY_KEYS_DIR), the directory of the dispatchers' <key-id>.pub.pem files",
+                    p.name()
+                ),
+            });
+        }
+        Ok(p)
+    }
+
+    /// Reads `signing_key_file` and `verify_keys_dir` into [`Config::keys`] (once; a second
+    /// call keeps what the first read). The error names the file and what to do, never a key.
+    pub fn load_keys(&mut self) -> Result<(), ConfigError> {
+        if self.keys.loaded {
+            return Ok(());
+        }
+        let policy = self.signature_policy()?;
+        let signer = if self.signing_key_file.is_empty() {
+            None
+        } else {
+            Some(Arc::new(Signer::from_pem_file(std::path::Path::new(
+                &self.signing_key_file,
+            ))?))
+        };
+        let keyring = if self.verify_keys_dir.is_empty() {
+            Keyring::off()
+        } else {
+            Keyring::from_dir(std::path::Path::new(&self.verify_keys_dir), policy)?
+        };
+        self.keys = LoadedKeys {
+            loaded: true,
+            signer,
+            keyring: Arc::new(keyring),
+        };
+        Ok(())
+    }
+
+    /// The config with its keys read ([`Config::load_keys`]), for a loop starting up.
+    fn with_keys(mut self) -> Result<Config, RunError> {
+        self.load_keys().map_err(|e| RunError::Config(e.to_string()))?;
+        Ok(self)
     }
 
     /// The outbox database a consumer reports its progress to: `outbox_database_url`, or
@@ -269,6 +393,7 @@ impl Config {
         c.apply_env();
         c.apply_secret_files()?;
         c.validate()?;
+        c.load_keys()?;
         Ok(c)
     }
 
@@ -351,6 +476,9 @@ pub enum RunError {
     /// Broker adapter failure (connecting, managing a destination).
     #[error(transparent)]
     Broker(Box<dyn std::error::Error + Send + Sync>),
+    /// The configuration cannot be used (a signing key or keys directory, say).
+    #[error("{0}")]
+    Config(String),
     /// A connection pool could not lend a connection (its words and causes, then what to
     /// check).
     #[error("cannot get a PostgreSQL connection from the pool: {0}")]
@@ -541,6 +669,8 @@ pub async fn dispatcher<B: Broker>(
     shutdown: CancellationToken,
     counters: Arc<Counters>,
 ) -> Result<(), RunError> {
+    let cfg = cfg.with_keys()?;
+    let signer = cfg.keys.signer.clone();
     let mut pg = Some(db.connect().await?);
     let owner = owner_id();
     let cluster = broker.cluster().to_string();
@@ -659,7 +789,14 @@ pub async fn dispatcher<B: Broker>(
                 let broker = broker.clone();
                 #[cfg(feature = "drills")]
                 let pause = cfg.drill_pause_after_publish_ms;
+                let signer = signer.clone();
                 on_wire = Some(tokio::spawn(async move {
+                    let mut batch = batch;
+                    if let Some(signer) = &signer {
+                        for r in &mut batch {
+                            signer.sign_request(r);
+                        }
+                    }
                     let t_send = Instant::now();
                     let n = batch.len();
                     let results = broker.send_batch(batch, deadline).await;
@@ -805,6 +942,8 @@ pub async fn reconciler<B: Broker>(
     shutdown: CancellationToken,
     counters: Arc<Counters>,
 ) -> Result<(), RunError> {
+    let cfg = cfg.with_keys()?;
+    let keyring = cfg.keys.keyring.clone();
     let mut pg = Some(db.connect().await?);
     let owner = owner_id();
     let epoch = Instant::now();
@@ -965,7 +1104,8 @@ pub async fn reconciler<B: Broker>(
         let stopping = stop_deadline.is_some();
         tokio::select! {
             _ = shutdown.cancelled(), if !stopping => {}
-            Some(answer) = lookups.next(), if !lookups.is_empty() => match answer {
+            // A copy a lookup found is judged by its seal before the machine sees it.
+            Some(answer) = lookups.next(), if !lookups.is_empty() => match answer.judged(&keyring) {
                 Answer::Unknown(item, l) => {
                     observe::record_lookup("unknown", &l);
                     m.handle_lookup(item, l)
@@ -993,6 +1133,17 @@ enum Answer {
     Verify(VerifyItem, Lookup),
     /// One scan's answers, one per row of the group.
     Many(Vec<ReconcileItem>, Vec<Lookup>),
+}
+
+impl Answer {
+    /// Every copy found, its seal judged by `keyring` (`sealpost_core::signature::judge_copy`).
+    fn judged(self, keyring: &Keyring) -> Answer {
+        match self {
+            Answer::Unknown(i, l) => Answer::Unknown(i, keyring.judge(l)),
+            Answer::Verify(i, l) => Answer::Verify(i, keyring.judge(l)),
+            Answer::Many(g, ls) => Answer::Many(g, ls.into_iter().map(|l| keyring.judge(l)).collect()),
+        }
+    }
 }
 
 /// Spawns `dispatchers` dispatcher tasks and, if asked, one reconciler beside them, each

@@ -1302,6 +1302,7 @@ impl Outgoing {
             destination_digest: self.destination_digest,
             payload: self.payload,
             envelope: self.envelope,
+            signature: None,
         }
     }
 
@@ -1309,6 +1310,7 @@ impl Outgoing {
     /// the broker port's [`SendRequest`], never the store's row or claim token).
     pub fn send_request(&self) -> SendRequest {
         self.clone().into_send_request()
+        signature: None,
     }
 }
 
