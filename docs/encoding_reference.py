@@ -40,3 +40,9 @@ env = canonical("sealpost.envelope.v1", [
 print("destination", dest.hex())
 print("payload    ", pd.hex())
 print("envelope   ", env.hex())
+# The signed claim of that event's first copy (member 0): what a dispatcher's Ed25519
+# signature covers (crates/sealpost-core/src/signature.rs, "Signed envelopes" above).
+claim = canonical("sealpost.signature.v1", [
+    (1, event_id), (2, 0), (3, 1), (4, pd), (5, dest), (6, "order.created.v1"), (7, "order"),
+    (8, "o-42"), (9, 17), (10, 1_700_000_000_000), (11, "tenant-7"), (12, sd)])
+print("signature  ", claim.hex())

@@ -319,8 +319,14 @@ fn main() {
         Cmd::Keygen { dir, key_id } => {
             sealpost::signing::generate(std::path::Path::new(&dir), &key_id)
                 .map(|(private, public)| {
-                    println!("private key (dispatchers' signing_key_file): {}", private.display());
-                    println!("public key (every reader's verify_keys_dir): {}", public.display());
+                    println!(
+                        "private key (dispatchers' signing_key_file): {}",
+                        private.display()
+                    );
+                    println!(
+                        "public key (every reader's verify_keys_dir): {}",
+                        public.display()
+                    );
                     0
                 })
                 .map_err(|e| e.to_string())

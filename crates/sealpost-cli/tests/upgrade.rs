@@ -171,6 +171,7 @@ fn request(env: &SealedEnvelope, attempt_id: u64, payload: &[u8]) -> SendRequest
         destination_digest: env.destination_digest,
         payload: payload.to_vec(),
         envelope: Default::default(),
+        signature: None,
     }
 }
 

@@ -516,6 +516,27 @@ mod tests {
             env.digest().to_hex(),
             "4678711fcd7f0b05dcb9bf79c9dc329dc74a6686baa5f3d22b36c5c9025fe2d3"
         );
+        // The signed claim of its first copy (`signature.rs`).
+        let claim = crate::signature::SignedClaim {
+            event_id: env.event_id,
+            member: 0,
+            envelope_generation: env.envelope_generation,
+            payload_digest: env.payload_digest,
+            destination_digest: env.destination_digest,
+            envelope: crate::port::WireEnvelope {
+                event_type: env.event_type.clone(),
+                aggregate_type: env.aggregate_type.clone(),
+                aggregate_id: env.aggregate_id.clone(),
+                aggregate_version: env.aggregate_version,
+                occurred_at_ms: env.occurred_at_ms,
+                tenant: env.tenant.clone(),
+                payload_schema_digest: env.payload_schema_digest,
+            },
+        };
+        assert_eq!(
+            claim.digest().to_hex(),
+            "5b8e2e72635c8fe61c84b98f1f562dd653bb421a85eda4f74a95ec89820fdd31"
+        );
     }
 
     #[test]

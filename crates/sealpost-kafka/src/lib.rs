@@ -84,10 +84,10 @@ use sealpost_core::port::{
     SendResult, WireEnvelope,
 };
 use sealpost_core::receipt::{Receipt, ReceiptSource};
-/// Header: the dispatcher's signature (`sealpost_core::signature`).
-pub use sealpost_core::signature::H_SIGNATURE;
 use sealpost_core::reconcile::{decide_scanned, Lookup, LookupScan, ScanReach};
 use sealpost_core::signature::FoundCopy;
+/// Header: the dispatcher's signature (`sealpost_core::signature`).
+pub use sealpost_core::signature::H_SIGNATURE;
 
 pub use rdkafka;
 pub use subscription::{unreadable_reason, KafkaSubscription};

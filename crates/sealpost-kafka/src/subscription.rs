@@ -27,7 +27,6 @@ use rdkafka::message::{Message, OwnedMessage};
 use rdkafka::{Offset, TopicPartitionList};
 use sealpost_core::encoding::Digest;
 use sealpost_core::envelope::EventId;
-use sealpost_core::port::WireEnvelope;
 use sealpost_core::subscription::{
     FetchLimits, Received, SealpostHeaders, Settlement, Subscription,
 };
@@ -165,16 +164,18 @@ pub fn unreadable_reason(m: &OwnedMessage) -> String {
 
 fn headers_of(m: &OwnedMessage) -> Result<SealpostHeaders, String> {
     let read = || {
-        Some(SealpostHeaders {
-            event_id: EventId::parse(header_str(m, H_EVENT_ID)?)?,
-            member: header_str(m, H_MEMBER)?.parse().ok()?,
-            claimed_digest: Digest::from_hex(header_str(m, H_PAYLOAD_DIGEST)?)?,
-            envelope: None,
-            envelope_generation: None,
-            destination_digest: None,
-            signature: None,
-        }
-        .with_seal(|n| header_str(m, n)))
+        Some(
+            SealpostHeaders {
+                event_id: EventId::parse(header_str(m, H_EVENT_ID)?)?,
+                member: header_str(m, H_MEMBER)?.parse().ok()?,
+                claimed_digest: Digest::from_hex(header_str(m, H_PAYLOAD_DIGEST)?)?,
+                envelope: None,
+                envelope_generation: None,
+                destination_digest: None,
+                signature: None,
+            }
+            .with_seal(|n| header_str(m, n)),
+        )
     };
     read().ok_or_else(|| unreadable_reason(m))
 }

@@ -63,10 +63,10 @@ use sealpost_core::port::{
     SendRequest, SendResult, StreamCursor, StreamScan, WireEnvelope,
 };
 use sealpost_core::receipt::{Receipt, ReceiptSource};
-/// Header: the dispatcher's signature (`sealpost_core::signature`).
-pub use sealpost_core::signature::H_SIGNATURE;
 use sealpost_core::reconcile::Lookup;
 use sealpost_core::signature::FoundCopy;
+/// Header: the dispatcher's signature (`sealpost_core::signature`).
+pub use sealpost_core::signature::H_SIGNATURE;
 use tokio::sync::Semaphore;
 
 pub use async_nats;

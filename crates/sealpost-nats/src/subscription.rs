@@ -14,7 +14,6 @@ use async_nats::jetstream::{AckKind, Message};
 use futures::StreamExt;
 use sealpost_core::encoding::Digest;
 use sealpost_core::envelope::EventId;
-use sealpost_core::port::WireEnvelope;
 use sealpost_core::subscription::{
     FetchLimits, Received, SealpostHeaders, Settlement, Subscription,
 };

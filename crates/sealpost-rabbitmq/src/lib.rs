@@ -68,9 +68,9 @@ use sealpost_core::port::{
     SendResult,
 };
 use sealpost_core::receipt::{Receipt, ReceiptSource};
+use sealpost_core::reconcile::Lookup;
 /// Header: the dispatcher's signature (`sealpost_core::signature`).
 pub use sealpost_core::signature::H_SIGNATURE;
-use sealpost_core::reconcile::Lookup;
 use tokio::sync::{Mutex, Semaphore};
 
 pub use config::RabbitConfig;

@@ -33,7 +33,6 @@ use lapin::options::{
 };
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{Channel, Connection, ConnectionProperties, ExchangeKind};
-use sealpost_core::port::WireEnvelope;
 use sealpost_core::subscription::{
     decide_drained_watermark, DrainCandidate, FetchLimits, Received, SealpostHeaders, Settlement,
     Subscription,

@@ -34,6 +34,7 @@ use crate::pg::{PgConn, PgConnector, PgSource};
 use crate::runtime::{Config, RunError};
 use crate::signing::Keyring;
 use crate::store::StoreError;
+use sealpost_core::signature::SignaturePolicy;
 
 /// A handler's failure: any error (its words are logged and, at the delivery limit,
 /// recorded in the dead letter).
@@ -272,6 +273,14 @@ where
     H: Handler,
 {
     let handler = Arc::new(handler);
+    match options.keyring.policy() {
+        SignaturePolicy::Require => {}
+        policy => tracing::warn!(
+            consumer = %options.consumer_id,
+            signatures = policy.name(),
+            "consumer trusts messages without a verified signature: anyone who may publish to the stream can forge an event; set verify_keys_dir (docs/operations.md, \"Signed envelopes\")"
+        ),
+    }
     let consumer_id: Arc<str> = Arc::from(options.consumer_id.as_str());
     let label = crate::observe::consumers().label(&options.consumer_id);
     let mut progress = Progress {

@@ -88,7 +88,12 @@ pub async fn process(
     effect: Effect<'_>,
 ) -> Result<InboxOutcome> {
     let tx = client.transaction().await?;
-    if let Err(refusal) = decide_delivery(d.claimed_digest, d.payload_digest, d.signatures, &d.presented) {
+    if let Err(refusal) = decide_delivery(
+        d.claimed_digest,
+        d.payload_digest,
+        d.signatures,
+        &d.presented,
+    ) {
         quarantine(&tx, consumer_id, &[(d, refusal.to_string())]).await?;
         tx.commit().await?;
         return Ok(InboxOutcome::Quarantined);
@@ -255,7 +260,12 @@ pub(crate) async fn process_batch_any(
     let mut candidates = Vec::new();
     let mut followers = Vec::new();
     for (i, d) in ds.iter().enumerate() {
-        if let Err(refusal) = decide_delivery(d.claimed_digest, d.payload_digest, d.signatures, &d.presented) {
+        if let Err(refusal) = decide_delivery(
+            d.claimed_digest,
+            d.payload_digest,
+            d.signatures,
+            &d.presented,
+        ) {
             refused.push((d, refusal.to_string()));
             outcomes[i] = Some(BatchOutcome::Quarantined);
             continue;

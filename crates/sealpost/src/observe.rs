@@ -222,6 +222,8 @@ pub fn record_accept_duration(took: Duration, ok: bool) {
 pub fn record_lookup(pass: &'static str, l: &Lookup) {
     let outcome = match l {
         Lookup::Found(_) => "found",
+        Lookup::Unsealed { .. } => "unsealed",
+        Lookup::Copy(_) => "unjudged",
         Lookup::Absent => "absent",
         Lookup::Unqueryable => "unqueryable",
         Lookup::Unavailable => "unavailable",

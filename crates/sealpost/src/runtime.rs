@@ -14,10 +14,10 @@ use futures::stream::{FuturesUnordered, StreamExt};
 use sealpost_core::dispatcher::{DispatchAction, DispatcherConfig, DispatcherMachine, Submission};
 use sealpost_core::port::{Broker, SendResult};
 use sealpost_core::reconcile::{Lookup, ReconcilePolicy};
-use sealpost_core::signature::SignaturePolicy;
 use sealpost_core::reconciler::{
     ReconcileAction, ReconcileItem, ReconcilerConfig, ReconcilerMachine, VerifyItem,
 };
+use sealpost_core::signature::SignaturePolicy;
 use sealpost_core::ReceiptVerdict;
 
 use std::fmt;
@@ -357,7 +357,8 @@ impl Config {
 
     /// The config with its keys read ([`Config::load_keys`]), for a loop starting up.
     fn with_keys(mut self) -> Result<Config, RunError> {
-        self.load_keys().map_err(|e| RunError::Config(e.to_string()))?;
+        self.load_keys()
+            .map_err(|e| RunError::Config(e.to_string()))?;
         Ok(self)
     }
 
@@ -671,6 +672,12 @@ pub async fn dispatcher<B: Broker>(
 ) -> Result<(), RunError> {
     let cfg = cfg.with_keys()?;
     let signer = cfg.keys.signer.clone();
+    match &signer {
+        Some(s) => tracing::info!(key_id = s.key_id(), "dispatcher signs every message"),
+        None => tracing::warn!(
+            "dispatcher sends unsigned messages: anyone who may publish to the destination can forge an event; set signing_key_file (docs/operations.md, \"Signed envelopes\")"
+        ),
+    }
     let mut pg = Some(db.connect().await?);
     let owner = owner_id();
     let cluster = broker.cluster().to_string();
@@ -1141,7 +1148,9 @@ impl Answer {
         match self {
             Answer::Unknown(i, l) => Answer::Unknown(i, keyring.judge(l)),
             Answer::Verify(i, l) => Answer::Verify(i, keyring.judge(l)),
-            Answer::Many(g, ls) => Answer::Many(g, ls.into_iter().map(|l| keyring.judge(l)).collect()),
+            Answer::Many(g, ls) => {
+                Answer::Many(g, ls.into_iter().map(|l| keyring.judge(l)).collect())
+            }
         }
     }
 }

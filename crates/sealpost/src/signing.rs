@@ -100,13 +100,8 @@ impl Signer {
             })?;
         let pem = std::fs::read_to_string(path)
             .map_err(|e| key_error(path, format!("cannot read it: {e}"), PRIVATE_HINT))?;
-        let key = SigningKey::from_pkcs8_pem(&pem).map_err(|_| {
-            key_error(
-                path,
-                "not a PKCS#8 PEM Ed25519 private key",
-                PRIVATE_HINT,
-            )
-        })?;
+        let key = SigningKey::from_pkcs8_pem(&pem)
+            .map_err(|_| key_error(path, "not a PKCS#8 PEM Ed25519 private key", PRIVATE_HINT))?;
         Ok(Signer { key_id, key })
     }
 
@@ -192,7 +187,11 @@ impl Keyring {
     pub fn from_dir(dir: &Path, policy: SignaturePolicy) -> Result<Keyring, KeyError> {
         let keys = read_public_keys(dir)?;
         if keys.is_empty() && policy != SignaturePolicy::Off {
-            return Err(key_error(dir, "holds no <key-id>.pub.pem file", PUBLIC_HINT));
+            return Err(key_error(
+                dir,
+                "holds no <key-id>.pub.pem file",
+                PUBLIC_HINT,
+            ));
         }
         Ok(Keyring {
             policy,
@@ -306,9 +305,8 @@ fn read_public_keys(dir: &Path) -> Result<HashMap<String, VerifyingKey>, KeyErro
         };
         let pem = std::fs::read_to_string(&path)
             .map_err(|e| key_error(&path, format!("cannot read it: {e}"), PUBLIC_HINT))?;
-        let key = VerifyingKey::from_public_key_pem(&pem).map_err(|_| {
-            key_error(&path, "not a PKCS#8 PEM Ed25519 public key", PUBLIC_HINT)
-        })?;
+        let key = VerifyingKey::from_public_key_pem(&pem)
+            .map_err(|_| key_error(&path, "not a PKCS#8 PEM Ed25519 public key", PUBLIC_HINT))?;
         keys.insert(kid, key);
     }
     Ok(keys)
@@ -384,7 +382,10 @@ mod tests {
         let (private, public) = generate(&dir, "k1").unwrap();
         assert!(generate(&dir, "k1").is_err(), "never overwrites");
         let mode = std::fs::metadata(&private).unwrap().permissions();
-        assert_eq!(std::os::unix::fs::PermissionsExt::mode(&mode) & 0o777, 0o600);
+        assert_eq!(
+            std::os::unix::fs::PermissionsExt::mode(&mode) & 0o777,
+            0o600
+        );
         assert!(public.exists());
         let signer = Signer::from_pem_file(&private).unwrap();
         let ring = Keyring::from_dir(&dir, SignaturePolicy::Require).unwrap();

@@ -1310,7 +1310,6 @@ impl Outgoing {
     /// the broker port's [`SendRequest`], never the store's row or claim token).
     pub fn send_request(&self) -> SendRequest {
         self.clone().into_send_request()
-        signature: None,
     }
 }
 
@@ -2299,6 +2298,10 @@ pub async fn finish_reconcile_published(
             let detail = match lookup {
                 Lookup::Found(r) => format!(
                     "conflict: the destination holds a copy ({}#{}) with {q:?} and refuses a second one; migrate the event or remove the copy, then `sealpost release {}`",
+                    r.stream, r.sequence, item.event_id
+                ),
+                Lookup::Unsealed { receipt: r, refusal } => format!(
+                    "conflict: the destination holds a copy ({}#{}) that Sealpost did not sign ({q:?}: {refusal}) and refuses a second one; a forger may publish there: check the broker's publish rights, remove the copy, then `sealpost release {}`",
                     r.stream, r.sequence, item.event_id
                 ),
                 _ => format!("conflict: {q:?}"),

@@ -1,0 +1,508 @@
+//! Signed envelopes against forgers, on the machine's PostgreSQL and NATS. The forger is an
+//! independent client (plain `async-nats`, not Sealpost's adapter) that may publish to the
+//! stream and has read a genuine message: it copies headers, computes payload digests from
+//! `docs/encoding.md`, and replays a genuine signature.
+//!
+//! * Look-alike messages under new event ids (unsigned; a genuine signature replayed with
+//!   another event id, another payload, another event type; an unknown key; a malformed
+//!   header) are each quarantined by the library consumer with the reason, and never reach
+//!   the handler; every genuine event is applied once. The same messages read by a consumer
+//!   that checks no signature are applied (the hole the keyring closes: the test can fail).
+//! * A forged copy that takes an event's subject before the genuine send (create-if-absent
+//!   then refuses the genuine one) is never adopted by the reconciler: the row ends
+//!   `QUARANTINED` with `UnsealedCopy` for an operator, not `PUBLISHED`.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+#[path = "../../sealpost/tests/common/mod.rs"]
+mod common;
+#[path = "../../sealpost/tests/common/teardown_nats.rs"]
+mod teardown_nats;
+
+use futures::future::BoxFuture;
+use sealpost::consumer::{self, CancellationToken, Databases, Delivery, HandlerError, Options};
+use sealpost::runtime::{self, Config, Counters};
+use sealpost::signing::Keyring;
+use sealpost::store;
+use sealpost_core::envelope::{payload_digest, EventId};
+use sealpost_core::signature::{SignaturePolicy, H_SIGNATURE};
+use sealpost_nats::async_nats;
+use sealpost_nats::async_nats::HeaderMap;
+
+const ADMIN_URL: &str = "host=127.0.0.1 user=postgres dbname=postgres";
+
+/// A directory of the test's keys, removed when dropped.
+struct KeyDir(std::path::PathBuf);
+
+impl Drop for KeyDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A fresh database `sealpost_forgery_<tag>` with the schema and the handler's table, its
+/// guard, and a config whose dispatchers sign with a new key `k1` and whose readers require
+/// signatures.
+async fn fresh(tag: &str) -> (Config, tokio_postgres::Client, impl Sized, KeyDir) {
+    let db = format!("sealpost_forgery_{tag}");
+    let guard = common::drop_database_guard(&db);
+    let admin = runtime::pg_connect(ADMIN_URL)
+        .await
+        .expect("PostgreSQL must be running");
+    admin
+        .batch_execute(&format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))
+        .await
+        .unwrap();
+    admin
+        .batch_execute(&format!("CREATE DATABASE {db}"))
+        .await
+        .expect("create the test database");
+    let mut cfg = Config::default();
+    cfg.database_url = format!("host=127.0.0.1 user=postgres dbname={db}");
+    cfg.lease_ms = 2_000;
+    cfg.ack_timeout_ms = 1_000;
+    cfg.reconcile_every_ms = 200;
+    let keys = KeyDir(std::env::temp_dir().join(&db));
+    let _ = std::fs::remove_dir_all(&keys.0);
+    std::fs::create_dir_all(&keys.0).unwrap();
+    let (private, _) = sealpost::signing::generate(&keys.0, "k1").unwrap();
+    cfg.signing_key_file = private.display().to_string();
+    cfg.verify_keys_dir = keys.0.display().to_string();
+    cfg.load_keys().expect("the keys just written");
+    assert_eq!(cfg.keys.keyring.policy(), SignaturePolicy::Require);
+    let pg = runtime::pg_connect(&cfg.database_url).await.unwrap();
+    store::migrate(&pg).await.expect("migrate");
+    pg.batch_execute(
+        "CREATE TABLE applied (consumer text NOT NULL, event_id uuid NOT NULL, event_type text)",
+    )
+    .await
+    .unwrap();
+    (cfg, pg, guard, keys)
+}
+
+async fn wait_for(what: &str, limit: Duration, mut f: impl AsyncFnMut() -> bool) {
+    let deadline = Instant::now() + limit;
+    while !f().await {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+async fn state_of(pg: &tokio_postgres::Client, id: EventId) -> String {
+    pg.query_one(
+        "SELECT state FROM sealpost.outbox WHERE event_id = $1",
+        &[&uuid::Uuid::from_bytes(id.0)],
+    )
+    .await
+    .unwrap()
+    .get(0)
+}
+
+/// The handlers: one row per applied event, naming the consumer.
+fn record_as<'a>(
+    consumer: &'static str,
+    tx: &'a tokio_postgres::Transaction<'a>,
+    d: &'a Delivery,
+) -> BoxFuture<'a, Result<(), HandlerError>> {
+    Box::pin(async move {
+        tx.execute(
+            "INSERT INTO applied (consumer, event_id, event_type) VALUES ($1, $2, $3)",
+            &[
+                &consumer,
+                &uuid::Uuid::from_bytes(d.event_id.0),
+                &d.envelope.as_ref().map(|e| e.event_type.clone()),
+            ],
+        )
+        .await?;
+        Ok(())
+    })
+}
+
+fn record_signed<'a>(
+    tx: &'a tokio_postgres::Transaction<'a>,
+    d: &'a Delivery,
+) -> BoxFuture<'a, Result<(), HandlerError>> {
+    record_as("signed", tx, d)
+}
+
+fn record_open<'a>(
+    tx: &'a tokio_postgres::Transaction<'a>,
+    d: &'a Delivery,
+) -> BoxFuture<'a, Result<(), HandlerError>> {
+    record_as("open", tx, d)
+}
+
+async fn nats(topic: &str) -> sealpost_nats::Nats {
+    let n = sealpost_nats::Nats::connect(
+        &common::nats_url(),
+        common::NATS_CLUSTER,
+        Duration::from_secs(5),
+    )
+    .await
+    .unwrap();
+    n.ensure_stream(topic).await.unwrap();
+    n
+}
+
+fn enqueue_orders(n: usize) -> (Vec<String>, Vec<u8>) {
+    let keys = (0..n).map(|i| format!("o-{i}")).collect();
+    (
+        keys,
+        br#"{"order_id":"genuine","total_cents":4200}"#.to_vec(),
+    )
+}
+
+/// A copy of `h` with `name` set to `value` (or removed, for `None`).
+fn with(h: &HeaderMap, name: &str, value: Option<&str>) -> HeaderMap {
+    let mut out = HeaderMap::new();
+    for (k, vs) in h.iter() {
+        if AsRef::<str>::as_ref(k) != name {
+            for v in vs {
+                out.append(k.clone(), v.clone());
+            }
+        }
+    }
+    if let Some(v) = value {
+        out.insert(name, v);
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn look_alike_messages_are_quarantined_and_every_genuine_event_applied_once() {
+    const N: usize = 40;
+    let tag = runtime::owner_id() % 1_000_000;
+    let (cfg, pg, _db, _keys) = fresh(&format!("look_{tag}")).await;
+    let topic = format!("FORGE{tag}L");
+    let route = format!("r-{topic}");
+    store::set_route(&pg, &route, common::NATS_CLUSTER, &topic)
+        .await
+        .unwrap();
+    let n = nats(&topic).await;
+    let _stream = teardown_nats::stream(&common::nats_url(), &topic);
+
+    // N genuine events, published by a signing dispatcher.
+    let (keys, payload) = enqueue_orders(N);
+    let events = sealpost_cli::demo::order_batch(&keys, &payload);
+    let ids: Vec<EventId> = events.iter().map(|e| e.0).collect();
+    {
+        let mut pg = runtime::pg_connect(&cfg.database_url).await.unwrap();
+        let tx = pg.transaction().await.unwrap();
+        store::enqueue_many(&tx, &route, &events).await.unwrap();
+        tx.commit().await.unwrap();
+    }
+    let stop = CancellationToken::new();
+    let tasks = runtime::spawn_fleet(
+        &cfg,
+        &common::pg_source(&cfg),
+        &Arc::new(n.clone()),
+        1,
+        false,
+        &stop,
+        &Arc::new(Counters::default()),
+    );
+    wait_for(
+        "every genuine event PUBLISHED",
+        Duration::from_secs(30),
+        async || {
+            let published: i64 = pg
+                .query_one(
+                    "SELECT count(*) FROM sealpost.outbox WHERE state = 'PUBLISHED'",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            published == N as i64
+        },
+    )
+    .await;
+    stop.cancel();
+    for t in tasks {
+        t.await.unwrap().unwrap();
+    }
+
+    // The forger reads one genuine message and publishes look-alikes under new event ids.
+    let client = async_nats::connect(common::nats_url()).await.unwrap();
+    let js = async_nats::jetstream::new(client.clone());
+    let stream = js.get_stream(&topic).await.unwrap();
+    let genuine = stream
+        .get_last_raw_message_by_subject(&sealpost_nats::subject(&topic, ids[0], 0))
+        .await
+        .unwrap();
+    let signed = genuine
+        .headers
+        .get(H_SIGNATURE)
+        .map(|v| v.as_str().to_string())
+        .expect("the dispatcher signed the genuine message");
+    assert!(signed.starts_with("ed25519 kid=k1 sig="), "{signed}");
+    let foreign = br#"{"order_id":"forged","total_cents":1}"#.to_vec();
+    let digest = |p: &[u8]| payload_digest(p).to_prefixed_hex();
+    let forgeries: Vec<(&str, Option<String>, Vec<u8>, Option<&str>)> = vec![
+        ("unsigned, foreign payload", None, foreign.clone(), None),
+        (
+            "genuine signature, foreign payload",
+            Some(signed.clone()),
+            foreign.clone(),
+            None,
+        ),
+        (
+            "genuine signature and payload, another event id",
+            Some(signed.clone()),
+            genuine.payload.to_vec(),
+            None,
+        ),
+        (
+            "genuine signature and payload, another event type",
+            Some(signed.clone()),
+            genuine.payload.to_vec(),
+            Some("order.cancelled.v1"),
+        ),
+        (
+            "a key nobody holds",
+            Some(format!("ed25519 kid=k9 sig={}", "ab".repeat(64))),
+            foreign.clone(),
+            None,
+        ),
+        (
+            "a malformed signature",
+            Some("ed25519 kid=k1 sig=not-hex".to_string()),
+            foreign.clone(),
+            None,
+        ),
+    ];
+    let mut forged_ids = Vec::new();
+    for (what, sig, body, event_type) in &forgeries {
+        let id = sealpost_cli::demo::mint_event_id();
+        forged_ids.push(id);
+        let mut h = with(
+            &genuine.headers,
+            sealpost_nats::H_EVENT_ID,
+            Some(&id.to_string()),
+        );
+        h = with(&h, "Nats-Msg-Id", Some(&id.to_string()));
+        h = with(&h, "Nats-Expected-Last-Subject-Sequence", None);
+        h = with(&h, sealpost_nats::H_PAYLOAD_DIGEST, Some(&digest(body)));
+        h = with(&h, H_SIGNATURE, sig.as_deref());
+        if let Some(t) = event_type {
+            h = with(&h, "Sealpost-Event-Type", Some(t));
+        }
+        js.publish_with_headers(
+            sealpost_nats::subject(&topic, id, 0),
+            h,
+            body.clone().into(),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap_or_else(|e| panic!("the forger publishes ({what}): {e}"));
+    }
+    let total = N + forgeries.len();
+
+    // A consumer that requires signatures, and one that checks none.
+    let run = |consumer_id: &'static str, keyring: Arc<Keyring>| {
+        let sub_nats = n.clone();
+        let topic = topic.clone();
+        let url = cfg.database_url.clone();
+        let stop = CancellationToken::new();
+        let s2 = stop.clone();
+        let task = tokio::spawn(async move {
+            let sub = sealpost_nats::NatsSubscription::subscribe(
+                &sub_nats,
+                &topic,
+                consumer_id,
+                Duration::from_secs(10),
+            )
+            .await
+            .unwrap();
+            let mut options = Options::new(consumer_id).with_keyring(keyring);
+            options.effect = "record".into();
+            let databases = Databases::from_urls(&url, None);
+            if consumer_id == "signed" {
+                consumer::run(sub, databases, options, record_signed, s2).await
+            } else {
+                consumer::run(sub, databases, options, record_open, s2).await
+            }
+        });
+        (stop, task)
+    };
+    let (stop_signed, signed_task) = run("signed", cfg.keys.keyring.clone());
+    let (stop_open, open_task) = run("open", Arc::new(Keyring::off()));
+    let count = async |sql: &str| -> i64 { pg.query_one(sql, &[]).await.unwrap().get(0) };
+    wait_for(
+        "both consumers through every message",
+        Duration::from_secs(60),
+        async || {
+            let signed_done = count(
+                "SELECT (SELECT count(*) FROM applied WHERE consumer = 'signed')
+                      + (SELECT count(*) FROM sealpost.inbox_quarantine WHERE consumer_id = 'signed')",
+            )
+            .await;
+            let open_done = count("SELECT count(*) FROM applied WHERE consumer = 'open'").await;
+            signed_done == total as i64 && open_done == total as i64
+        },
+    )
+    .await;
+    stop_signed.cancel();
+    stop_open.cancel();
+    signed_task.await.unwrap().unwrap();
+    open_task.await.unwrap().unwrap();
+
+    // The signing consumer: every genuine event once, no forgery applied, each quarantined
+    // with its reason.
+    let applied: Vec<uuid::Uuid> = pg
+        .query(
+            "SELECT event_id FROM applied WHERE consumer = 'signed' ORDER BY event_id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let mut want: Vec<uuid::Uuid> = ids.iter().map(|i| uuid::Uuid::from_bytes(i.0)).collect();
+    want.sort();
+    assert_eq!(
+        applied, want,
+        "each genuine event applied once, nothing else"
+    );
+    for (i, (what, ..)) in forgeries.iter().enumerate() {
+        let reasons: Vec<String> = pg
+            .query(
+                "SELECT reason FROM sealpost.inbox_quarantine
+                 WHERE consumer_id = 'signed' AND event_id = $1",
+                &[&uuid::Uuid::from_bytes(forged_ids[i].0)],
+            )
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        assert_eq!(reasons.len(), 1, "{what}: quarantined once: {reasons:?}");
+        let expected = match i {
+            0 => "unsigned",
+            4 => "k9",
+            5 => "malformed",
+            _ => "does not verify",
+        };
+        assert!(
+            reasons[0].contains(expected),
+            "{what}: the reason names the cause ({expected}): {}",
+            reasons[0]
+        );
+    }
+    // The consumer without a keyring applied every look-alike: the signature check is what
+    // stops them.
+    let open_forged = count(&format!(
+        "SELECT count(*) FROM applied WHERE consumer = 'open' AND event_id IN ({})",
+        forged_ids
+            .iter()
+            .map(|i| format!("'{}'", uuid::Uuid::from_bytes(i.0)))
+            .collect::<Vec<_>>()
+            .join(",")
+    ))
+    .await;
+    assert_eq!(open_forged, forgeries.len() as i64);
+    let _ = client.drain().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forged_copy_in_an_events_place_is_never_adopted() {
+    let tag = runtime::owner_id() % 1_000_000;
+    let (cfg, mut pg, _db, _keys) = fresh(&format!("place_{tag}")).await;
+    let topic = format!("FORGE{tag}P");
+    let route = format!("r-{topic}");
+    store::set_route(&pg, &route, common::NATS_CLUSTER, &topic)
+        .await
+        .unwrap();
+    let n = nats(&topic).await;
+    let _stream = teardown_nats::stream(&common::nats_url(), &topic);
+    let (keys, payload) = enqueue_orders(2);
+    let events = sealpost_cli::demo::order_batch(&keys, &payload);
+    let (victim, control) = (events[0].0, events[1].0);
+    {
+        let tx = pg.transaction().await.unwrap();
+        store::enqueue_many(&tx, &route, &events[..1])
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+    }
+    // The forger learns the victim's event, payload and headers (here: from a claim that
+    // never sends, whose lease then runs out) and publishes an unsigned copy with the same
+    // payload at the event's subject first. Create-if-absent keeps it there.
+    let claimed = store::claim_batch(&mut pg, 77, 10, 1_000).await.unwrap();
+    assert_eq!(claimed.outgoing.len(), 1);
+    let r = claimed.outgoing[0].send_request();
+    let mut h = HeaderMap::new();
+    h.insert(sealpost_nats::H_EVENT_ID, r.event_id.to_string().as_str());
+    h.insert(sealpost_nats::H_MEMBER, "0");
+    h.insert(sealpost_nats::H_ENVELOPE_GENERATION, "1");
+    h.insert(
+        sealpost_nats::H_ATTEMPT_ID,
+        r.attempt_id.to_string().as_str(),
+    );
+    h.insert(
+        sealpost_nats::H_PAYLOAD_DIGEST,
+        r.payload_digest.to_prefixed_hex().as_str(),
+    );
+    h.insert(
+        sealpost_nats::H_DESTINATION_DIGEST,
+        r.destination_digest.to_prefixed_hex().as_str(),
+    );
+    for (k, v) in r.envelope.headers() {
+        h.insert(k, v.as_str());
+    }
+    let client = async_nats::connect(common::nats_url()).await.unwrap();
+    let js = async_nats::jetstream::new(client.clone());
+    js.publish_with_headers(
+        sealpost_nats::subject(&topic, victim, 0),
+        h,
+        r.payload.clone().into(),
+    )
+    .await
+    .unwrap()
+    .await
+    .expect("the forger publishes first");
+    {
+        let tx = pg.transaction().await.unwrap();
+        store::enqueue_many(&tx, &route, &events[1..])
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+    }
+    // A signing dispatcher and a reconciler that requires signatures.
+    let stop = CancellationToken::new();
+    let tasks = runtime::spawn_fleet(
+        &cfg,
+        &common::pg_source(&cfg),
+        &Arc::new(n.clone()),
+        1,
+        true,
+        &stop,
+        &Arc::new(Counters::default()),
+    );
+    wait_for(
+        "the victim quarantined, the control published",
+        Duration::from_secs(60),
+        async || {
+            state_of(&pg, victim).await == "QUARANTINED"
+                && state_of(&pg, control).await == "PUBLISHED"
+        },
+    )
+    .await;
+    stop.cancel();
+    for t in tasks {
+        t.await.unwrap().unwrap();
+    }
+    let status = store::status(&pg).await.unwrap();
+    let victim_text = victim.to_string();
+    let why = status
+        .quarantined_rows
+        .iter()
+        .find(|(id, _)| *id == victim_text)
+        .map(|(_, why)| why.clone())
+        .expect("the victim is listed for the operator");
+    assert!(why.contains("UnsealedCopy"), "{why}");
+    let _ = client.drain().await;
+}
