@@ -8,6 +8,7 @@
 //!   header) are each quarantined by the library consumer with the reason, and never reach
 //!   the handler; every genuine event is applied once. The same messages read by a consumer
 //!   that checks no signature are applied (the hole the keyring closes: the test can fail).
+//! * The same look-alikes on RabbitMQ, published with a plain `lapin` client.
 //! * A forged copy that takes an event's subject before the genuine send (create-if-absent
 //!   then refuses the genuine one) is never adopted by the reconciler: the row ends
 //!   `QUARANTINED` with `UnsealedCopy` for an operator, not `PUBLISHED`.
@@ -19,6 +20,8 @@ use std::time::{Duration, Instant};
 mod common;
 #[path = "../../sealpost/tests/common/teardown_nats.rs"]
 mod teardown_nats;
+#[path = "../../sealpost/tests/common/teardown_rabbitmq.rs"]
+mod teardown_rabbitmq;
 
 use futures::future::BoxFuture;
 use sealpost::consumer::{self, CancellationToken, Databases, Delivery, HandlerError, Options};
@@ -505,4 +508,305 @@ async fn a_forged_copy_in_an_events_place_is_never_adopted() {
         .expect("the victim is listed for the operator");
     assert!(why.contains("UnsealedCopy"), "{why}");
     let _ = client.drain().await;
+}
+
+/// The look-alikes of one genuine, signed message, as (what, headers, body) under new event
+/// ids: the forger copies every header of the genuine message and changes what it needs.
+fn look_alikes(
+    genuine: &[(String, String)],
+    genuine_payload: &[u8],
+) -> Vec<(&'static str, EventId, Vec<(String, String)>, Vec<u8>)> {
+    let signed = genuine
+        .iter()
+        .find(|(k, _)| k == H_SIGNATURE)
+        .map(|(_, v)| v.clone())
+        .expect("the genuine message is signed");
+    let foreign = br#"{"order_id":"forged","total_cents":1}"#.to_vec();
+    let cases: Vec<(&str, Option<String>, Vec<u8>, Option<&str>)> = vec![
+        ("unsigned, foreign payload", None, foreign.clone(), None),
+        (
+            "genuine signature, foreign payload",
+            Some(signed.clone()),
+            foreign.clone(),
+            None,
+        ),
+        (
+            "genuine signature and payload, another event id",
+            Some(signed.clone()),
+            genuine_payload.to_vec(),
+            None,
+        ),
+        (
+            "genuine signature and payload, another event type",
+            Some(signed),
+            genuine_payload.to_vec(),
+            Some("order.cancelled.v1"),
+        ),
+        (
+            "a key nobody holds",
+            Some(format!("ed25519 kid=k9 sig={}", "ab".repeat(64))),
+            foreign.clone(),
+            None,
+        ),
+        (
+            "a malformed signature",
+            Some("ed25519 kid=k1 sig=not-hex".to_string()),
+            foreign,
+            None,
+        ),
+    ];
+    cases
+        .into_iter()
+        .enumerate()
+        .map(|(i, (what, sig, body, event_type))| {
+            let id = sealpost_cli::demo::mint_event_id();
+            let set = |h: &mut Vec<(String, String)>, k: &str, v: Option<String>| {
+                h.retain(|(n, _)| n != k);
+                if let Some(v) = v {
+                    h.push((k.to_string(), v));
+                }
+            };
+            let mut h = genuine.to_vec();
+            set(&mut h, sealpost_rabbitmq::H_EVENT_ID, Some(id.to_string()));
+            set(
+                &mut h,
+                sealpost_rabbitmq::H_ATTEMPT_ID,
+                Some((9_000_000 + i).to_string()),
+            );
+            set(
+                &mut h,
+                sealpost_rabbitmq::H_PAYLOAD_DIGEST,
+                Some(payload_digest(&body).to_prefixed_hex()),
+            );
+            set(&mut h, H_SIGNATURE, sig);
+            if let Some(t) = event_type {
+                set(&mut h, "Sealpost-Event-Type", Some(t.to_string()));
+            }
+            (what, id, h, body)
+        })
+        .collect()
+}
+
+/// The reason the consumer recorded must name the cause of each look-alike (in
+/// [`look_alikes`] order).
+fn expected_reason(i: usize) -> &'static str {
+    match i {
+        0 => "unsigned",
+        4 => "k9",
+        5 => "malformed",
+        _ => "does not verify",
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rabbitmq_look_alike_messages_are_quarantined_and_every_genuine_event_applied_once() {
+    use sealpost_core::port::{Broker, SendResult};
+    use sealpost_rabbitmq::lapin;
+    const N: usize = 20;
+    let tag = runtime::owner_id() % 1_000_000;
+    let (cfg, mut pg, _db, _keys) = fresh(&format!("rabbit_{tag}")).await;
+    let topic = format!("sp-forge-{tag}");
+    let route = format!("r-{topic}");
+    store::set_route(&pg, &route, common::RABBITMQ_CLUSTER, &topic)
+        .await
+        .unwrap();
+    let consumers = ["signed".to_string(), "open".to_string()];
+    let rabbit = sealpost_rabbitmq::Rabbit::connect(
+        &common::rabbitmq_url(),
+        common::RABBITMQ_CLUSTER,
+        Duration::from_secs(5),
+        &format!("sealpost-test-forgery-{tag}"),
+    )
+    .await
+    .expect("RabbitMQ must be running at 127.0.0.1:5672 (guest/guest)");
+    let _destination = teardown_rabbitmq::destination(&common::rabbitmq_url(), &topic, &consumers);
+    rabbit.ensure_destination(&topic, &consumers).await.unwrap();
+
+    // N genuine events, signed and published as a dispatcher does (claim, sign, send, accept).
+    let (keys, payload) = enqueue_orders(N);
+    let events = sealpost_cli::demo::order_batch(&keys, &payload);
+    let ids: Vec<EventId> = events.iter().map(|e| e.0).collect();
+    let tx = pg.transaction().await.unwrap();
+    store::enqueue_many(&tx, &route, &events).await.unwrap();
+    tx.commit().await.unwrap();
+    let signer = cfg.keys.signer.clone().expect("a signing key");
+    let claimed = store::claim_batch(&mut pg, 77, N, 10_000).await.unwrap();
+    assert_eq!(claimed.outgoing.len(), N);
+    let batch: Vec<_> = claimed
+        .outgoing
+        .iter()
+        .map(|o| {
+            let mut r = o.send_request();
+            signer.sign_request(&mut r);
+            r
+        })
+        .collect();
+    let genuine = batch[0].clone();
+    let receipts: Vec<_> = rabbit
+        .send_batch(batch, Instant::now() + Duration::from_secs(30))
+        .await
+        .into_iter()
+        .map(|r| match r {
+            SendResult::Receipt(r) => r,
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    store::accept_receipts(&mut pg, &receipts).await.unwrap();
+
+    // The forger: a plain AMQP client with the genuine message's headers.
+    let mut genuine_headers = vec![
+        (
+            sealpost_rabbitmq::H_EVENT_ID.to_string(),
+            genuine.event_id.to_string(),
+        ),
+        (sealpost_rabbitmq::H_MEMBER.to_string(), "0".to_string()),
+        (
+            sealpost_rabbitmq::H_ENVELOPE_GENERATION.to_string(),
+            genuine.envelope_generation.to_string(),
+        ),
+        (
+            sealpost_rabbitmq::H_ATTEMPT_ID.to_string(),
+            genuine.attempt_id.to_string(),
+        ),
+        (
+            sealpost_rabbitmq::H_PAYLOAD_DIGEST.to_string(),
+            genuine.payload_digest.to_prefixed_hex(),
+        ),
+        (
+            sealpost_rabbitmq::H_DESTINATION_DIGEST.to_string(),
+            genuine.destination_digest.to_prefixed_hex(),
+        ),
+        (H_SIGNATURE.to_string(), genuine.signature.clone().unwrap()),
+    ];
+    for (k, v) in genuine.envelope.headers() {
+        genuine_headers.push((k.to_string(), v));
+    }
+    let forgeries = look_alikes(&genuine_headers, &genuine.payload);
+    let conn = lapin::Connection::connect(
+        &common::rabbitmq_url(),
+        lapin::ConnectionProperties::default(),
+    )
+    .await
+    .unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    for (what, id, headers, body) in &forgeries {
+        let mut table = lapin::types::FieldTable::default();
+        for (k, v) in headers {
+            table.insert(
+                k.as_str().into(),
+                lapin::types::AMQPValue::LongString(v.as_str().into()),
+            );
+        }
+        ch.basic_publish(
+            topic.as_str().into(),
+            genuine.destination.routing_key.as_str().into(),
+            lapin::options::BasicPublishOptions::default(),
+            body,
+            lapin::BasicProperties::default()
+                .with_message_id(id.to_string().as_str().into())
+                .with_delivery_mode(2)
+                .with_headers(table),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap_or_else(|e| panic!("the forger publishes ({what}): {e}"));
+    }
+    let total = N + forgeries.len();
+
+    let url = cfg.database_url.clone();
+    let run = |consumer_id: &'static str, keyring: Arc<Keyring>| {
+        let topic = topic.clone();
+        let url = url.clone();
+        let stop = CancellationToken::new();
+        let s2 = stop.clone();
+        let task = tokio::spawn(async move {
+            let sub = sealpost_rabbitmq::RabbitSubscription::subscribe(
+                &common::rabbitmq_url(),
+                &Default::default(),
+                &topic,
+                consumer_id,
+                1_000,
+            )
+            .await
+            .unwrap();
+            let mut options = Options::new(consumer_id).with_keyring(keyring);
+            options.effect = "record".into();
+            let databases = Databases::from_urls(&url, None);
+            if consumer_id == "signed" {
+                consumer::run(sub, databases, options, record_signed, s2).await
+            } else {
+                consumer::run(sub, databases, options, record_open, s2).await
+            }
+        });
+        (stop, task)
+    };
+    let (stop_signed, signed_task) = run("signed", cfg.keys.keyring.clone());
+    let (stop_open, open_task) = run("open", Arc::new(Keyring::off()));
+    let count = async |sql: &str| -> i64 { pg.query_one(sql, &[]).await.unwrap().get(0) };
+    wait_for(
+        "both consumers through every message",
+        Duration::from_secs(60),
+        async || {
+            count(
+                "SELECT (SELECT count(*) FROM applied WHERE consumer = 'signed')
+                      + (SELECT count(*) FROM sealpost.inbox_quarantine WHERE consumer_id = 'signed')",
+            )
+            .await
+                == total as i64
+                && count("SELECT count(*) FROM applied WHERE consumer = 'open'").await
+                    == total as i64
+        },
+    )
+    .await;
+    stop_signed.cancel();
+    stop_open.cancel();
+    signed_task.await.unwrap().unwrap();
+    open_task.await.unwrap().unwrap();
+    let applied: Vec<uuid::Uuid> = pg
+        .query(
+            "SELECT event_id FROM applied WHERE consumer = 'signed' ORDER BY event_id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let mut want: Vec<uuid::Uuid> = ids.iter().map(|i| uuid::Uuid::from_bytes(i.0)).collect();
+    want.sort();
+    assert_eq!(
+        applied, want,
+        "each genuine event applied once, nothing else"
+    );
+    for (i, (what, id, ..)) in forgeries.iter().enumerate() {
+        let reasons: Vec<String> = pg
+            .query(
+                "SELECT reason FROM sealpost.inbox_quarantine
+                 WHERE consumer_id = 'signed' AND event_id = $1",
+                &[&uuid::Uuid::from_bytes(id.0)],
+            )
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        assert_eq!(reasons.len(), 1, "{what}: quarantined once: {reasons:?}");
+        assert!(
+            reasons[0].contains(expected_reason(i)),
+            "{what}: the reason names the cause: {}",
+            reasons[0]
+        );
+    }
+    let open_forged = count(&format!(
+        "SELECT count(*) FROM applied WHERE consumer = 'open' AND event_id IN ({})",
+        forgeries
+            .iter()
+            .map(|f| format!("'{}'", uuid::Uuid::from_bytes(f.1 .0)))
+            .collect::<Vec<_>>()
+            .join(",")
+    ))
+    .await;
+    assert_eq!(open_forged, forgeries.len() as i64);
+    let _ = conn.close(0, "done".into()).await;
 }
