@@ -702,9 +702,10 @@ async fn run(cmd: Cmd, cfg: Settings) -> Result<i32, String> {
                 streams: stream,
                 scan_max,
             };
-            let r = sealpost_cli::ops::reconcile(&pg, nats.as_ref(), &opts)
-                .await
-                .map_err(|x| x.to_string())?;
+            let r = match sealpost_cli::ops::reconcile(&pg, nats.as_ref(), &opts).await {
+                Ok(r) => r,
+                Err(x) => return Err(explain(&pg, x).await),
+            };
             if json {
                 println!("{}", serde_json::to_string(&r).map_err(|x| x.to_string())?);
             } else {

@@ -519,6 +519,41 @@ async fn each_role_does_its_job_and_is_refused_everything_else() {
         "UPDATE sealpost.consumer_progress SET watermark = 0",
     )
     .await;
+    // Release: a quarantined event (an extra, never dispatched) goes back to PENDING through
+    // `sealpost release` as the operator, audited with the operator's name.
+    let extra = enqueue(&mut producer, &route, 1).await[0];
+    owner
+        .execute(
+            "UPDATE sealpost.work SET state = 'QUARANTINED', phase = 3 WHERE event_id = $1",
+            &[&uuid::Uuid::from_bytes(extra.0)],
+        )
+        .await
+        .unwrap();
+    let out = sealpost(
+        &[
+            "release",
+            &extra.to_string(),
+            "--operator",
+            "alice",
+            "--reason",
+            "test",
+        ],
+        &env.url(&login(Kind::Operator)),
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let state: String = reader
+        .query_one(
+            "SELECT state FROM sealpost.work WHERE event_id = $1",
+            &[&uuid::Uuid::from_bytes(extra.0)],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(state, "PENDING");
     let mut o = ops::PurgeOptions::new(std::slice::from_ref(&me), 1);
     o.stream = Some(topic.clone());
     tokio::time::sleep(Duration::from_millis(1_100)).await;
@@ -541,8 +576,9 @@ async fn each_role_does_its_job_and_is_refused_everything_else() {
     let (rows, with_payload): (i64, i64) = {
         let row = owner
             .query_one(
-                "SELECT count(*), count(*) FILTER (WHERE length(payload) > 0) FROM sealpost.envelope",
-                &[],
+                "SELECT count(*), count(*) FILTER (WHERE length(payload) > 0) FROM sealpost.envelope
+                 WHERE event_id <> $1",
+                &[&uuid::Uuid::from_bytes(extra.0)],
             )
             .await
             .unwrap();

@@ -356,3 +356,50 @@ async fn lacking_on_table(
         .collect();
     Some(format!("on sealpost.{table} it lacks {}", lacks.join(", ")))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grants_parse_as_documented() {
+        let g = parse_grant("reader=status_page").unwrap();
+        assert_eq!(
+            (g.kind, g.login.as_str(), g.consumer_id),
+            (Kind::Reader, "status_page", None)
+        );
+        let g = parse_grant("consumer=fulfilment:fulfilment-1").unwrap();
+        assert_eq!(
+            (g.kind, g.login.as_str(), g.consumer_id.as_deref()),
+            (Kind::Consumer, "fulfilment", Some("fulfilment-1"))
+        );
+        // Without an id a consumer login writes as its own name (`grant` fills it in).
+        assert_eq!(
+            parse_grant("consumer=fulfilment").unwrap().consumer_id,
+            None
+        );
+        for bad in [
+            "janitor=x",
+            "reader",
+            "reader=",
+            "reader=a:b",
+            "consumer=a:",
+            "=a",
+        ] {
+            assert!(parse_grant(bad).is_err(), "{bad}");
+        }
+        for k in Kind::ALL {
+            assert_eq!(Kind::parse(k.name()), Some(k));
+        }
+    }
+
+    #[test]
+    fn prefixes_are_plain_lower_case_identifiers() {
+        for ok in ["sealpost_", "orders_prod_", "_x", "a1_"] {
+            check_prefix(ok).unwrap();
+        }
+        for bad in ["", "Sealpost_", "1x", "a-b", "a'b", "a b", &"x".repeat(41)] {
+            assert!(check_prefix(bad).is_err(), "{bad}");
+        }
+    }
+}
