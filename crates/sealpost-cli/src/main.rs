@@ -401,6 +401,14 @@ async fn run(cmd: Cmd, cfg: Settings) -> Result<i32, String> {
                 Err(sealpost::roles::RoleError::Store(x)) => return Err(explain(&pg, x).await),
                 Err(x) => return Err(x.to_string()),
             }
+            if grants.is_empty() {
+                match sealpost::roles::missing(&pg).await {
+                    Ok(m) if !m.is_empty() => eprintln!(
+                        "warning: the Sealpost roles {m:?} do not exist (this login may not create roles), so no grants are applied; have a DBA create them (NOLOGIN), then run `sealpost migrate --grant KIND=LOGIN`"
+                    ),
+                    _ => {}
+                }
+            }
             for g in &grants {
                 match sealpost::roles::grant(&pg, g).await {
                     Ok(role) => println!(

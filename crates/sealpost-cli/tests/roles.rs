@@ -685,4 +685,104 @@ async fn migrations_share_roles_safely_and_grants_say_what_is_wrong() {
         .unwrap_err();
     assert!(e.to_string().contains("can log in"), "{e}");
     assert_eq!(store::schema_version(&pg).await.unwrap(), 0, "rolled back");
+
+    // A schema owner without CREATEROLE: the migration applies, granting nothing (a warning
+    // says so); `--grant` says what a DBA must do; once the roles exist, `--grant` applies
+    // the grants and maps the login.
+    let plain = format!("sprn{tag}_");
+    let owner_login = format!("sprn{tag}_owner");
+    let reader_login = format!("sprn{tag}_reader_login");
+    let dbname = format!("sealpost_roles_plain_{tag}");
+    let _plain_guard = {
+        let (dbname, plain, owner_login, reader_login) = (
+            dbname.clone(),
+            plain.clone(),
+            owner_login.clone(),
+            reader_login.clone(),
+        );
+        Teardown::new(format!("roles {plain}*"), move || async move {
+            let admin = runtime::pg_connect(common::ADMIN_URL)
+                .await
+                .map_err(|e| e.to_string())?;
+            admin
+                .batch_execute(&format!("DROP DATABASE IF EXISTS {dbname} WITH (FORCE)"))
+                .await
+                .map_err(|e| e.to_string())?;
+            let mut roles: Vec<String> = Kind::ALL
+                .iter()
+                .map(|k| format!("{plain}{}", k.name()))
+                .collect();
+            roles.extend([owner_login, reader_login]);
+            for r in roles {
+                admin
+                    .batch_execute(&format!("DROP ROLE IF EXISTS \"{r}\""))
+                    .await
+                    .map_err(|e| format!("role {r}: {e}"))?;
+            }
+            Ok(())
+        })
+    };
+    admin
+        .batch_execute(&format!(
+            "CREATE ROLE \"{owner_login}\" LOGIN; CREATE ROLE \"{reader_login}\" LOGIN"
+        ))
+        .await
+        .unwrap();
+    admin
+        .batch_execute(&format!("CREATE DATABASE {dbname} OWNER \"{owner_login}\""))
+        .await
+        .unwrap();
+    let owner_url = format!("host=127.0.0.1 user={owner_login} dbname={dbname}");
+    let out = sealpost(&["migrate", "--role-prefix", &plain], &owner_url);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("do not exist") && err.contains("--grant"),
+        "{err}"
+    );
+    let grant = format!("reader={reader_login}");
+    let args = [
+        "migrate",
+        "--role-prefix",
+        plain.as_str(),
+        "--grant",
+        grant.as_str(),
+    ];
+    let out = sealpost(&args, &owner_url);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("have a DBA create them"), "{err}");
+    for k in Kind::ALL {
+        admin
+            .batch_execute(&format!("CREATE ROLE \"{plain}{}\" NOLOGIN", k.name()))
+            .await
+            .unwrap();
+    }
+    // Without ADMIN OPTION on a role the owner cannot hand it out: the error says so.
+    let out = sealpost(&args, &owner_url);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("WITH ADMIN OPTION"), "{err}");
+    for k in Kind::ALL {
+        admin
+            .batch_execute(&format!(
+                "GRANT \"{plain}{}\" TO \"{owner_login}\" WITH ADMIN OPTION",
+                k.name()
+            ))
+            .await
+            .unwrap();
+    }
+    let out = sealpost(&args, &owner_url);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rd = runtime::pg_connect(&format!(
+        "host=127.0.0.1 user={reader_login} dbname={dbname}"
+    ))
+    .await
+    .unwrap();
+    store::status(&rd).await.unwrap();
+    refused(&rd, "DELETE FROM sealpost.work").await;
 }

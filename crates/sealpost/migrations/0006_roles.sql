@@ -144,13 +144,33 @@ ALTER TABLE sealpost.inbox_quarantine ENABLE ROW LEVEL SECURITY;
 ALTER TABLE sealpost.consumer_watermark ENABLE ROW LEVEL SECURITY;
 ALTER TABLE sealpost.consumer_progress ENABLE ROW LEVEL SECURITY;
 
-DO $roles$
+-- Which role of this database does which job, from the prefix `sealpost migrate
+-- --role-prefix` set (default `sealpost_`).
+DO $prefix$
 DECLARE
     prefix text := coalesce(nullif(current_setting('sealpost.role_prefix', true), ''), 'sealpost_');
-    kinds text[] := ARRAY['producer', 'dispatcher', 'reconciler', 'consumer', 'operator', 'reader'];
+BEGIN
+    IF prefix !~ '^[a-z_][a-z0-9_]{0,39}$' THEN
+        RAISE EXCEPTION 'role prefix % must be lower-case letters, digits and _ (at most 40)', prefix;
+    END IF;
+    INSERT INTO sealpost.role (kind, role_name)
+    SELECT k, prefix || k
+    FROM unnest(ARRAY['producer', 'dispatcher', 'reconciler', 'consumer', 'operator', 'reader']) AS k;
+END
+$prefix$;
+
+-- Creates the roles of sealpost.role that are missing and (re)applies every grant and
+-- policy; idempotent. Returns false, granting nothing, when a role is missing and the caller
+-- may not create roles (no CREATEROLE): a DBA creates them (NOLOGIN), then
+-- `sealpost migrate --grant ...` calls this again. Run by the schema owner.
+CREATE FUNCTION sealpost.install_roles() RETURNS boolean
+    LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp
+AS $install$
+DECLARE
     k text;
     r text;
     found_role record;
+    names text[];
     -- Positional arguments of every statement: 1 producer, 2 dispatcher, 3 reconciler,
     -- 4 consumer, 5 operator, 6 reader.
     stmts text[] := ARRAY[
@@ -174,15 +194,19 @@ DECLARE
         'GRANT SELECT, INSERT ON sealpost.inbox, sealpost.inbox_quarantine TO %4$I',
         'GRANT SELECT, INSERT, UPDATE ON sealpost.consumer_watermark, sealpost.consumer_progress TO %4$I',
         'GRANT EXECUTE ON FUNCTION sealpost.may_write_as(name, text) TO %4$I',
+        'DROP POLICY IF EXISTS own_rows ON sealpost.inbox',
         'CREATE POLICY own_rows ON sealpost.inbox TO %4$I
              USING (sealpost.may_write_as(current_user, consumer_id))
              WITH CHECK (sealpost.may_write_as(current_user, consumer_id))',
+        'DROP POLICY IF EXISTS own_rows ON sealpost.inbox_quarantine',
         'CREATE POLICY own_rows ON sealpost.inbox_quarantine TO %4$I
              USING (sealpost.may_write_as(current_user, consumer_id))
              WITH CHECK (sealpost.may_write_as(current_user, consumer_id))',
+        'DROP POLICY IF EXISTS own_rows ON sealpost.consumer_watermark',
         'CREATE POLICY own_rows ON sealpost.consumer_watermark TO %4$I
              USING (sealpost.may_write_as(current_user, consumer_id))
              WITH CHECK (sealpost.may_write_as(current_user, consumer_id))',
+        'DROP POLICY IF EXISTS own_rows ON sealpost.consumer_progress',
         'CREATE POLICY own_rows ON sealpost.consumer_progress TO %4$I
              USING (sealpost.may_write_as(current_user, consumer_id))
              WITH CHECK (sealpost.may_write_as(current_user, consumer_id))',
@@ -203,38 +227,45 @@ DECLARE
         'GRANT UPDATE (finding_id) ON sealpost.finding TO %5$I',
         'GRANT UPDATE (migration_id) ON sealpost.migration TO %5$I',
         'GRANT UPDATE (quarantine_id) ON sealpost.inbox_quarantine TO %5$I',
+        'DROP POLICY IF EXISTS operator_purges ON sealpost.inbox_quarantine',
         'CREATE POLICY operator_purges ON sealpost.inbox_quarantine FOR DELETE TO %5$I USING (true)',
+        'DROP POLICY IF EXISTS operator_locks ON sealpost.inbox_quarantine',
         'CREATE POLICY operator_locks ON sealpost.inbox_quarantine FOR UPDATE TO %5$I USING (true)',
         -- operator and reader read every consumer's rows (the reports, status)
+        'DROP POLICY IF EXISTS read_all ON sealpost.inbox',
         'CREATE POLICY read_all ON sealpost.inbox FOR SELECT TO %5$I, %6$I USING (true)',
+        'DROP POLICY IF EXISTS read_all ON sealpost.inbox_quarantine',
         'CREATE POLICY read_all ON sealpost.inbox_quarantine FOR SELECT TO %5$I, %6$I USING (true)',
+        'DROP POLICY IF EXISTS read_all ON sealpost.consumer_watermark',
         'CREATE POLICY read_all ON sealpost.consumer_watermark FOR SELECT TO %5$I, %6$I USING (true)',
+        'DROP POLICY IF EXISTS read_all ON sealpost.consumer_progress',
         'CREATE POLICY read_all ON sealpost.consumer_progress FOR SELECT TO %5$I, %6$I USING (true)'
     ];
     s text;
     cols text;
     rel text;
 BEGIN
-    IF prefix !~ '^[a-z_][a-z0-9_]{0,39}$' THEN
-        RAISE EXCEPTION 'role prefix % must be lower-case letters, digits and _ (at most 40)', prefix;
-    END IF;
-    FOREACH k IN ARRAY kinds LOOP
-        r := prefix || k;
+    FOR k, r IN SELECT kind, role_name::text FROM sealpost.role LOOP
         SELECT rolcanlogin, rolsuper INTO found_role FROM pg_roles WHERE rolname = r;
         IF NOT FOUND THEN
             BEGIN
                 EXECUTE format('CREATE ROLE %I NOLOGIN', r);
-            EXCEPTION WHEN duplicate_object OR unique_violation THEN
-                NULL; -- another database's migration created it meanwhile
+            EXCEPTION
+                WHEN duplicate_object OR unique_violation THEN
+                    NULL; -- another database's migration created it meanwhile
+                WHEN insufficient_privilege THEN
+                    RAISE WARNING 'Sealpost role % does not exist and % may not create roles: no grants applied; a DBA creates the roles (CREATE ROLE % NOLOGIN, ...), then run sealpost migrate --grant', r, current_user, r;
+                    RETURN false;
             END;
         ELSIF found_role.rolcanlogin OR found_role.rolsuper THEN
             RAISE EXCEPTION 'role % exists and can log in or is a superuser; Sealpost grants its rights to NOLOGIN roles only (choose another prefix with --role-prefix)', r;
         END IF;
-        INSERT INTO sealpost.role (kind, role_name) VALUES (k, r);
     END LOOP;
+    SELECT array_agg(role_name::text ORDER BY array_position(
+               ARRAY['producer', 'dispatcher', 'reconciler', 'consumer', 'operator', 'reader'], kind))
+      INTO names FROM sealpost.role;
     FOREACH s IN ARRAY stmts LOOP
-        EXECUTE format(s, prefix || 'producer', prefix || 'dispatcher', prefix || 'reconciler',
-                       prefix || 'consumer', prefix || 'operator', prefix || 'reader');
+        EXECUTE format(s, names[1], names[2], names[3], names[4], names[5], names[6]);
     END LOOP;
     -- The reader reads every table and view but no payload: column grants on the three
     -- relations with one (a later migration adding a column grants it too).
@@ -243,12 +274,16 @@ BEGIN
           FROM pg_attribute
          WHERE attrelid = format('sealpost.%I', rel)::regclass AND attnum > 0
            AND NOT attisdropped AND attname <> 'payload';
-        EXECUTE format('GRANT SELECT (%s) ON sealpost.%I TO %I', cols, rel, prefix || 'reader');
+        EXECUTE format('GRANT SELECT (%s) ON sealpost.%I TO %I', cols, rel, names[6]);
     END LOOP;
     FOR rel IN SELECT c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
                 WHERE n.nspname = 'sealpost' AND c.relkind IN ('r', 'v', 'p')
                   AND c.relname NOT IN ('envelope', 'outbox', 'inbox_quarantine') LOOP
-        EXECUTE format('GRANT SELECT ON sealpost.%I TO %I', rel, prefix || 'reader');
+        EXECUTE format('GRANT SELECT ON sealpost.%I TO %I', rel, names[6]);
     END LOOP;
+    RETURN true;
 END
-$roles$;
+$install$;
+REVOKE ALL ON FUNCTION sealpost.install_roles() FROM PUBLIC;
+
+SELECT sealpost.install_roles();

@@ -83,6 +83,14 @@ pub enum RoleError {
         /// The prefix asked for.
         asked: String,
     },
+    /// Roles are missing and this login may not create them.
+    #[error("the Sealpost roles {missing:?} do not exist and `{login}` may not create roles (no CREATEROLE): have a DBA create them (CREATE ROLE <name> NOLOGIN for each), then run `sealpost migrate --grant ...` again, which applies the grants")]
+    NotInstalled {
+        /// The missing roles.
+        missing: Vec<String>,
+        /// The login that tried.
+        login: String,
+    },
     /// The store failed.
     #[error(transparent)]
     Store(#[from] StoreError),
@@ -186,11 +194,51 @@ pub async fn role_name(client: &tokio_postgres::Client, kind: Kind) -> Result<St
     }
 }
 
+/// The Sealpost roles of this database that do not exist in the cluster (migration 6 ran as
+/// a login that may not create roles, or a DBA dropped one).
+pub async fn missing(client: &tokio_postgres::Client) -> Result<Vec<String>, RoleError> {
+    Ok(client
+        .query(
+            "SELECT r.role_name::text FROM sealpost.role r
+             WHERE NOT EXISTS (SELECT 1 FROM pg_roles p WHERE p.rolname = r.role_name)
+             ORDER BY r.kind",
+            &[],
+        )
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect())
+}
+
+/// Creates the missing roles and (re)applies every grant and policy of migration 6
+/// (`sealpost.install_roles()`, idempotent). Run by the schema owner.
+pub async fn install(client: &tokio_postgres::Client) -> Result<(), RoleError> {
+    let ok: bool = client
+        .query_one("SELECT sealpost.install_roles()", &[])
+        .await?
+        .get(0);
+    if ok {
+        return Ok(());
+    }
+    let login: String = client
+        .query_one("SELECT current_user::text", &[])
+        .await?
+        .get(0);
+    Err(RoleError::NotInstalled {
+        missing: missing(client).await?,
+        login,
+    })
+}
+
 /// Maps a login to a role: `GRANT <role> TO <login>`, and for a consumer the consumer id it
-/// may write as (`sealpost.consumer_login`; default: the login's name). Idempotent. Run by
-/// the schema owner (or a role with ADMIN on the Sealpost roles). Returns the role's name.
+/// may write as (`sealpost.consumer_login`; default: the login's name), after [`install`].
+/// Idempotent. Run by the schema owner; it needs ADMIN OPTION on the Sealpost roles (a
+/// superuser, or the login that created them, has it). Returns the role's name.
 pub async fn grant(client: &tokio_postgres::Client, g: &Grant) -> Result<String, RoleError> {
     let role = role_name(client, g.kind).await?;
+    // The grants may never have been applied (migration 6 ran as a login without
+    // CREATEROLE and a DBA made the roles since): apply them, idempotently.
+    install(client).await?;
     let exists = client
         .query_opt("SELECT 1 FROM pg_roles WHERE rolname = $1", &[&g.login])
         .await?
@@ -298,6 +346,10 @@ async fn describe(client: &tokio_postgres::Client, message: &str) -> (String, Op
                     hint(holders.as_deref(), &login)
                 )
             })
+    } else if message.contains("admin option on role") {
+        Some(format!(
+            "`{login}` may not hand out that role: a DBA runs the GRANT, or gives it the Sealpost roles WITH ADMIN OPTION (GRANT <role> TO {login} WITH ADMIN OPTION)"
+        ))
     } else if message.contains("for schema") {
         Some(format!(
             "it needs USAGE on schema sealpost, which every Sealpost role holds{}",
