@@ -22,6 +22,18 @@ pub const ROUTE: &str = "demo-orders";
 /// Creates the demo's business and effect tables. Call once before starting writers or
 /// consumers (concurrent `CREATE TABLE IF NOT EXISTS` can race).
 pub async fn prepare(pg: &tokio_postgres::Client) -> Result<(), RunError> {
+    // Made already: a login without CREATE on the schema (a consumer's) runs the example too.
+    let made: bool = pg
+        .query_one(
+            "SELECT to_regclass('demo_orders') IS NOT NULL AND to_regclass('demo_fulfilment') IS NOT NULL",
+            &[],
+        )
+        .await
+        .map_err(store::StoreError::from)?
+        .get(0);
+    if made {
+        return Ok(());
+    }
     pg.batch_execute(
         "CREATE TABLE IF NOT EXISTS demo_orders (
              order_id    text PRIMARY KEY,

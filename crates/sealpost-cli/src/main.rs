@@ -40,7 +40,8 @@ struct Cli {
 enum Cmd {
     /// Run the deterministic fault-injecting simulator over the protocol core.
     Simulate(simulate::SimulateArgs),
-    /// Apply the schema (idempotent) and optionally set a route policy.
+    /// Apply the schema (idempotent, with its PostgreSQL roles), optionally set a route
+    /// policy and map logins to the roles.
     Migrate {
         /// Route policy `NAME=CLUSTER/TOPIC`; revising one bumps its generation.
         #[arg(long)]
@@ -57,6 +58,16 @@ enum Cmd {
         /// partitioner) [default: the count the topic has now, asked of `kafka_brokers`].
         #[arg(long)]
         partitions: Option<u32>,
+        /// Map a login to a Sealpost role (repeatable): `KIND=LOGIN`, KIND one of producer,
+        /// dispatcher, reconciler, consumer, operator, reader; a consumer login with the
+        /// consumer id it may write as, `consumer=LOGIN:CONSUMER_ID` (default: the login's
+        /// name). The login must exist.
+        #[arg(long)]
+        grant: Vec<String>,
+        /// Prefix of the role names the first migration to version 6 creates (cluster-wide:
+        /// give each outbox database in a cluster its own) [default: `sealpost_`].
+        #[arg(long, env = "SEALPOST_ROLE_PREFIX")]
+        role_prefix: Option<String>,
     },
     /// Run dispatcher tasks and a reconciler until Ctrl-C.
     Dispatch {
@@ -305,6 +316,12 @@ enum Cmd {
     },
 }
 
+/// A store error as the user reads it: a refused privilege names the login, its Sealpost
+/// roles, what it lacks and which role holds it.
+async fn explain(pg: &tokio_postgres::Client, x: store::StoreError) -> String {
+    sealpost::roles::explain(pg, x).await.to_string()
+}
+
 /// The NATS adapter for the configured cluster (the error says what to check).
 async fn connect_nats(cfg: &Settings) -> Result<Nats, String> {
     sealpost_cli::brokers::connect_nats(cfg)
@@ -394,13 +411,48 @@ async fn run(cmd: Cmd, cfg: Settings) -> Result<i32, String> {
             durability,
             ordering,
             partitions,
+            grant,
+            role_prefix,
         } => {
+            let grants = grant
+                .iter()
+                .map(|g| sealpost::roles::parse_grant(g))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|x| x.to_string())?;
             let ordering =
                 sealpost_core::envelope::EventOrdering::parse(&ordering).ok_or_else(|| {
                     format!("--ordering `{ordering}`: expected `none` or `per-aggregate`")
                 })?;
             let pg = runtime::pg_connect(&cfg.database_url).await.map_err(e)?;
-            store::migrate(&pg).await.map_err(|x| x.to_string())?;
+            match sealpost::roles::migrate(&pg, role_prefix.as_deref()).await {
+                Ok(()) => {}
+                Err(sealpost::roles::RoleError::Store(x)) => return Err(explain(&pg, x).await),
+                Err(x) => return Err(x.to_string()),
+            }
+            if grants.is_empty() {
+                match sealpost::roles::missing(&pg).await {
+                    Ok(m) if !m.is_empty() => eprintln!(
+                        "warning: the Sealpost roles {m:?} do not exist (this login may not create roles), so no grants are applied; have a DBA create them (NOLOGIN), then run `sealpost migrate --grant KIND=LOGIN`"
+                    ),
+                    _ => {}
+                }
+            }
+            for g in &grants {
+                match sealpost::roles::grant(&pg, g).await {
+                    Ok(role) => println!(
+                        "granted {role} to {}{}",
+                        g.login,
+                        match (&g.consumer_id, g.kind) {
+                            (Some(c), _) => format!(" (writes as consumer {c})"),
+                            (None, sealpost::roles::Kind::Consumer) =>
+                                format!(" (writes as consumer {})", g.login),
+                            _ => String::new(),
+                        }
+                    ),
+                    Err(sealpost::roles::RoleError::Store(x)) => return Err(explain(&pg, x).await),
+                    Err(x) => return Err(x.to_string()),
+                }
+            }
             for r in route {
                 let (name, dest) = r
                     .split_once('=')
@@ -686,9 +738,10 @@ async fn run(cmd: Cmd, cfg: Settings) -> Result<i32, String> {
                 streams: stream,
                 scan_max,
             };
-            let r = sealpost_cli::ops::reconcile(&pg, nats.as_ref(), &opts)
-                .await
-                .map_err(|x| x.to_string())?;
+            let r = match sealpost_cli::ops::reconcile(&pg, nats.as_ref(), &opts).await {
+                Ok(r) => r,
+                Err(x) => return Err(explain(&pg, x).await),
+            };
             if json {
                 println!("{}", serde_json::to_string(&r).map_err(|x| x.to_string())?);
             } else {
@@ -732,9 +785,11 @@ async fn run(cmd: Cmd, cfg: Settings) -> Result<i32, String> {
             };
             opts.check().map_err(|x| x.to_string())?;
             let mut pg = runtime::pg_connect(&cfg.database_url).await.map_err(e)?;
-            let r = sealpost_cli::ops::purge(&mut pg, &opts)
-                .await
-                .map_err(|x| x.to_string())?;
+            let r = match sealpost_cli::ops::purge(&mut pg, &opts).await {
+                Ok(r) => r,
+                Err(sealpost_cli::ops::PurgeError::Store(x)) => return Err(explain(&pg, x).await),
+                Err(x) => return Err(x.to_string()),
+            };
             if json {
                 println!("{}", serde_json::to_string(&r).map_err(|x| x.to_string())?);
             } else {
@@ -755,9 +810,10 @@ async fn run(cmd: Cmd, cfg: Settings) -> Result<i32, String> {
         }
         Cmd::Trace { key, json } => {
             let pg = runtime::pg_connect(&cfg.database_url).await.map_err(e)?;
-            let t = sealpost_cli::ops::trace(&pg, &key)
-                .await
-                .map_err(|x| x.to_string())?;
+            let t = match sealpost_cli::ops::trace(&pg, &key).await {
+                Ok(t) => t,
+                Err(x) => return Err(explain(&pg, x).await),
+            };
             if json {
                 println!("{t}");
             } else {
@@ -774,9 +830,10 @@ async fn run(cmd: Cmd, cfg: Settings) -> Result<i32, String> {
                 format!("`{event_id}` is not an event id (a UUID such as 018f2c1e-...)")
             })?;
             let mut pg = runtime::pg_connect(&cfg.database_url).await.map_err(e)?;
-            let n = store::release_quarantine(&mut pg, id, &operator, &reason)
-                .await
-                .map_err(|x| x.to_string())?;
+            let n = match store::release_quarantine(&mut pg, id, &operator, &reason).await {
+                Ok(n) => n,
+                Err(x) => return Err(explain(&pg, x).await),
+            };
             println!("released {n} row(s) of {id} to PENDING (audited: by {operator}: {reason})");
             Ok(0)
         }
@@ -786,7 +843,10 @@ async fn run(cmd: Cmd, cfg: Settings) -> Result<i32, String> {
         }
         Cmd::Status { json, check } => {
             let pg = runtime::pg_connect(&cfg.database_url).await.map_err(e)?;
-            let s = store::status(&pg).await.map_err(|x| x.to_string())?;
+            let s = match store::status(&pg).await {
+                Ok(s) => s,
+                Err(x) => return Err(explain(&pg, x).await),
+            };
             if json {
                 println!("{}", serde_json::to_string(&s).map_err(|x| x.to_string())?);
             } else {

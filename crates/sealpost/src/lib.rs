@@ -9,6 +9,7 @@ pub mod inbox;
 pub mod observe;
 pub mod ops;
 pub mod pg;
+pub mod roles;
 pub mod runtime;
 pub mod secret;
 pub mod signing;

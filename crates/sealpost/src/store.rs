@@ -35,6 +35,7 @@ pub const MIGRATIONS: &[(i32, &str)] = &[
         include_str!("../migrations/0004_consumers_retention.sql"),
     ),
     (5, include_str!("../migrations/0005_ordering.sql")),
+    (6, include_str!("../migrations/0006_roles.sql")),
 ];
 
 /// Statements the store has sent to PostgreSQL in this process (each query, `BEGIN` and
@@ -58,7 +59,20 @@ pub const PAYLOAD_BYTES_MAX: usize = 900 * 1024;
 pub enum StoreError {
     /// The database refused or failed a statement.
     #[error("database error: {}", db_message(.0))]
-    Db(#[from] tokio_postgres::Error),
+    Db(tokio_postgres::Error),
+    /// The database refused a statement for want of a privilege (SQLSTATE 42501): the login
+    /// is not mapped to the Sealpost role whose grant this needs
+    /// ([`crate::roles::explain`] names both).
+    #[error("permission denied (SQLSTATE 42501): {} lacks {needed}; map the login to the role that holds it with `sealpost migrate --grant KIND=LOGIN` (docs/operations.md, \"Roles and logins\")", role.as_deref().unwrap_or("this login"))]
+    Permission {
+        /// The refused login (`current_user`) and the Sealpost roles it holds, once known.
+        role: Option<String>,
+        /// What it lacks, in the server's words, then (once explained) the privilege and the
+        /// Sealpost roles that hold it.
+        needed: String,
+        /// The server's error.
+        source: tokio_postgres::Error,
+    },
     /// No route policy with that name; create one with `sealpost route set`.
     #[error("no route policy named `{0}`; add one to sealpost.route_policy (sealpost migrate --route NAME=CLUSTER/TOPIC)")]
     NoRoutePolicy(String),
@@ -115,6 +129,21 @@ pub enum StoreError {
     Effect(String),
 }
 
+impl From<tokio_postgres::Error> for StoreError {
+    fn from(e: tokio_postgres::Error) -> Self {
+        match e.as_db_error() {
+            Some(d) if *d.code() == tokio_postgres::error::SqlState::INSUFFICIENT_PRIVILEGE => {
+                StoreError::Permission {
+                    role: None,
+                    needed: format!("the right to do this: \"{}\"", d.message()),
+                    source: e,
+                }
+            }
+            _ => StoreError::Db(e),
+        }
+    }
+}
+
 /// The database's own words: message, SQLSTATE, detail and hint when the server sent them,
 /// else the client error and its cause (tokio-postgres alone prints only "db error").
 pub fn db_message(e: &tokio_postgres::Error) -> String {
@@ -157,6 +186,11 @@ fn digest_of(b: &[u8]) -> Result<Digest> {
 /// a failure leaves the database at its previous version). A v1 database is converted in
 /// place (migration 3 splits the envelope into the sealed row and the work row).
 pub async fn migrate(client: &tokio_postgres::Client) -> Result<()> {
+    // Up to date: nothing to do, and nothing that needs the owner's rights (a consumer's
+    // login calls this at start).
+    if schema_version(client).await? >= MIGRATIONS.last().map_or(0, |m| m.0) {
+        return Ok(());
+    }
     client
         .batch_execute(
             "CREATE SCHEMA IF NOT EXISTS sealpost;
@@ -457,7 +491,7 @@ pub async fn enqueue_many(
 pub(crate) const POLICY_SQL: &str =
     "SELECT generation, cluster, topic, partition_algorithm, serializer, durability, required_ack,
             txid_current(), ordering
-     FROM sealpost.route_policy WHERE name = $1 FOR SHARE";
+     FROM sealpost.route_for_enqueue($1)";
 
 /// Inserts one sealed envelope and its `PENDING` work row in one statement (shared with the
 /// sqlx flavour).

@@ -335,11 +335,11 @@ async fn retire_rows(
                 .await?;
                 // Retention's one write to the sealed envelope: the payload bytes of a purged
                 // event are erased (every generation); identity and digests stay as sealed.
+                // No role may update an envelope: the audited function (migration 6) does it,
+                // for PURGED rows only, and records the call in `sealpost.erasure`.
                 // Attempts and duplicate receipts stay as audit evidence (pass 3).
                 tx.execute(
-                    "UPDATE sealpost.envelope e SET payload = '\\x'::bytea
-                     FROM unnest($1::uuid[], $2::int2[]) AS k(id, m)
-                     WHERE e.event_id = k.id AND e.member = k.m",
+                    "SELECT sealpost.erase_payloads($1::uuid[], $2::int2[])",
                     &[&purge_keys.0, &purge_keys.1],
                 )
                 .await?;
@@ -395,8 +395,8 @@ async fn remove_tombstones(
             for sql in [
                 "DELETE FROM sealpost.receipt t USING unnest($1::uuid[], $2::int2[]) AS k(id, m)
                  WHERE t.event_id = k.id AND t.member = k.m AND t.kind = 'primary'",
-                "DELETE FROM sealpost.envelope t USING unnest($1::uuid[], $2::int2[]) AS k(id, m)
-                 WHERE t.event_id = k.id AND t.member = k.m",
+                // (No role may delete an envelope: the audited function does, PURGED only.)
+                "SELECT sealpost.remove_envelopes($1::uuid[], $2::int2[])",
                 "DELETE FROM sealpost.work t USING unnest($1::uuid[], $2::int2[]) AS k(id, m)
                  WHERE t.event_id = k.id AND t.member = k.m AND t.state = 'PURGED'",
             ] {
