@@ -8,7 +8,8 @@
 //!   header) are each quarantined by the library consumer with the reason, and never reach
 //!   the handler; every genuine event is applied once. The same messages read by a consumer
 //!   that checks no signature are applied (the hole the keyring closes: the test can fail).
-//! * The same look-alikes on RabbitMQ, published with a plain `lapin` client.
+//! * The same look-alikes on RabbitMQ (a plain `lapin` client) and Kafka (a plain `rdkafka`
+//!   producer; the Kafka test needs a Kafka-protocol broker, `.ci/run` starts tansu).
 //! * A forged copy that takes an event's subject before the genuine send (create-if-absent
 //!   then refuses the genuine one) is never adopted by the reconciler: the row ends
 //!   `QUARANTINED` with `UnsealedCopy` for an operator, not `PUBLISHED`.
@@ -22,6 +23,8 @@ mod common;
 mod teardown_nats;
 #[path = "../../sealpost/tests/common/teardown_rabbitmq.rs"]
 mod teardown_rabbitmq;
+#[path = "../../sealpost/tests/common/teardown_kafka.rs"]
+mod teardown_kafka;
 
 use futures::future::BoxFuture;
 use sealpost::consumer::{self, CancellationToken, Databases, Delivery, HandlerError, Options};
@@ -156,22 +159,6 @@ fn enqueue_orders(n: usize) -> (Vec<String>, Vec<u8>) {
     )
 }
 
-/// A copy of `h` with `name` set to `value` (or removed, for `None`).
-fn with(h: &HeaderMap, name: &str, value: Option<&str>) -> HeaderMap {
-    let mut out = HeaderMap::new();
-    for (k, vs) in h.iter() {
-        if AsRef::<str>::as_ref(k) != name {
-            for v in vs {
-                out.append(k.clone(), v.clone());
-            }
-        }
-    }
-    if let Some(v) = value {
-        out.insert(name, v);
-    }
-    out
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn look_alike_messages_are_quarantined_and_every_genuine_event_applied_once() {
     const N: usize = 40;
@@ -240,59 +227,23 @@ async fn look_alike_messages_are_quarantined_and_every_genuine_event_applied_onc
         .map(|v| v.as_str().to_string())
         .expect("the dispatcher signed the genuine message");
     assert!(signed.starts_with("ed25519 kid=k1 sig="), "{signed}");
-    let foreign = br#"{"order_id":"forged","total_cents":1}"#.to_vec();
-    let digest = |p: &[u8]| payload_digest(p).to_prefixed_hex();
-    let forgeries: Vec<(&str, Option<String>, Vec<u8>, Option<&str>)> = vec![
-        ("unsigned, foreign payload", None, foreign.clone(), None),
-        (
-            "genuine signature, foreign payload",
-            Some(signed.clone()),
-            foreign.clone(),
-            None,
-        ),
-        (
-            "genuine signature and payload, another event id",
-            Some(signed.clone()),
-            genuine.payload.to_vec(),
-            None,
-        ),
-        (
-            "genuine signature and payload, another event type",
-            Some(signed.clone()),
-            genuine.payload.to_vec(),
-            Some("order.cancelled.v1"),
-        ),
-        (
-            "a key nobody holds",
-            Some(format!("ed25519 kid=k9 sig={}", "ab".repeat(64))),
-            foreign.clone(),
-            None,
-        ),
-        (
-            "a malformed signature",
-            Some("ed25519 kid=k1 sig=not-hex".to_string()),
-            foreign.clone(),
-            None,
-        ),
-    ];
-    let mut forged_ids = Vec::new();
-    for (what, sig, body, event_type) in &forgeries {
-        let id = sealpost_cli::demo::mint_event_id();
-        forged_ids.push(id);
-        let mut h = with(
-            &genuine.headers,
-            sealpost_nats::H_EVENT_ID,
-            Some(&id.to_string()),
-        );
-        h = with(&h, "Nats-Msg-Id", Some(&id.to_string()));
-        h = with(&h, "Nats-Expected-Last-Subject-Sequence", None);
-        h = with(&h, sealpost_nats::H_PAYLOAD_DIGEST, Some(&digest(body)));
-        h = with(&h, H_SIGNATURE, sig.as_deref());
-        if let Some(t) = event_type {
-            h = with(&h, "Sealpost-Event-Type", Some(t));
+    let read: Vec<(String, String)> = genuine
+        .headers
+        .iter()
+        .filter(|(k, _)| AsRef::<str>::as_ref(*k).starts_with("Sealpost-"))
+        .flat_map(|(k, vs)| {
+            vs.iter()
+                .map(|v| (AsRef::<str>::as_ref(k).to_string(), v.as_str().to_string()))
+        })
+        .collect();
+    let forgeries = look_alikes(&read, &genuine.payload);
+    for (what, id, headers, body) in &forgeries {
+        let mut h = HeaderMap::new();
+        for (k, v) in headers {
+            h.insert(k.as_str(), v.as_str());
         }
         js.publish_with_headers(
-            sealpost_nats::subject(&topic, id, 0),
+            sealpost_nats::subject(&topic, *id, 0),
             h,
             body.clone().into(),
         )
@@ -301,112 +252,13 @@ async fn look_alike_messages_are_quarantined_and_every_genuine_event_applied_onc
         .await
         .unwrap_or_else(|e| panic!("the forger publishes ({what}): {e}"));
     }
-    let total = N + forgeries.len();
-
-    // A consumer that requires signatures, and one that checks none.
-    let run = |consumer_id: &'static str, keyring: Arc<Keyring>| {
-        let sub_nats = n.clone();
-        let topic = topic.clone();
-        let url = cfg.database_url.clone();
-        let stop = CancellationToken::new();
-        let s2 = stop.clone();
-        let task = tokio::spawn(async move {
-            let sub = sealpost_nats::NatsSubscription::subscribe(
-                &sub_nats,
-                &topic,
-                consumer_id,
-                Duration::from_secs(10),
-            )
-            .await
-            .unwrap();
-            let mut options = Options::new(consumer_id).with_keyring(keyring);
-            options.effect = "record".into();
-            let databases = Databases::from_urls(&url, None);
-            if consumer_id == "signed" {
-                consumer::run(sub, databases, options, record_signed, s2).await
-            } else {
-                consumer::run(sub, databases, options, record_open, s2).await
-            }
-        });
-        (stop, task)
-    };
-    let (stop_signed, signed_task) = run("signed", cfg.keys.keyring.clone());
-    let (stop_open, open_task) = run("open", Arc::new(Keyring::off()));
-    let count = async |sql: &str| -> i64 { pg.query_one(sql, &[]).await.unwrap().get(0) };
-    wait_for(
-        "both consumers through every message",
-        Duration::from_secs(60),
-        async || {
-            let signed_done = count(
-                "SELECT (SELECT count(*) FROM applied WHERE consumer = 'signed')
-                      + (SELECT count(*) FROM sealpost.inbox_quarantine WHERE consumer_id = 'signed')",
-            )
-            .await;
-            let open_done = count("SELECT count(*) FROM applied WHERE consumer = 'open'").await;
-            signed_done == total as i64 && open_done == total as i64
-        },
-    )
-    .await;
-    stop_signed.cancel();
-    stop_open.cancel();
-    signed_task.await.unwrap().unwrap();
-    open_task.await.unwrap().unwrap();
-
-    // The signing consumer: every genuine event once, no forgery applied, each quarantined
-    // with its reason.
-    let applied: Vec<uuid::Uuid> = pg
-        .query(
-            "SELECT event_id FROM applied WHERE consumer = 'signed' ORDER BY event_id",
-            &[],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
-    let mut want: Vec<uuid::Uuid> = ids.iter().map(|i| uuid::Uuid::from_bytes(i.0)).collect();
-    want.sort();
-    assert_eq!(
-        applied, want,
-        "each genuine event applied once, nothing else"
-    );
-    for (i, (what, ..)) in forgeries.iter().enumerate() {
-        let reasons: Vec<String> = pg
-            .query(
-                "SELECT reason FROM sealpost.inbox_quarantine
-                 WHERE consumer_id = 'signed' AND event_id = $1",
-                &[&uuid::Uuid::from_bytes(forged_ids[i].0)],
-            )
+    let sub = async |c: &str| {
+        sealpost_nats::NatsSubscription::subscribe(&n, &topic, c, Duration::from_secs(10))
             .await
             .unwrap()
-            .iter()
-            .map(|r| r.get(0))
-            .collect();
-        assert_eq!(reasons.len(), 1, "{what}: quarantined once: {reasons:?}");
-        let expected = match i {
-            0 => "unsigned",
-            4 => "k9",
-            5 => "malformed",
-            _ => "does not verify",
-        };
-        assert!(
-            reasons[0].contains(expected),
-            "{what}: the reason names the cause ({expected}): {}",
-            reasons[0]
-        );
-    }
-    // The consumer without a keyring applied every look-alike: the signature check is what
-    // stops them.
-    let open_forged = count(&format!(
-        "SELECT count(*) FROM applied WHERE consumer = 'open' AND event_id IN ({})",
-        forged_ids
-            .iter()
-            .map(|i| format!("'{}'", uuid::Uuid::from_bytes(i.0)))
-            .collect::<Vec<_>>()
-            .join(",")
-    ))
-    .await;
-    assert_eq!(open_forged, forgeries.len() as i64);
+    };
+    let (signed_sub, open_sub) = (sub("signed").await, sub("open").await);
+    consume_and_check(&cfg, &pg, signed_sub, open_sub, &ids, &forgeries).await;
     let _ = client.drain().await;
 }
 
@@ -598,11 +450,186 @@ fn expected_reason(i: usize) -> &'static str {
     }
 }
 
+
+/// Enqueues `n` events on `route` and publishes them through `broker` as a signing dispatcher
+/// does (claim, sign, send, accept); returns their ids and the first message sent.
+async fn publish_signed<B: sealpost_core::port::Broker>(
+    cfg: &Config,
+    pg: &mut tokio_postgres::Client,
+    broker: &B,
+    route: &str,
+    n: usize,
+) -> (Vec<EventId>, sealpost_core::port::SendRequest) {
+    use sealpost_core::port::SendResult;
+    let (keys, payload) = enqueue_orders(n);
+    let events = sealpost_cli::demo::order_batch(&keys, &payload);
+    let ids: Vec<EventId> = events.iter().map(|e| e.0).collect();
+    let tx = pg.transaction().await.unwrap();
+    store::enqueue_many(&tx, route, &events).await.unwrap();
+    tx.commit().await.unwrap();
+    let signer = cfg.keys.signer.clone().expect("a signing key");
+    let claimed = store::claim_batch(pg, 77, n, 10_000).await.unwrap();
+    assert_eq!(claimed.outgoing.len(), n);
+    let batch: Vec<_> = claimed
+        .outgoing
+        .iter()
+        .map(|o| {
+            let mut r = o.send_request();
+            signer.sign_request(&mut r);
+            r
+        })
+        .collect();
+    let genuine = batch[0].clone();
+    let receipts: Vec<_> = broker
+        .send_batch(batch, Instant::now() + Duration::from_secs(30))
+        .await
+        .into_iter()
+        .map(|r| match r {
+            SendResult::Receipt(r) => r,
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    store::accept_receipts(pg, &receipts).await.unwrap();
+    (ids, genuine)
+}
+
+/// The headers of a genuine message as the forger read them (every adapter writes these).
+fn headers_of(r: &sealpost_core::port::SendRequest) -> Vec<(String, String)> {
+    let mut h = vec![
+        (
+            sealpost_rabbitmq::H_EVENT_ID.to_string(),
+            r.event_id.to_string(),
+        ),
+        (sealpost_rabbitmq::H_MEMBER.to_string(), r.member.to_string()),
+        (
+            sealpost_rabbitmq::H_ENVELOPE_GENERATION.to_string(),
+            r.envelope_generation.to_string(),
+        ),
+        (
+            sealpost_rabbitmq::H_ATTEMPT_ID.to_string(),
+            r.attempt_id.to_string(),
+        ),
+        (
+            sealpost_rabbitmq::H_PAYLOAD_DIGEST.to_string(),
+            r.payload_digest.to_prefixed_hex(),
+        ),
+        (
+            sealpost_rabbitmq::H_DESTINATION_DIGEST.to_string(),
+            r.destination_digest.to_prefixed_hex(),
+        ),
+        (H_SIGNATURE.to_string(), r.signature.clone().unwrap()),
+    ];
+    for (k, v) in r.envelope.headers() {
+        h.push((k.to_string(), v));
+    }
+    h
+}
+
+/// Runs a consumer that requires signatures (`signed`) and one that checks none (`open`)
+/// until each has seen the `ids` and every look-alike, then checks: `signed` applied each
+/// genuine event once and nothing else, and quarantined each look-alike with its cause;
+/// `open` applied every look-alike.
+async fn consume_and_check<S: sealpost_core::subscription::Subscription + Send + 'static>(
+    cfg: &Config,
+    pg: &tokio_postgres::Client,
+    signed_sub: S,
+    open_sub: S,
+    ids: &[EventId],
+    forgeries: &[(&'static str, EventId, Vec<(String, String)>, Vec<u8>)],
+) where
+    S::Error: Send,
+{
+    let total = ids.len() + forgeries.len();
+    let url = cfg.database_url.clone();
+    let mut signed = Options::new("signed").with_keyring(cfg.keys.keyring.clone());
+    signed.effect = "record".into();
+    let mut open = Options::new("open").with_keyring(Arc::new(Keyring::off()));
+    open.effect = "record".into();
+    let stop = CancellationToken::new();
+    let signed_task = tokio::spawn(consumer::run(
+        signed_sub,
+        Databases::from_urls(&url, None),
+        signed,
+        record_signed,
+        stop.clone(),
+    ));
+    let open_task = tokio::spawn(consumer::run(
+        open_sub,
+        Databases::from_urls(&url, None),
+        open,
+        record_open,
+        stop.clone(),
+    ));
+    let count = async |sql: &str| -> i64 { pg.query_one(sql, &[]).await.unwrap().get(0) };
+    wait_for(
+        "both consumers through every message",
+        Duration::from_secs(90),
+        async || {
+            count(
+                "SELECT (SELECT count(*) FROM applied WHERE consumer = 'signed')
+                      + (SELECT count(*) FROM sealpost.inbox_quarantine WHERE consumer_id = 'signed')",
+            )
+            .await
+                == total as i64
+                && count("SELECT count(*) FROM applied WHERE consumer = 'open'").await
+                    == total as i64
+        },
+    )
+    .await;
+    stop.cancel();
+    signed_task.await.unwrap().unwrap();
+    open_task.await.unwrap().unwrap();
+    let applied: Vec<uuid::Uuid> = pg
+        .query(
+            "SELECT event_id FROM applied WHERE consumer = 'signed' ORDER BY event_id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let mut want: Vec<uuid::Uuid> = ids.iter().map(|i| uuid::Uuid::from_bytes(i.0)).collect();
+    want.sort();
+    assert_eq!(applied, want, "each genuine event applied once, nothing else");
+    for (i, (what, id, ..)) in forgeries.iter().enumerate() {
+        let reasons: Vec<String> = pg
+            .query(
+                "SELECT reason FROM sealpost.inbox_quarantine
+                 WHERE consumer_id = 'signed' AND event_id = $1",
+                &[&uuid::Uuid::from_bytes(id.0)],
+            )
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        assert_eq!(reasons.len(), 1, "{what}: quarantined once: {reasons:?}");
+        assert!(
+            reasons[0].contains(expected_reason(i)),
+            "{what}: the reason names the cause: {}",
+            reasons[0]
+        );
+    }
+    let open_forged = count(&format!(
+        "SELECT count(*) FROM applied WHERE consumer = 'open' AND event_id IN ({})",
+        forgeries
+            .iter()
+            .map(|f| format!("'{}'", uuid::Uuid::from_bytes(f.1 .0)))
+            .collect::<Vec<_>>()
+            .join(",")
+    ))
+    .await;
+    assert_eq!(
+        open_forged,
+        forgeries.len() as i64,
+        "without a keyring every look-alike is applied"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rabbitmq_look_alike_messages_are_quarantined_and_every_genuine_event_applied_once() {
-    use sealpost_core::port::{Broker, SendResult};
     use sealpost_rabbitmq::lapin;
-    const N: usize = 20;
     let tag = runtime::owner_id() % 1_000_000;
     let (cfg, mut pg, _db, _keys) = fresh(&format!("rabbit_{tag}")).await;
     let topic = format!("sp-forge-{tag}");
@@ -621,67 +648,10 @@ async fn rabbitmq_look_alike_messages_are_quarantined_and_every_genuine_event_ap
     .expect("RabbitMQ must be running at 127.0.0.1:5672 (guest/guest)");
     let _destination = teardown_rabbitmq::destination(&common::rabbitmq_url(), &topic, &consumers);
     rabbit.ensure_destination(&topic, &consumers).await.unwrap();
-
-    // N genuine events, signed and published as a dispatcher does (claim, sign, send, accept).
-    let (keys, payload) = enqueue_orders(N);
-    let events = sealpost_cli::demo::order_batch(&keys, &payload);
-    let ids: Vec<EventId> = events.iter().map(|e| e.0).collect();
-    let tx = pg.transaction().await.unwrap();
-    store::enqueue_many(&tx, &route, &events).await.unwrap();
-    tx.commit().await.unwrap();
-    let signer = cfg.keys.signer.clone().expect("a signing key");
-    let claimed = store::claim_batch(&mut pg, 77, N, 10_000).await.unwrap();
-    assert_eq!(claimed.outgoing.len(), N);
-    let batch: Vec<_> = claimed
-        .outgoing
-        .iter()
-        .map(|o| {
-            let mut r = o.send_request();
-            signer.sign_request(&mut r);
-            r
-        })
-        .collect();
-    let genuine = batch[0].clone();
-    let receipts: Vec<_> = rabbit
-        .send_batch(batch, Instant::now() + Duration::from_secs(30))
-        .await
-        .into_iter()
-        .map(|r| match r {
-            SendResult::Receipt(r) => r,
-            other => panic!("{other:?}"),
-        })
-        .collect();
-    store::accept_receipts(&mut pg, &receipts).await.unwrap();
+    let (ids, genuine) = publish_signed(&cfg, &mut pg, &rabbit, &route, 20).await;
 
     // The forger: a plain AMQP client with the genuine message's headers.
-    let mut genuine_headers = vec![
-        (
-            sealpost_rabbitmq::H_EVENT_ID.to_string(),
-            genuine.event_id.to_string(),
-        ),
-        (sealpost_rabbitmq::H_MEMBER.to_string(), "0".to_string()),
-        (
-            sealpost_rabbitmq::H_ENVELOPE_GENERATION.to_string(),
-            genuine.envelope_generation.to_string(),
-        ),
-        (
-            sealpost_rabbitmq::H_ATTEMPT_ID.to_string(),
-            genuine.attempt_id.to_string(),
-        ),
-        (
-            sealpost_rabbitmq::H_PAYLOAD_DIGEST.to_string(),
-            genuine.payload_digest.to_prefixed_hex(),
-        ),
-        (
-            sealpost_rabbitmq::H_DESTINATION_DIGEST.to_string(),
-            genuine.destination_digest.to_prefixed_hex(),
-        ),
-        (H_SIGNATURE.to_string(), genuine.signature.clone().unwrap()),
-    ];
-    for (k, v) in genuine.envelope.headers() {
-        genuine_headers.push((k.to_string(), v));
-    }
-    let forgeries = look_alikes(&genuine_headers, &genuine.payload);
+    let forgeries = look_alikes(&headers_of(&genuine), &genuine.payload);
     let conn = lapin::Connection::connect(
         &common::rabbitmq_url(),
         lapin::ConnectionProperties::default(),
@@ -712,101 +682,82 @@ async fn rabbitmq_look_alike_messages_are_quarantined_and_every_genuine_event_ap
         .await
         .unwrap_or_else(|e| panic!("the forger publishes ({what}): {e}"));
     }
-    let total = N + forgeries.len();
-
-    let url = cfg.database_url.clone();
-    let run = |consumer_id: &'static str, keyring: Arc<Keyring>| {
-        let topic = topic.clone();
-        let url = url.clone();
-        let stop = CancellationToken::new();
-        let s2 = stop.clone();
-        let task = tokio::spawn(async move {
-            let sub = sealpost_rabbitmq::RabbitSubscription::subscribe(
-                &common::rabbitmq_url(),
-                &Default::default(),
-                &topic,
-                consumer_id,
-                1_000,
-            )
-            .await
-            .unwrap();
-            let mut options = Options::new(consumer_id).with_keyring(keyring);
-            options.effect = "record".into();
-            let databases = Databases::from_urls(&url, None);
-            if consumer_id == "signed" {
-                consumer::run(sub, databases, options, record_signed, s2).await
-            } else {
-                consumer::run(sub, databases, options, record_open, s2).await
-            }
-        });
-        (stop, task)
-    };
-    let (stop_signed, signed_task) = run("signed", cfg.keys.keyring.clone());
-    let (stop_open, open_task) = run("open", Arc::new(Keyring::off()));
-    let count = async |sql: &str| -> i64 { pg.query_one(sql, &[]).await.unwrap().get(0) };
-    wait_for(
-        "both consumers through every message",
-        Duration::from_secs(60),
-        async || {
-            count(
-                "SELECT (SELECT count(*) FROM applied WHERE consumer = 'signed')
-                      + (SELECT count(*) FROM sealpost.inbox_quarantine WHERE consumer_id = 'signed')",
-            )
-            .await
-                == total as i64
-                && count("SELECT count(*) FROM applied WHERE consumer = 'open'").await
-                    == total as i64
-        },
-    )
-    .await;
-    stop_signed.cancel();
-    stop_open.cancel();
-    signed_task.await.unwrap().unwrap();
-    open_task.await.unwrap().unwrap();
-    let applied: Vec<uuid::Uuid> = pg
-        .query(
-            "SELECT event_id FROM applied WHERE consumer = 'signed' ORDER BY event_id",
-            &[],
+    let sub = async |c: &str| {
+        sealpost_rabbitmq::RabbitSubscription::subscribe(
+            &common::rabbitmq_url(),
+            &Default::default(),
+            &topic,
+            c,
+            1_000,
         )
         .await
         .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
-    let mut want: Vec<uuid::Uuid> = ids.iter().map(|i| uuid::Uuid::from_bytes(i.0)).collect();
-    want.sort();
-    assert_eq!(
-        applied, want,
-        "each genuine event applied once, nothing else"
+    };
+    let (signed, open) = (sub("signed").await, sub("open").await);
+    consume_and_check(&cfg, &pg, signed, open, &ids, &forgeries).await;
+    let _ = conn.close(0, "done".into()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_look_alike_messages_are_quarantined_and_every_genuine_event_applied_once() {
+    use sealpost_kafka::rdkafka;
+    use sealpost_kafka::rdkafka::message::{Header, OwnedHeaders};
+    let tag = runtime::owner_id() % 1_000_000;
+    let (cfg, mut pg, _db, _keys) = fresh(&format!("kafka_{tag}")).await;
+    let topic = format!("sp-forge-{tag}");
+    let route = format!("r-{topic}");
+    let mut kcfg = sealpost_kafka::KafkaConfig::new(
+        &common::kafka_brokers(),
+        common::KAFKA_CLUSTER,
+        Duration::from_secs(5),
     );
-    for (i, (what, id, ..)) in forgeries.iter().enumerate() {
-        let reasons: Vec<String> = pg
-            .query(
-                "SELECT reason FROM sealpost.inbox_quarantine
-                 WHERE consumer_id = 'signed' AND event_id = $1",
-                &[&uuid::Uuid::from_bytes(id.0)],
+    kcfg.client_properties =
+        sealpost_kafka::parse_properties(&common::kafka_client_properties()).unwrap();
+    let kafka = sealpost_kafka::Kafka::connect(kcfg.clone())
+        .await
+        .expect("a Kafka-protocol broker must listen on 127.0.0.1:9092 (.ci/run starts tansu)");
+    let _topic = teardown_kafka::topic(&kcfg, &topic);
+    let partitions = kafka.ensure_topic(&topic, 2).await.unwrap();
+    store::set_route(&pg, &route, common::KAFKA_CLUSTER, &topic)
+        .await
+        .unwrap();
+    store::set_route_partitions(
+        &pg,
+        &route,
+        sealpost_core::envelope::PartitionAlgorithm::KafkaMurmur2 { partitions },
+    )
+    .await
+    .unwrap();
+    let (ids, genuine) = publish_signed(&cfg, &mut pg, &kafka, &route, 20).await;
+
+    // The forger: a plain Kafka producer with the genuine record's headers.
+    let forgeries = look_alikes(&headers_of(&genuine), &genuine.payload);
+    let mut pc = rdkafka::ClientConfig::new();
+    pc.set("bootstrap.servers", common::kafka_brokers());
+    for (k, v) in &kcfg.client_properties {
+        pc.set(k, v);
+    }
+    let producer: rdkafka::producer::FutureProducer = pc.create().unwrap();
+    for (what, _, headers, body) in &forgeries {
+        let mut h = OwnedHeaders::new();
+        for (k, v) in headers {
+            h = h.insert(Header {
+                key: k,
+                value: Some(v.as_str()),
+            });
+        }
+        producer
+            .send(
+                rdkafka::producer::FutureRecord::to(&topic)
+                    .key(&genuine.destination.routing_key)
+                    .payload(body)
+                    .headers(h),
+                Duration::from_secs(10),
             )
             .await
-            .unwrap()
-            .iter()
-            .map(|r| r.get(0))
-            .collect();
-        assert_eq!(reasons.len(), 1, "{what}: quarantined once: {reasons:?}");
-        assert!(
-            reasons[0].contains(expected_reason(i)),
-            "{what}: the reason names the cause: {}",
-            reasons[0]
-        );
+            .unwrap_or_else(|(e, _)| panic!("the forger publishes ({what}): {e}"));
     }
-    let open_forged = count(&format!(
-        "SELECT count(*) FROM applied WHERE consumer = 'open' AND event_id IN ({})",
-        forgeries
-            .iter()
-            .map(|f| format!("'{}'", uuid::Uuid::from_bytes(f.1 .0)))
-            .collect::<Vec<_>>()
-            .join(",")
-    ))
-    .await;
-    assert_eq!(open_forged, forgeries.len() as i64);
-    let _ = conn.close(0, "done".into()).await;
+    let signed = sealpost_kafka::KafkaSubscription::subscribe(&kcfg, &topic, "signed").unwrap();
+    let open = sealpost_kafka::KafkaSubscription::subscribe(&kcfg, &topic, "open").unwrap();
+    consume_and_check(&cfg, &pg, signed, open, &ids, &forgeries).await;
 }
