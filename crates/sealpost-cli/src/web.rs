@@ -133,7 +133,11 @@ pub struct ServeArgs {
     pub operator_tokens_file: Option<PathBuf>,
     /// Another `Host` the page answers to, as the browser sends it (`status.example.com`,
     /// `10.0.0.5:8080`); repeatable. The bound address and `localhost:PORT` always are.
-    #[arg(long = "allow-host", env = "SEALPOST_ALLOW_HOSTS", value_delimiter = ',')]
+    #[arg(
+        long = "allow-host",
+        env = "SEALPOST_ALLOW_HOSTS",
+        value_delimiter = ','
+    )]
     pub allow_hosts: Vec<String>,
     /// Database connections the page's reads may use at once (read-only sessions).
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=16))]
@@ -983,7 +987,9 @@ async fn sample_loop(app: Arc<App>) {
         }
         if failure != logged {
             match &failure {
-                Some(cause) => tracing::warn!(error = %cause, "the status page's sampler cannot read the status"),
+                Some(cause) => {
+                    tracing::warn!(error = %cause, "the status page's sampler cannot read the status")
+                }
                 None => tracing::info!("the status page's sampler reads the status again"),
             }
             logged = failure.clone();
@@ -1074,9 +1080,21 @@ mod tests {
     #[test]
     fn tokens_compare_whole_and_name_their_identity() {
         let c = Credentials::new([
-            ("r".to_string(), reader(), "read-token-0123456789".to_string()),
-            ("a".to_string(), op("alice"), "alice-token-0123456789".to_string()),
-            ("b".to_string(), op("bob"), "bob-token-0123456789ab".to_string()),
+            (
+                "r".to_string(),
+                reader(),
+                "read-token-0123456789".to_string(),
+            ),
+            (
+                "a".to_string(),
+                op("alice"),
+                "alice-token-0123456789".to_string(),
+            ),
+            (
+                "b".to_string(),
+                op("bob"),
+                "bob-token-0123456789ab".to_string(),
+            ),
         ])
         .unwrap();
         assert_eq!(c.identify(b"alice-token-0123456789").unwrap().name, "alice");

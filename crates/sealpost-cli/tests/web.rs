@@ -530,18 +530,98 @@ async fn the_status_page_needs_a_token_shows_the_status_and_releases_only_for_an
     for (what, method, path, h, token, body, want) in [
         ("the page", "GET", "/", host.as_str(), None, "", 200),
         ("the script", "GET", "/app.js", host.as_str(), None, "", 200),
-        ("a read without a token", "GET", "/api/status", host.as_str(), None, "", 401),
-        ("a read with a wrong token", "GET", "/api/trace?key=order/o-b0-0", host.as_str(), Some("wrong-token-0123456789"), "", 401),
-        ("a read with the read token", "GET", "/api/status", host.as_str(), Some(READ_TOKEN), "", 200),
-        ("localhost", "GET", "/api/history", local.as_str(), Some(READ_TOKEN), "", 200),
+        (
+            "a read without a token",
+            "GET",
+            "/api/status",
+            host.as_str(),
+            None,
+            "",
+            401,
+        ),
+        (
+            "a read with a wrong token",
+            "GET",
+            "/api/trace?key=order/o-b0-0",
+            host.as_str(),
+            Some("wrong-token-0123456789"),
+            "",
+            401,
+        ),
+        (
+            "a read with the read token",
+            "GET",
+            "/api/status",
+            host.as_str(),
+            Some(READ_TOKEN),
+            "",
+            200,
+        ),
+        (
+            "localhost",
+            "GET",
+            "/api/history",
+            local.as_str(),
+            Some(READ_TOKEN),
+            "",
+            200,
+        ),
         // DNS rebinding: the attacker's name in Host, even with a valid token.
-        ("a foreign Host", "GET", "/api/status", rebind.as_str(), Some(READ_TOKEN), "", 421),
-        ("a foreign Host, the page", "GET", "/", rebind_port.as_str(), None, "", 421),
-        ("an unknown page", "GET", "/nope", host.as_str(), None, "", 404),
+        (
+            "a foreign Host",
+            "GET",
+            "/api/status",
+            rebind.as_str(),
+            Some(READ_TOKEN),
+            "",
+            421,
+        ),
+        (
+            "a foreign Host, the page",
+            "GET",
+            "/",
+            rebind_port.as_str(),
+            None,
+            "",
+            421,
+        ),
+        (
+            "an unknown page",
+            "GET",
+            "/nope",
+            host.as_str(),
+            None,
+            "",
+            404,
+        ),
         // The token is checked before the body is parsed: a malformed body is never read.
-        ("a release without a token", "POST", "/api/release", host.as_str(), None, "{not json", 401),
-        ("a release with the read token", "POST", "/api/release", host.as_str(), Some(READ_TOKEN), "{not json", 403),
-        ("a release with the read token", "POST", "/api/release", host.as_str(), Some(READ_TOKEN), release_body.as_str(), 403),
+        (
+            "a release without a token",
+            "POST",
+            "/api/release",
+            host.as_str(),
+            None,
+            "{not json",
+            401,
+        ),
+        (
+            "a release with the read token",
+            "POST",
+            "/api/release",
+            host.as_str(),
+            Some(READ_TOKEN),
+            "{not json",
+            403,
+        ),
+        (
+            "a release with the read token",
+            "POST",
+            "/api/release",
+            host.as_str(),
+            Some(READ_TOKEN),
+            release_body.as_str(),
+            403,
+        ),
     ] {
         let (status, headers, answer) = http(port, method, path, h, token, body).await;
         assert_eq!(status, want, "{what}: {answer}");
@@ -567,7 +647,10 @@ async fn the_status_page_needs_a_token_shows_the_status_and_releases_only_for_an
     )
     .await;
     assert_eq!(answer[0], 401, "{answer}");
-    assert!(answer[1].as_str().unwrap().contains("token is required"), "{answer}");
+    assert!(
+        answer[1].as_str().unwrap().contains("token is required"),
+        "{answer}"
+    );
     assert_eq!(answer[2], SECURITY_HEADERS[0].1, "{answer}");
     // The page's headers, as the browser received them.
     let answer = in_page(
@@ -577,7 +660,12 @@ async fn the_status_page_needs_a_token_shows_the_status_and_releases_only_for_an
     .await;
     assert_eq!(
         answer,
-        Value::Array(SECURITY_HEADERS.iter().map(|(_, v)| Value::from(*v)).collect())
+        Value::Array(
+            SECURITY_HEADERS
+                .iter()
+                .map(|(_, v)| Value::from(*v))
+                .collect()
+        )
     );
     // A wrong token: refused, still asking.
     sign_in(&c, "not-the-token-0123456789").await;
