@@ -1,36 +1,66 @@
-//! `sealpost serve`: the operator's status page (issue 10) and the JSON endpoints behind it.
+//! `sealpost serve`: the operator's status page (issue 10) and the JSON endpoints behind it,
+//! hardened (issue 23, item 4).
 //!
 //! Every figure comes from the functions the command line uses: `/api/status` is
-//! [`store::status`] (what `sealpost status --json` prints), `/api/trace` is [`ops::trace`],
-//! and `POST /api/release` is [`store::release_quarantine`] (what `sealpost release` runs,
-//! audit row included). What this module adds is a sampler that reads the status every
-//! `--sample-ms` into a bounded ring buffer (backlog, ages, and the publish latency of the rows
-//! accepted since the previous sample) for the page's chart, and the operator token that
-//! guards the one write.
+//! [`store::status`] (what `sealpost status --json` prints), `/api/trace` is
+//! [`ops::trace_bounded`] (`sealpost trace --json`, at most [`TRACE_EVENTS_MAX`] events), and
+//! `POST /api/release` is [`store::release_quarantine`] (what `sealpost release` runs, audit
+//! row included). What this module adds is a sampler that reads the status every
+//! `--sample-ms` into a bounded ring buffer for the page's chart, and the guards:
+//!
+//! - **Tokens.** Every `/api/*` request needs `Authorization: Bearer TOKEN`: the read token
+//!   (`SEALPOST_READ_TOKEN` or `--read-token-file`) or an operator's token
+//!   (`SEALPOST_OPERATOR_TOKEN`, `--operator-token-file`, or `--operator-tokens-file` with
+//!   `NAME:TOKEN` lines). Only an operator's token releases, and the audit row names the
+//!   operator whose token matched, never a name from the body. Tokens come from the
+//!   environment or files only: a token on the command line is visible in `ps`. They are
+//!   compared in constant time, lengths included ([`Credentials::identify`]), and checked
+//!   before the request body is read.
+//! - **Host allowlist.** A request whose `Host` is not the bound address, `localhost:PORT`
+//!   or an `--allow-host` is refused (421) before anything else: a DNS-rebinding page in an
+//!   operator's browser cannot read the page even on loopback.
+//! - **Headers on every response.** A CSP without inline script or style, `frame-ancestors
+//!   'none'` (and `X-Frame-Options: DENY`), `nosniff`, `Cache-Control: no-store`,
+//!   `Referrer-Policy: no-referrer`.
+//! - **Bounded database use.** Reads go through a pool of at most `--db-connections`
+//!   read-only sessions with `statement_timeout`; a request that waits longer than
+//!   [`POOL_WAIT`] for one is answered 503. Releases have one connection of their own.
+//!   The trace answers at most [`TRACE_EVENTS_MAX`] events.
+//! - **Generic errors.** An error answer says what kind of failure it was; the cause is in
+//!   the server's log (redacted: no password, no token).
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
+use std::ops::Deref;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::extract::{Query, State as Shared};
-use axum::http::{header, HeaderMap, StatusCode};
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, Query, Request, State as Shared};
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::middleware::{self, Next};
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::{Json, Router};
-use sealpost::runtime;
+use axum::{Extension, Json, Router};
+use sealpost::pg::{PgConn, PgConnector, PgSource};
 use sealpost::runtime::Config;
 use sealpost::store::{self, StoreError};
 use sealpost_core::envelope::EventId;
 use sealpost_core::state::State;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
-use tokio::sync::Mutex;
+use sha2::{Digest, Sha256};
+use subtle::{ConditionallySelectable, ConstantTimeEq};
+use tokio::sync::{Mutex, Semaphore, SemaphorePermit};
 
 use crate::ops;
 
-/// The page: one HTML file with its script inline (no CDN; the page works offline).
+/// The page: one HTML file; its script and style are served beside it (`/app.js`,
+/// `/app.css`) so that the CSP forbids inline script. No CDN; the page works offline.
 const INDEX_HTML: &str = include_str!("web/index.html");
+const APP_JS: &str = include_str!("web/app.js");
+const APP_CSS: &str = include_str!("web/app.css");
 
 /// Samples kept in the ring buffer at most, whatever `--history-s` asks.
 pub const HISTORY_SAMPLES_MAX: usize = 10_000;
@@ -46,8 +76,25 @@ pub const SETTLE_MS: i64 = 1_000;
 pub const SAMPLE_DUTY_FACTOR: u32 = 5;
 /// Findings returned by `/api/findings` at most (newest first).
 pub const FINDINGS_MAX: i64 = 100;
-/// Longest operator name and reason accepted by `POST /api/release` (kept in the audit row).
+/// Event members answered by `/api/trace` at most (the first committed); the answer says
+/// `"truncated": true` when the aggregate has more.
+pub const TRACE_EVENTS_MAX: i64 = 50;
+/// Longest reason accepted by `POST /api/release` (kept in the audit row).
 pub const AUDIT_TEXT_MAX: usize = 500;
+/// Largest request body read (only `POST /api/release` has one).
+pub const BODY_BYTES_MAX: usize = 4 * 1024;
+/// Shortest token accepted at startup (bytes).
+pub const TOKEN_BYTES_MIN: usize = 16;
+/// Longest operator name in `--operator-tokens-file` (it goes into audit rows and logs).
+pub const OPERATOR_NAME_MAX: usize = 64;
+/// How long a request waits for a pooled connection before it is answered 503.
+pub const POOL_WAIT: Duration = Duration::from_secs(3);
+/// The operator name of `SEALPOST_OPERATOR_TOKEN` / `--operator-token-file`.
+pub const SINGLE_OPERATOR_NAME: &str = "operator";
+
+/// The Content-Security-Policy of every response: the page's own script, style and
+/// requests only, no inline script, no framing, no form posted anywhere.
+pub const CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'";
 
 /// The states of rows that are not yet published and not parked: the backlog on the chart.
 const BACKLOG_STATES: [State; 6] = [
@@ -59,24 +106,45 @@ const BACKLOG_STATES: [State; 6] = [
     State::Reconciling,
 ];
 
-/// `sealpost serve` flags. Their `Debug` never shows the operator token.
-#[derive(clap::Args, Clone)]
+/// `sealpost serve` flags. No flag carries a token (a command line is visible in `ps`);
+/// `--operator-token` and `--read-token` exist only to refuse them with what to use.
+#[derive(clap::Args, Clone, Debug)]
 pub struct ServeArgs {
     /// Address to listen on (plain HTTP: keep it on loopback or behind a TLS proxy).
     #[arg(long, default_value = "127.0.0.1:8080")]
     pub http: SocketAddr,
-    /// Token an operator must present to release a quarantined row; without one, releases
-    /// are disabled.
-    #[arg(long, env = "SEALPOST_OPERATOR_TOKEN", hide_env_values = true)]
-    pub operator_token: Option<String>,
-    /// File holding the operator token (one trailing newline ignored), so that the token is
-    /// in neither the command line nor the environment.
+    /// Refused: a token on the command line is visible to every local user in `ps`.
+    #[arg(long, hide = true, value_name = "REFUSED")]
+    pub operator_token: Option<Refused>,
+    /// Refused: a token on the command line is visible to every local user in `ps`.
+    #[arg(long, hide = true, value_name = "REFUSED")]
+    pub read_token: Option<Refused>,
+    /// File holding the read token (one trailing newline ignored); or set
+    /// SEALPOST_READ_TOKEN. The read token reads every endpoint but cannot release.
+    #[arg(long, env = "SEALPOST_READ_TOKEN_FILE")]
+    pub read_token_file: Option<PathBuf>,
+    /// File holding one operator token (audited as `operator`); or set
+    /// SEALPOST_OPERATOR_TOKEN.
+    #[arg(long, env = "SEALPOST_OPERATOR_TOKEN_FILE")]
+    pub operator_token_file: Option<PathBuf>,
+    /// File of per-operator tokens, one `NAME:TOKEN` a line (`#` comments and blank lines
+    /// ignored); a release is audited under the NAME whose token matched.
+    #[arg(long, env = "SEALPOST_OPERATOR_TOKENS_FILE")]
+    pub operator_tokens_file: Option<PathBuf>,
+    /// Another `Host` the page answers to, as the browser sends it (`status.example.com`,
+    /// `10.0.0.5:8080`); repeatable. The bound address and `localhost:PORT` always are.
     #[arg(
-        long,
-        env = "SEALPOST_OPERATOR_TOKEN_FILE",
-        conflicts_with = "operator_token"
+        long = "allow-host",
+        env = "SEALPOST_ALLOW_HOSTS",
+        value_delimiter = ','
     )]
-    pub operator_token_file: Option<std::path::PathBuf>,
+    pub allow_hosts: Vec<String>,
+    /// Database connections the page's reads may use at once (read-only sessions).
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=16))]
+    pub db_connections: u32,
+    /// `statement_timeout` of every statement the page and its sampler run (ms).
+    #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(100..=600_000))]
+    pub statement_timeout_ms: u64,
     /// How often the server samples the status for the chart (ms).
     #[arg(long, default_value_t = 2_000, value_parser = clap::value_parser!(u64).range(100..=60_000))]
     pub sample_ms: u64,
@@ -85,38 +153,225 @@ pub struct ServeArgs {
     pub history_s: u64,
 }
 
-impl std::fmt::Debug for ServeArgs {
+/// The value of a refused flag, never kept (so never printed by `Debug`).
+#[derive(Clone, Debug)]
+pub struct Refused;
+
+impl std::str::FromStr for Refused {
+    type Err = std::convert::Infallible;
+    fn from_str(_: &str) -> Result<Refused, Self::Err> {
+        Ok(Refused)
+    }
+}
+
+/// What a token may do.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// Every read endpoint.
+    Reader,
+    /// Every read endpoint and releases.
+    Operator,
+}
+
+/// Who sent a request: the credential its token matched.
+#[derive(Clone, Debug)]
+pub struct Identity {
+    /// What the token may do.
+    pub role: Role,
+    /// `reader`, or the operator's name (what the audit row records).
+    pub name: String,
+}
+
+/// One accepted token, kept as its SHA-256 only.
+struct Credential {
+    digest: [u8; 32],
+    identity: Identity,
+}
+
+/// The accepted tokens. Its `Debug` shows names and roles, never a token.
+pub struct Credentials(Vec<Credential>);
+
+impl std::fmt::Debug for Credentials {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ServeArgs")
-            .field("http", &self.http)
-            .field(
-                "operator_token",
-                &self
-                    .operator_token
-                    .as_ref()
-                    .map(|_| sealpost::secret::REDACTED),
-            )
-            .field("operator_token_file", &self.operator_token_file)
-            .field("sample_ms", &self.sample_ms)
-            .field("history_s", &self.history_s)
+        f.debug_list()
+            .entries(self.0.iter().map(|c| &c.identity))
             .finish()
     }
 }
 
+fn digest(token: &[u8]) -> [u8; 32] {
+    Sha256::digest(token).into()
+}
+
+impl Credentials {
+    /// Builds the set; refuses a short or non-printable token, a duplicate token (one token
+    /// must mean one identity) and a duplicate or malformed operator name. Errors name the
+    /// source (file or variable), never a token.
+    pub fn new(
+        entries: impl IntoIterator<Item = (String, Identity, String)>,
+    ) -> Result<Credentials, String> {
+        let mut out: Vec<Credential> = Vec::new();
+        for (source, identity, token) in entries {
+            if token.len() < TOKEN_BYTES_MIN {
+                return Err(format!(
+                    "{source}: the token is shorter than {TOKEN_BYTES_MIN} bytes; use a long random one (e.g. `openssl rand -hex 32`)"
+                ));
+            }
+            if !token.bytes().all(|b| b.is_ascii_graphic()) {
+                return Err(format!(
+                    "{source}: the token has a space or a non-printable or non-ASCII character; it must fit an HTTP header"
+                ));
+            }
+            if identity.role == Role::Operator {
+                let n = &identity.name;
+                if n.is_empty()
+                    || n.len() > OPERATOR_NAME_MAX
+                    || !n
+                        .bytes()
+                        .all(|b| b.is_ascii_alphanumeric() || b"._@-".contains(&b))
+                {
+                    return Err(format!(
+                        "{source}: an operator name must be 1 to {OPERATOR_NAME_MAX} letters, digits or `._@-`"
+                    ));
+                }
+                if out
+                    .iter()
+                    .any(|c| c.identity.role == Role::Operator && c.identity.name == *n)
+                {
+                    return Err(format!("{source}: the operator `{n}` has two tokens"));
+                }
+            }
+            let d = digest(token.as_bytes());
+            if out.iter().any(|c| c.digest == d) {
+                return Err(format!(
+                    "{source}: this token is also given for another identity (the read token, or another operator); each must be different"
+                ));
+            }
+            out.push(Credential {
+                digest: d,
+                identity,
+            });
+        }
+        Ok(Credentials(out))
+    }
+
+    /// The identity whose token is `given`, or none. Constant time in the token's content
+    /// and length: both sides are hashed to 32 bytes and compared with `subtle`, and every
+    /// credential is compared (no early exit), so neither a matching prefix nor a matching
+    /// length answers sooner.
+    pub fn identify(&self, given: &[u8]) -> Option<&Identity> {
+        let d = digest(given);
+        let mut found = u32::MAX;
+        for (i, c) in self.0.iter().enumerate() {
+            found.conditional_assign(&(i as u32), d.ct_eq(&c.digest));
+        }
+        self.0.get(found as usize).map(|c| &c.identity)
+    }
+
+    /// Whether any operator token is configured (else releases are disabled).
+    pub fn has_operator(&self) -> bool {
+        self.0.iter().any(|c| c.identity.role == Role::Operator)
+    }
+
+    fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+/// A secret from an environment variable, if set (an empty value is an error).
+fn env_secret(name: &str) -> Result<Option<String>, String> {
+    match std::env::var(name) {
+        Ok(v) if v.is_empty() => Err(format!(
+            "{name} is set but empty; give the token, or unset it"
+        )),
+        Ok(v) => Ok(Some(v)),
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Err(std::env::VarError::NotUnicode(_)) => Err(format!("{name} is not UTF-8")),
+    }
+}
+
+fn file_secret(flag: &'static str, path: &std::path::Path) -> Result<String, String> {
+    sealpost::secret::read_secret_file(flag, path).map_err(|e| e.to_string())
+}
+
 impl ServeArgs {
-    /// The operator token: `--operator-token` (or `SEALPOST_OPERATOR_TOKEN`), else the
-    /// contents of `--operator-token-file` (or `SEALPOST_OPERATOR_TOKEN_FILE`), else none.
-    /// An unreadable or empty file is an error that names the file, never its contents.
-    pub fn token(&self) -> Result<Option<String>, String> {
+    /// The accepted tokens, from the environment and the files. Refuses a token on the
+    /// command line, the same token from two places, and a server with no token at all.
+    pub fn credentials(&self) -> Result<Credentials, String> {
         if self.operator_token.is_some() {
-            return Ok(self.operator_token.clone());
+            return Err("--operator-token is refused: a token on the command line is visible to every local user in `ps`; set SEALPOST_OPERATOR_TOKEN, or give --operator-token-file PATH, or per-operator tokens with --operator-tokens-file PATH (lines NAME:TOKEN)".into());
         }
-        match &self.operator_token_file {
-            None => Ok(None),
-            Some(path) => sealpost::secret::read_secret_file("--operator-token-file", path)
-                .map(Some)
-                .map_err(|e| e.to_string()),
+        if self.read_token.is_some() {
+            return Err("--read-token is refused: a token on the command line is visible to every local user in `ps`; set SEALPOST_READ_TOKEN or give --read-token-file PATH".into());
         }
+        let reader = || Identity {
+            role: Role::Reader,
+            name: "reader".into(),
+        };
+        let operator = |name: &str| Identity {
+            role: Role::Operator,
+            name: name.into(),
+        };
+        let mut entries = Vec::new();
+        match (env_secret("SEALPOST_READ_TOKEN")?, &self.read_token_file) {
+            (Some(_), Some(_)) => return Err("both SEALPOST_READ_TOKEN and --read-token-file (SEALPOST_READ_TOKEN_FILE) are set; keep one".into()),
+            (Some(t), None) => entries.push(("SEALPOST_READ_TOKEN".to_string(), reader(), t)),
+            (None, Some(p)) => entries.push((
+                format!("--read-token-file {}", p.display()),
+                reader(),
+                file_secret("--read-token-file", p)?,
+            )),
+            (None, None) => {}
+        }
+        match (env_secret("SEALPOST_OPERATOR_TOKEN")?, &self.operator_token_file) {
+            (Some(_), Some(_)) => return Err("both SEALPOST_OPERATOR_TOKEN and --operator-token-file (SEALPOST_OPERATOR_TOKEN_FILE) are set; keep one".into()),
+            (Some(t), None) => entries.push((
+                "SEALPOST_OPERATOR_TOKEN".to_string(),
+                operator(SINGLE_OPERATOR_NAME),
+                t,
+            )),
+            (None, Some(p)) => entries.push((
+                format!("--operator-token-file {}", p.display()),
+                operator(SINGLE_OPERATOR_NAME),
+                file_secret("--operator-token-file", p)?,
+            )),
+            (None, None) => {}
+        }
+        if let Some(p) = &self.operator_tokens_file {
+            let text = file_secret("--operator-tokens-file", p)?;
+            for (i, line) in text.lines().enumerate() {
+                let line = line.trim_end_matches('\r').trim();
+                if line.is_empty() || line.starts_with('#') {
+                    continue;
+                }
+                let source = format!("--operator-tokens-file {} line {}", p.display(), i + 1);
+                let Some((name, token)) = line.split_once(':') else {
+                    return Err(format!("{source}: expected NAME:TOKEN"));
+                };
+                entries.push((source, operator(name.trim()), token.trim().to_string()));
+            }
+        }
+        let creds = Credentials::new(entries)?;
+        if creds.is_empty() {
+            return Err("no token: every endpoint of the status page needs one; set SEALPOST_READ_TOKEN (or --read-token-file PATH) for readers, and SEALPOST_OPERATOR_TOKEN (or --operator-token-file PATH, or --operator-tokens-file PATH with NAME:TOKEN lines) for releases".into());
+        }
+        Ok(creds)
+    }
+
+    /// The `Host` values the page answers to: the bound address, `localhost:PORT` (and
+    /// `[::1]:PORT` on IPv6 loopback), and every `--allow-host`, lower-cased.
+    pub fn allowed_hosts(&self, bound: SocketAddr) -> Vec<String> {
+        let mut hosts = vec![bound.to_string(), format!("localhost:{}", bound.port())];
+        if bound.is_ipv6() && bound.ip().is_loopback() {
+            hosts.push(format!("[::1]:{}", bound.port()));
+        }
+        hosts.extend(
+            self.allow_hosts
+                .iter()
+                .map(|h| h.trim().to_ascii_lowercase())
+                .filter(|h| !h.is_empty()),
+        );
+        hosts
     }
 }
 
@@ -142,97 +397,234 @@ pub struct Sample {
     pub latency_ms_p99: Option<i64>,
 }
 
+/// A small bounded pool: at most `slots` connections lent at once, each set up with
+/// `setup` when opened; a broken one is dropped, an idle one kept for the next request.
+struct Pool {
+    source: Arc<dyn PgSource>,
+    setup: String,
+    slots: Semaphore,
+    idle: std::sync::Mutex<Vec<PgConn>>,
+    what: &'static str,
+}
+
+/// A connection lent by a [`Pool`], given back on drop (unless it broke).
+struct Lease<'a> {
+    conn: Option<PgConn>,
+    pool: &'a Pool,
+    _slot: SemaphorePermit<'a>,
+}
+
+impl Deref for Lease<'_> {
+    type Target = tokio_postgres::Client;
+    fn deref(&self) -> &tokio_postgres::Client {
+        self.conn.as_ref().expect("held until drop")
+    }
+}
+
+impl Lease<'_> {
+    fn client_mut(&mut self) -> &mut tokio_postgres::Client {
+        self.conn.as_mut().expect("held until drop")
+    }
+}
+
+impl Drop for Lease<'_> {
+    fn drop(&mut self) {
+        if let Some(c) = self.conn.take() {
+            if !c.is_closed() {
+                self.pool.idle.lock().expect("idle list").push(c);
+            }
+        }
+    }
+}
+
+impl Pool {
+    fn new(source: Arc<dyn PgSource>, size: usize, setup: String, what: &'static str) -> Pool {
+        Pool {
+            source,
+            setup,
+            slots: Semaphore::new(size),
+            idle: std::sync::Mutex::new(Vec::new()),
+            what,
+        }
+    }
+
+    /// A set-up connection, or 503 after [`POOL_WAIT`] (busy) or when none can be opened
+    /// (the cause logged, redacted by the source).
+    async fn get(&self) -> Result<Lease<'_>, ApiError> {
+        let slot = match tokio::time::timeout(POOL_WAIT, self.slots.acquire()).await {
+            Ok(Ok(s)) => s,
+            _ => {
+                tracing::warn!(
+                    pool = self.what,
+                    "no database connection free within {POOL_WAIT:?}: the page answers 503"
+                );
+                return Err(ApiError::BUSY);
+            }
+        };
+        loop {
+            let next = self.idle.lock().expect("idle list").pop();
+            match next {
+                Some(c) if !c.is_closed() => {
+                    return Ok(Lease {
+                        conn: Some(c),
+                        pool: self,
+                        _slot: slot,
+                    })
+                }
+                Some(_) => continue,
+                None => break,
+            }
+        }
+        let c = self.source.connect().await.map_err(|e| {
+            tracing::warn!(pool = self.what, error = %e, "the status page cannot connect to PostgreSQL");
+            ApiError::UNAVAILABLE
+        })?;
+        c.batch_execute(&self.setup).await.map_err(|e| {
+            tracing::warn!(pool = self.what, error = %StoreError::from(e), "cannot set up a status page session");
+            ApiError::UNAVAILABLE
+        })?;
+        Ok(Lease {
+            conn: Some(c),
+            pool: self,
+            _slot: slot,
+        })
+    }
+}
+
 /// What the handlers share.
 struct App {
-    database_url: String,
-    operator_token: Option<String>,
+    credentials: Credentials,
+    allowed_hosts: Vec<String>,
     sample_ms: u64,
     history_max: usize,
-    /// The handlers' connection, opened again when it closed.
-    pg: Mutex<Option<tokio_postgres::Client>>,
+    statement_timeout_ms: u64,
+    /// The handlers' reads: read-only sessions with `statement_timeout`.
+    reads: Pool,
+    /// Releases, one at a time, on a session of their own.
+    writes: Pool,
+    /// The sampler's connection source.
+    source: Arc<dyn PgSource>,
     history: Mutex<History>,
 }
 
 #[derive(Default)]
 struct History {
     samples: VecDeque<Sample>,
-    /// The sampler's last failure, shown on the page until a sample succeeds.
+    /// Whether the sampler's last read failed (the cause is in the log).
     last_error: Option<String>,
     /// How long the last sample took (ms).
     last_took_ms: u64,
 }
 
-/// An error answered as `{"error": "..."}` with its status code.
-struct ApiError(StatusCode, String);
+/// An error answered as `{"error": "..."}` with its status code: a fixed, generic text
+/// (the cause, if any, was logged where it happened).
+#[derive(Debug)]
+struct ApiError(StatusCode, &'static str);
+
+impl ApiError {
+    const BUSY: ApiError = ApiError(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "the server is busy; try again shortly",
+    );
+    const UNAVAILABLE: ApiError = ApiError(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "the database cannot be read now; the cause is in the server's log",
+    );
+    const SLOW: ApiError = ApiError(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "the database took too long to answer; try again later",
+    );
+    const NO_TOKEN: ApiError = ApiError(
+        StatusCode::UNAUTHORIZED,
+        "a token is required (Authorization: Bearer TOKEN)",
+    );
+    const BAD_TOKEN: ApiError = ApiError(StatusCode::UNAUTHORIZED, "the token is not valid");
+    const NOT_OPERATOR: ApiError = ApiError(
+        StatusCode::FORBIDDEN,
+        "this token may read but not release; sign in with an operator token; nothing was changed",
+    );
+    const RELEASES_DISABLED: ApiError = ApiError(
+        StatusCode::FORBIDDEN,
+        "releases are disabled: this server has no operator token; nothing was changed",
+    );
+    const HOST: ApiError = ApiError(
+        StatusCode::MISDIRECTED_REQUEST,
+        "this server does not answer to that Host",
+    );
+    const NOT_FOUND: ApiError = ApiError(StatusCode::NOT_FOUND, "no such page");
+}
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let mut r = (self.0, Json(json!({ "error": self.1 }))).into_response();
         if self.0 == StatusCode::UNAUTHORIZED {
-            r.headers_mut().insert(
-                header::WWW_AUTHENTICATE,
-                header::HeaderValue::from_static("Bearer"),
-            );
+            r.headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
         }
         r
     }
 }
 
-impl From<StoreError> for ApiError {
-    fn from(e: StoreError) -> Self {
-        let code = match &e {
-            StoreError::UnknownEvent(_) => StatusCode::NOT_FOUND,
-            StoreError::NotQuarantined { .. } => StatusCode::CONFLICT,
-            StoreError::NotMigrated => StatusCode::SERVICE_UNAVAILABLE,
-            _ => StatusCode::INTERNAL_SERVER_ERROR,
-        };
-        ApiError(code, e.to_string())
+/// A store failure as a generic answer; the cause goes to the log (its text is redacted by
+/// the store: no password).
+fn store_error(what: &'static str, e: StoreError) -> ApiError {
+    let answer = match &e {
+        StoreError::UnknownEvent(_) => ApiError(StatusCode::NOT_FOUND, "no such event"),
+        StoreError::NotQuarantined { .. } => ApiError(
+            StatusCode::CONFLICT,
+            "that event is not quarantined; nothing was changed",
+        ),
+        StoreError::NotMigrated => ApiError(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the database is not migrated; run `sealpost migrate`",
+        ),
+        StoreError::Db(db)
+            if db.code() == Some(&tokio_postgres::error::SqlState::QUERY_CANCELED) =>
+        {
+            ApiError::SLOW
+        }
+        _ => ApiError::UNAVAILABLE,
+    };
+    if answer.0.is_server_error() {
+        tracing::warn!(what, error = %e, "a status page request failed");
     }
-}
-
-impl From<runtime::RunError> for ApiError {
-    fn from(e: runtime::RunError) -> Self {
-        ApiError(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
-    }
+    answer
 }
 
 impl App {
-    /// The handlers' connection (one request at a time uses it), reconnecting if it closed.
-    async fn client(
+    /// Runs a handler's database work with a deadline (the statement timeout, twice): a
+    /// request that runs many statements cannot hold a connection for long either.
+    async fn deadline<T>(
         &self,
-    ) -> Result<tokio::sync::MutexGuard<'_, Option<tokio_postgres::Client>>, ApiError> {
-        let mut g = self.pg.lock().await;
-        if g.as_ref().is_none_or(|c| c.is_closed()) {
-            *g = Some(runtime::pg_connect(&self.database_url).await?);
-        }
-        Ok(g)
+        fut: impl std::future::Future<Output = Result<T, ApiError>>,
+    ) -> Result<T, ApiError> {
+        let limit = Duration::from_millis(self.statement_timeout_ms * 2);
+        tokio::time::timeout(limit, fut).await.unwrap_or_else(|_| {
+            tracing::warn!("a status page request passed its deadline of {limit:?}");
+            Err(ApiError::SLOW)
+        })
     }
 }
 
-/// Runs the status page until Ctrl-C. Fails early, with the cause, when the database is
-/// unreachable or not migrated, or the address cannot be bound.
+/// Runs the status page until Ctrl-C. Fails early, with the cause, when a token is missing
+/// or malformed, the database is unreachable or not migrated, or the address cannot be
+/// bound.
 pub async fn serve(cfg: &Config, args: ServeArgs) -> Result<(), String> {
-    let operator_token = args.token()?;
-    if operator_token.as_deref() == Some("") {
-        return Err(
-            "the operator token is empty; give a secret with --operator-token, SEALPOST_OPERATOR_TOKEN or --operator-token-file, or leave them unset to disable releases"
-                .into(),
-        );
+    let credentials = args.credentials()?;
+    let source: Arc<dyn PgSource> = Arc::new(PgConnector::from_config(cfg));
+    let timeout = format!("SET statement_timeout = {}", args.statement_timeout_ms);
+    let reads = Pool::new(
+        source.clone(),
+        args.db_connections as usize,
+        format!("{timeout}; SET default_transaction_read_only = on"),
+        "reads",
+    );
+    let writes = Pool::new(source.clone(), 1, timeout, "releases");
+    // Fail early, with the cause (redacted): unreachable, refused, not migrated.
+    {
+        let pg = source.connect().await.map_err(|e| e.to_string())?;
+        store::status(&*pg).await.map_err(|e| e.to_string())?;
     }
-    let pg = runtime::pg_connect(&cfg.database_url)
-        .await
-        .map_err(|e| e.to_string())?;
-    store::status(&pg).await.map_err(|e| e.to_string())?;
-    let history_max =
-        ((args.history_s * 1000 / args.sample_ms) as usize).clamp(2, HISTORY_SAMPLES_MAX);
-    let app = Arc::new(App {
-        database_url: cfg.database_url.clone(),
-        operator_token,
-        sample_ms: args.sample_ms,
-        history_max,
-        pg: Mutex::new(Some(pg)),
-        history: Mutex::new(History::default()),
-    });
     let listener = tokio::net::TcpListener::bind(args.http)
         .await
         .map_err(|e| {
@@ -241,25 +633,35 @@ pub async fn serve(cfg: &Config, args: ServeArgs) -> Result<(), String> {
                 args.http
             )
         })?;
-    if !args.http.ip().is_loopback() {
+    let addr = listener.local_addr().map_err(|e| e.to_string())?;
+    let history_max =
+        ((args.history_s * 1000 / args.sample_ms) as usize).clamp(2, HISTORY_SAMPLES_MAX);
+    let app = Arc::new(App {
+        allowed_hosts: args.allowed_hosts(addr),
+        credentials,
+        sample_ms: args.sample_ms,
+        history_max,
+        statement_timeout_ms: args.statement_timeout_ms,
+        reads,
+        writes,
+        source,
+        history: Mutex::new(History::default()),
+    });
+    if !addr.ip().is_loopback() {
         tracing::warn!(
-            addr = %args.http,
-            "the status page is plain HTTP: the operator token crosses the network in clear text; put it behind a TLS proxy"
+            addr = %addr,
+            "the status page is plain HTTP: tokens cross the network in clear text; put it behind a TLS proxy"
         );
     }
-    if app.operator_token.is_none() {
-        tracing::warn!("no operator token: releases are disabled (--operator-token or SEALPOST_OPERATOR_TOKEN)");
+    if addr.ip().is_unspecified() && args.allow_hosts.is_empty() {
+        tracing::warn!(addr = %addr, "bound to every interface but no --allow-host given: only requests with Host {addr} or localhost:{} are answered", addr.port());
     }
+    if !app.credentials.has_operator() {
+        tracing::warn!("no operator token: releases are disabled (SEALPOST_OPERATOR_TOKEN, --operator-token-file or --operator-tokens-file)");
+    }
+    tracing::info!(tokens = ?app.credentials, hosts = ?app.allowed_hosts, "status page guards");
     let sampler = tokio::spawn(sample_loop(app.clone()));
-    let router = Router::new()
-        .route("/", get(index))
-        .route("/api/status", get(api_status))
-        .route("/api/history", get(api_history))
-        .route("/api/findings", get(api_findings))
-        .route("/api/trace", get(api_trace))
-        .route("/api/release", post(api_release))
-        .with_state(app);
-    let addr = listener.local_addr().map_err(|e| e.to_string())?;
+    let router = router(app);
     println!("status page on http://{addr}/ (Ctrl-C stops it)");
     let served = axum::serve(listener, router)
         .with_graceful_shutdown(async {
@@ -270,15 +672,138 @@ pub async fn serve(cfg: &Config, args: ServeArgs) -> Result<(), String> {
     served.map_err(|e| format!("the HTTP server stopped: {e}"))
 }
 
+/// The routes and their guards. Layers run outside in: the security headers (on every
+/// answer, refusals included), the Host check, then, for `/api/*`, the token, before any
+/// handler reads a body.
+fn router(app: Arc<App>) -> Router {
+    let api = Router::new()
+        .route("/api/session", get(api_session))
+        .route("/api/status", get(api_status))
+        .route("/api/history", get(api_history))
+        .route("/api/findings", get(api_findings))
+        .route("/api/trace", get(api_trace))
+        .route("/api/release", post(api_release))
+        .route_layer(middleware::from_fn_with_state(app.clone(), require_token));
+    Router::new()
+        .route("/", get(index))
+        .route("/app.js", get(app_js))
+        .route("/app.css", get(app_css))
+        .merge(api)
+        .fallback(|| async { ApiError::NOT_FOUND })
+        .layer(DefaultBodyLimit::max(BODY_BYTES_MAX))
+        .layer(middleware::from_fn_with_state(app.clone(), check_host))
+        .layer(middleware::from_fn(security_headers))
+        .with_state(app)
+}
+
+/// Adds the security headers to every response.
+async fn security_headers(req: Request, next: Next) -> Response {
+    let mut r = next.run(req).await;
+    let h = r.headers_mut();
+    for (k, v) in [
+        (header::CONTENT_SECURITY_POLICY, CSP),
+        (header::X_FRAME_OPTIONS, "DENY"),
+        (header::X_CONTENT_TYPE_OPTIONS, "nosniff"),
+        (header::CACHE_CONTROL, "no-store"),
+        (header::REFERRER_POLICY, "no-referrer"),
+        (
+            header::HeaderName::from_static("cross-origin-opener-policy"),
+            "same-origin",
+        ),
+        (
+            header::HeaderName::from_static("cross-origin-resource-policy"),
+            "same-origin",
+        ),
+    ] {
+        h.insert(k, HeaderValue::from_static(v));
+    }
+    r
+}
+
+/// Refuses (421) a request whose `Host` (or HTTP/2 authority) is not allowed: what a
+/// DNS-rebinding page sends is its own name.
+async fn check_host(Shared(app): Shared<Arc<App>>, req: Request, next: Next) -> Response {
+    let host = req
+        .headers()
+        .get(header::HOST)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string)
+        .or_else(|| req.uri().authority().map(|a| a.to_string()));
+    let allowed = host
+        .as_deref()
+        .map(|h| h.trim().to_ascii_lowercase())
+        .is_some_and(|h| app.allowed_hosts.contains(&h));
+    if !allowed {
+        let shown: String = host
+            .unwrap_or_default()
+            .chars()
+            .take(100)
+            .collect::<String>();
+        tracing::warn!(host = ?shown, "refused a request for a Host not allowed (--allow-host adds one)");
+        return ApiError::HOST.into_response();
+    }
+    next.run(req).await
+}
+
+/// Refuses (401) an `/api/*` request without a valid token, before its body is read; the
+/// handler gets the [`Identity`] the token matched.
+async fn require_token(Shared(app): Shared<Arc<App>>, mut req: Request, next: Next) -> Response {
+    let given = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim)
+        .filter(|t| !t.is_empty());
+    let Some(given) = given else {
+        return ApiError::NO_TOKEN.into_response();
+    };
+    let Some(who) = app.credentials.identify(given.as_bytes()).cloned() else {
+        tracing::warn!(path = %req.uri().path(), "refused a status page request with a wrong token");
+        return ApiError::BAD_TOKEN.into_response();
+    };
+    req.extensions_mut().insert(who);
+    next.run(req).await
+}
+
 async fn index() -> Html<&'static str> {
     Html(INDEX_HTML)
 }
 
+async fn app_js() -> impl IntoResponse {
+    (
+        [(header::CONTENT_TYPE, "text/javascript; charset=utf-8")],
+        APP_JS,
+    )
+}
+
+async fn app_css() -> impl IntoResponse {
+    ([(header::CONTENT_TYPE, "text/css; charset=utf-8")], APP_CSS)
+}
+
+/// `/api/session`: who the token says the caller is, and whether it may release.
+async fn api_session(
+    Shared(app): Shared<Arc<App>>,
+    Extension(who): Extension<Identity>,
+) -> Json<Value> {
+    Json(json!({
+        "name": who.name,
+        "role": match who.role { Role::Reader => "reader", Role::Operator => "operator" },
+        "may_release": who.role == Role::Operator,
+        "releases_enabled": app.credentials.has_operator(),
+    }))
+}
+
 /// `/api/status`: exactly what `sealpost status --json` prints.
 async fn api_status(Shared(app): Shared<Arc<App>>) -> Result<Json<store::Status>, ApiError> {
-    let g = app.client().await?;
-    let pg = g.as_ref().expect("connected by client()");
-    Ok(Json(store::status(pg).await?))
+    app.deadline(async {
+        let pg = app.reads.get().await?;
+        store::status(&*pg)
+            .await
+            .map(Json)
+            .map_err(|e| store_error("status", e))
+    })
+    .await
 }
 
 /// `/api/history`: the sampler's ring buffer, oldest first.
@@ -295,31 +820,33 @@ async fn api_history(Shared(app): Shared<Arc<App>>) -> Json<Value> {
 
 /// `/api/findings`: the newest findings of the background passes (`sealpost.finding`).
 async fn api_findings(Shared(app): Shared<Arc<App>>) -> Result<Json<Value>, ApiError> {
-    let g = app.client().await?;
-    let pg = g.as_ref().expect("connected by client()");
-    let db = |e: tokio_postgres::Error| ApiError::from(StoreError::from(e));
-    let total: i64 = pg
-        .query_one("SELECT count(*) FROM sealpost.finding", &[])
-        .await
-        .map_err(db)?
-        .get(0);
-    let rows = pg
-        .query(
-            "SELECT event_id::text, member, kind, detail, at_ms FROM sealpost.finding
-             ORDER BY finding_id DESC LIMIT $1",
-            &[&FINDINGS_MAX],
-        )
-        .await
-        .map_err(db)?;
-    let findings: Vec<Value> = rows
-        .iter()
-        .map(|r| {
-            json!({"event_id": r.get::<_, String>(0), "member": r.get::<_, i16>(1),
-                   "kind": r.get::<_, String>(2), "detail": r.get::<_, String>(3),
-                   "at_ms": r.get::<_, i64>(4)})
-        })
-        .collect();
-    Ok(Json(json!({ "total": total, "findings": findings })))
+    app.deadline(async {
+        let pg = app.reads.get().await?;
+        let db = |e: tokio_postgres::Error| store_error("findings", StoreError::from(e));
+        let total: i64 = pg
+            .query_one("SELECT count(*) FROM sealpost.finding", &[])
+            .await
+            .map_err(db)?
+            .get(0);
+        let rows = pg
+            .query(
+                "SELECT event_id::text, member, kind, detail, at_ms FROM sealpost.finding
+                 ORDER BY finding_id DESC LIMIT $1",
+                &[&FINDINGS_MAX],
+            )
+            .await
+            .map_err(db)?;
+        let findings: Vec<Value> = rows
+            .iter()
+            .map(|r| {
+                json!({"event_id": r.get::<_, String>(0), "member": r.get::<_, i16>(1),
+                       "kind": r.get::<_, String>(2), "detail": r.get::<_, String>(3),
+                       "at_ms": r.get::<_, i64>(4)})
+            })
+            .collect();
+        Ok(Json(json!({ "total": total, "findings": findings })))
+    })
+    .await
 }
 
 #[derive(Deserialize)]
@@ -327,108 +854,91 @@ struct TraceQuery {
     key: Option<String>,
 }
 
-/// `/api/trace?key=EVENT-ID` or `?key=TYPE/ID`: what `sealpost trace --json` prints.
+/// `/api/trace?key=EVENT-ID` or `?key=TYPE/ID`: what `sealpost trace --json` prints, at most
+/// [`TRACE_EVENTS_MAX`] events (`"truncated": true` when there were more).
 async fn api_trace(
     Shared(app): Shared<Arc<App>>,
-    Query(q): Query<TraceQuery>,
+    q: Result<Query<TraceQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Json<Value>, ApiError> {
-    let key = q.key.unwrap_or_default();
+    let key = q.ok().and_then(|Query(q)| q.key).unwrap_or_default();
     let key = key.trim();
-    if key.is_empty() {
+    if key.is_empty() || key.len() > 1_000 {
         return Err(ApiError(
             StatusCode::BAD_REQUEST,
-            "give ?key=EVENT-ID or ?key=AGGREGATE-TYPE/AGGREGATE-ID".into(),
+            "give ?key=EVENT-ID or ?key=AGGREGATE-TYPE/AGGREGATE-ID",
         ));
     }
-    let g = app.client().await?;
-    let pg = g.as_ref().expect("connected by client()");
-    Ok(Json(ops::trace(pg, key).await?))
+    app.deadline(async {
+        let pg = app.reads.get().await?;
+        ops::trace_bounded(&pg, key, Some(TRACE_EVENTS_MAX))
+            .await
+            .map(Json)
+            .map_err(|e| store_error("trace", e))
+    })
+    .await
 }
 
+/// The body of `POST /api/release`. An `operator` field, if a client still sends one, is
+/// ignored: the operator is whoever's token matched.
 #[derive(Deserialize)]
 struct ReleaseRequest {
     event_id: String,
     reason: String,
-    operator: Option<String>,
 }
 
-/// Compares without stopping at the first differing byte.
-fn same_token(given: &str, expected: &str) -> bool {
-    given.len() == expected.len()
-        && given
-            .bytes()
-            .zip(expected.bytes())
-            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
-            == 0
-}
-
-/// `POST /api/release` with `Authorization: Bearer TOKEN` and
-/// `{"event_id", "reason", "operator"}`: `sealpost release`, audited. Checks the token before
-/// it reads anything: 403 when releases are disabled or the token is wrong, 401 when none
-/// was given.
+/// `POST /api/release` with an operator's `Authorization: Bearer TOKEN` and
+/// `{"event_id", "reason"}`: `sealpost release`, audited under the operator's name. The
+/// token was checked before the body is read ([`require_token`]); a read token gets 403.
 async fn api_release(
     Shared(app): Shared<Arc<App>>,
-    headers: HeaderMap,
-    Json(req): Json<ReleaseRequest>,
+    Extension(who): Extension<Identity>,
+    body: Result<Bytes, axum::extract::rejection::BytesRejection>,
 ) -> Result<Json<Value>, ApiError> {
-    let Some(expected) = app.operator_token.as_deref() else {
-        return Err(ApiError(
-            StatusCode::FORBIDDEN,
-            "releases are disabled: this server was started without an operator token; restart `sealpost serve` with --operator-token (or SEALPOST_OPERATOR_TOKEN), or run `sealpost release`".into(),
-        ));
-    };
-    let given = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .map(str::trim)
-        .filter(|t| !t.is_empty());
-    match given {
-        None => {
-            return Err(ApiError(
-                StatusCode::UNAUTHORIZED,
-                "an operator token is required to release (Authorization: Bearer TOKEN); nothing was changed".into(),
-            ))
-        }
-        Some(t) if !same_token(t, expected) => {
-            return Err(ApiError(
-                StatusCode::FORBIDDEN,
-                "the operator token is wrong; nothing was changed".into(),
-            ))
-        }
-        Some(_) => {}
+    if who.role != Role::Operator {
+        return Err(if app.credentials.has_operator() {
+            ApiError::NOT_OPERATOR
+        } else {
+            ApiError::RELEASES_DISABLED
+        });
     }
-    let id = EventId::parse(req.event_id.trim()).ok_or_else(|| {
+    let body = body.map_err(|_| {
         ApiError(
-            StatusCode::BAD_REQUEST,
-            format!(
-                "`{}` is not an event id (a UUID such as 018f2c1e-...)",
-                req.event_id
-            ),
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "the request body is too large or unreadable",
         )
     })?;
+    let req: ReleaseRequest = serde_json::from_slice(&body).map_err(|_| {
+        ApiError(
+            StatusCode::BAD_REQUEST,
+            "expected a JSON body {\"event_id\": \"...\", \"reason\": \"...\"}",
+        )
+    })?;
+    let id = EventId::parse(req.event_id.trim()).ok_or(ApiError(
+        StatusCode::BAD_REQUEST,
+        "that is not an event id (a UUID such as 018f2c1e-...)",
+    ))?;
     let reason = req.reason.trim();
-    let operator = req.operator.as_deref().map(str::trim).unwrap_or("");
-    let operator = if operator.is_empty() {
-        "web operator"
-    } else {
-        operator
-    };
     if reason.is_empty() {
         return Err(ApiError(
             StatusCode::BAD_REQUEST,
-            "give a reason (what was fixed); it is kept in the audit row".into(),
+            "give a reason (what was fixed); it is kept in the audit row",
         ));
     }
-    if reason.len() > AUDIT_TEXT_MAX || operator.len() > AUDIT_TEXT_MAX {
+    if reason.len() > AUDIT_TEXT_MAX {
         return Err(ApiError(
             StatusCode::BAD_REQUEST,
-            format!("the operator name and the reason are limited to {AUDIT_TEXT_MAX} bytes each"),
+            "the reason is limited to 500 bytes",
         ));
     }
-    let mut g = app.client().await?;
-    let pg = g.as_mut().expect("connected by client()");
-    let released = store::release_quarantine(pg, id, operator, reason).await?;
+    let operator = who.name.as_str();
+    let released = app
+        .deadline(async {
+            let mut pg = app.writes.get().await?;
+            store::release_quarantine(pg.client_mut(), id, operator, reason)
+                .await
+                .map_err(|e| store_error("release", e))
+        })
+        .await?;
     tracing::warn!(event_id = %id, operator, reason, released, "quarantine released from the status page");
     Ok(Json(json!({
         "event_id": id.to_string(),
@@ -438,32 +948,57 @@ async fn api_release(
 }
 
 /// Samples the status every `sample_ms` (or [`SAMPLE_DUTY_FACTOR`] times the last read's
-/// duration, if longer) into the ring buffer, on a connection of its own.
+/// duration, if longer) into the ring buffer, on a read-only session of its own with the
+/// same `statement_timeout`. A failure is logged with its cause (when it changes) and shown
+/// on the page generically.
 async fn sample_loop(app: Arc<App>) {
-    let mut pg: Option<tokio_postgres::Client> = None;
+    let mut pg: Option<PgConn> = None;
     let mut window_end_ms: Option<i64> = None;
+    let mut logged: Option<String> = None;
     let period = Duration::from_millis(app.sample_ms);
+    let setup = format!(
+        "SET statement_timeout = {}; SET default_transaction_read_only = on",
+        app.statement_timeout_ms
+    );
     loop {
         let began = std::time::Instant::now();
+        let mut failure: Option<String> = None;
         if pg.as_ref().is_none_or(|c| c.is_closed()) {
-            match runtime::pg_connect(&app.database_url).await {
-                Ok(c) => pg = Some(c),
+            pg = None;
+            match app.source.connect().await {
+                Ok(c) => match c.batch_execute(&setup).await {
+                    Ok(()) => pg = Some(c),
+                    Err(e) => failure = Some(StoreError::from(e).to_string()),
+                },
+                Err(e) => failure = Some(e.to_string()),
+            }
+        }
+        let mut sample = None;
+        if let Some(client) = pg.as_ref() {
+            match take_sample(client, window_end_ms, app.sample_ms as i64).await {
+                Ok(s) => sample = Some(s),
                 Err(e) => {
-                    // The cause (redacted, `RunError::Connect`), not the "connection closed"
-                    // the old client would answer.
-                    pg = None;
-                    let mut h = app.history.lock().await;
-                    h.last_error = Some(e.to_string());
-                    h.last_took_ms = began.elapsed().as_millis() as u64;
+                    failure = Some(e.to_string());
+                    if client.is_closed() {
+                        pg = None;
+                    }
                 }
             }
         }
-        if let Some(client) = pg.as_ref() {
-            let sample = take_sample(client, window_end_ms, app.sample_ms as i64).await;
+        if failure != logged {
+            match &failure {
+                Some(cause) => {
+                    tracing::warn!(error = %cause, "the status page's sampler cannot read the status")
+                }
+                None => tracing::info!("the status page's sampler reads the status again"),
+            }
+            logged = failure.clone();
+        }
+        {
             let mut h = app.history.lock().await;
             h.last_took_ms = began.elapsed().as_millis() as u64;
             match sample {
-                Ok((s, end)) => {
+                Some((s, end)) => {
                     window_end_ms = Some(end);
                     h.last_error = None;
                     h.samples.push_back(s);
@@ -471,13 +1006,10 @@ async fn sample_loop(app: Arc<App>) {
                         h.samples.pop_front();
                     }
                 }
-                Err(e) => {
-                    h.last_error = Some(e.to_string());
-                    // A dead connection is dropped now, so the next round connects anew and
-                    // reports why it cannot.
-                    if client.is_closed() {
-                        pg = None;
-                    }
+                None => {
+                    h.last_error = Some(
+                        "the status cannot be read now; the cause is in the server's log".into(),
+                    )
                 }
             }
         }
@@ -529,13 +1061,78 @@ async fn take_sample(
 
 #[cfg(test)]
 mod tests {
-    use super::same_token;
+    use super::*;
+
+    fn op(name: &str) -> Identity {
+        Identity {
+            role: Role::Operator,
+            name: name.into(),
+        }
+    }
+
+    fn reader() -> Identity {
+        Identity {
+            role: Role::Reader,
+            name: "reader".into(),
+        }
+    }
 
     #[test]
-    fn tokens_compare_whole() {
-        assert!(same_token("s3cret", "s3cret"));
-        assert!(!same_token("s3cre", "s3cret"));
-        assert!(!same_token("s3creT", "s3cret"));
-        assert!(!same_token("", "s3cret"));
+    fn tokens_compare_whole_and_name_their_identity() {
+        let c = Credentials::new([
+            (
+                "r".to_string(),
+                reader(),
+                "read-token-0123456789".to_string(),
+            ),
+            (
+                "a".to_string(),
+                op("alice"),
+                "alice-token-0123456789".to_string(),
+            ),
+            (
+                "b".to_string(),
+                op("bob"),
+                "bob-token-0123456789ab".to_string(),
+            ),
+        ])
+        .unwrap();
+        assert_eq!(c.identify(b"alice-token-0123456789").unwrap().name, "alice");
+        assert_eq!(c.identify(b"bob-token-0123456789ab").unwrap().name, "bob");
+        assert_eq!(
+            c.identify(b"read-token-0123456789").unwrap().role,
+            Role::Reader
+        );
+        for wrong in [
+            &b"alice-token-012345678"[..],
+            b"alice-token-01234567890",
+            b"alice-token-0123456788",
+            b"",
+        ] {
+            assert!(c.identify(wrong).is_none(), "{wrong:?}");
+        }
+    }
+
+    #[test]
+    fn weak_or_shared_tokens_and_bad_names_are_refused() {
+        let short = Credentials::new([("r".into(), reader(), "short".into())]).unwrap_err();
+        assert!(short.contains("shorter than 16"), "{short}");
+        assert!(!short.contains("short\""), "{short}");
+        let same = Credentials::new([
+            ("r".into(), reader(), "same-token-0123456789".into()),
+            ("a".into(), op("alice"), "same-token-0123456789".into()),
+        ])
+        .unwrap_err();
+        assert!(same.contains("each must be different"), "{same}");
+        assert!(!same.contains("same-token"), "{same}");
+        let twice = Credentials::new([
+            ("a".into(), op("alice"), "alice-token-0123456789".into()),
+            ("b".into(), op("alice"), "alice-token-9876543210".into()),
+        ])
+        .unwrap_err();
+        assert!(twice.contains("two tokens"), "{twice}");
+        let bad = Credentials::new([("a".into(), op("a b"), "alice-token-0123456789".into())])
+            .unwrap_err();
+        assert!(bad.contains("operator name"), "{bad}");
     }
 }

@@ -1,8 +1,12 @@
-//! The status page (`sealpost serve`, issue 10) driven in a real headless Chromium through
-//! chromedriver: the figures it shows equal `sealpost status --json` for the same database,
-//! the chart has its latency and backlog lines, findings are listed, a trace search shows
-//! the causal chain of a known event, and a release is refused without the operator token
-//! (and with a wrong one, and on a server that has none), and succeeds with it, audited.
+//! The status page (`sealpost serve`, issues 10 and 23) driven in a real headless Chromium
+//! through chromedriver: a read without a token is refused and the page asks for one; the
+//! security headers are on every answer (refusals included); a wrong `Host` is refused; with
+//! the read token the figures it shows equal `sealpost status --json` for the same database,
+//! the chart has its latency and backlog lines, findings are listed, a trace search shows the
+//! causal chain of a known event; a release with the read token is refused, and with an
+//! operator's token (from `--operator-tokens-file`) it succeeds, audited under that
+//! operator's name whatever name the body claims; a server with no operator token releases
+//! nothing; a token on the command line is refused.
 //!
 //! The test has its own database (`sealpost_web_<tag>`) and NATS stream (`WEB<tag>`), both
 //! removed at the end, pass or fail; it starts `sealpost serve` and chromedriver on free
@@ -29,7 +33,20 @@ use sealpost_nats::async_nats::jetstream;
 use sealpost_nats::Nats;
 use serde_json::Value;
 
-const TOKEN: &str = "web-test-operator-token";
+/// The read token (given in `SEALPOST_READ_TOKEN`).
+const READ_TOKEN: &str = "web-test-read-token-7Qm2";
+/// Alice's operator token (a line of `--operator-tokens-file`).
+const ALICE_TOKEN: &str = "web-test-alice-token-Xc41";
+/// The security headers every answer carries.
+const SECURITY_HEADERS: [(&str, &str); 4] = [
+    (
+        "content-security-policy",
+        "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    ),
+    ("x-content-type-options", "nosniff"),
+    ("cache-control", "no-store"),
+    ("x-frame-options", "DENY"),
+];
 
 /// A child process (chromedriver, `sealpost serve`) killed when the test ends, pass or fail.
 struct Killed(Child);
@@ -113,9 +130,23 @@ async fn browser() -> (Client, Killed) {
     (client, driver)
 }
 
-/// Starts `sealpost serve` against `cfg`'s database on a free port.
-async fn serve(cfg: &Config, token: Option<&str>) -> (String, Killed) {
-    let port = free_port();
+/// A file removed when the test ends.
+struct Removed(PathBuf);
+
+impl Drop for Removed {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// `sealpost serve` against `cfg`'s database on `port`, with the read token in the
+/// environment and, if given, `--operator-tokens-file`, plus `extra` flags.
+fn serve_command(
+    cfg: &Config,
+    port: u16,
+    operators: Option<&std::path::Path>,
+    extra: &[&str],
+) -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_sealpost"));
     cmd.args([
         "serve",
@@ -124,15 +155,124 @@ async fn serve(cfg: &Config, token: Option<&str>) -> (String, Killed) {
         "--sample-ms",
         "250",
     ])
+    .args(extra)
     .env("DATABASE_URL", &cfg.database_url)
-    .env_remove("SEALPOST_OPERATOR_TOKEN")
-    .stdout(Stdio::null());
-    if let Some(t) = token {
-        cmd.env("SEALPOST_OPERATOR_TOKEN", t);
+    .env("SEALPOST_READ_TOKEN", READ_TOKEN);
+    for v in [
+        "SEALPOST_OPERATOR_TOKEN",
+        "SEALPOST_OPERATOR_TOKEN_FILE",
+        "SEALPOST_OPERATOR_TOKENS_FILE",
+        "SEALPOST_READ_TOKEN_FILE",
+        "SEALPOST_ALLOW_HOSTS",
+    ] {
+        cmd.env_remove(v);
     }
-    let mut child = cmd.spawn().expect("start sealpost serve");
+    if let Some(f) = operators {
+        cmd.arg("--operator-tokens-file").arg(f);
+    }
+    cmd
+}
+
+/// Starts `sealpost serve` on a free port; returns its port and process.
+async fn serve(cfg: &Config, operators: Option<&std::path::Path>) -> (u16, Killed) {
+    let port = free_port();
+    let mut child = serve_command(cfg, port, operators, &[])
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("start sealpost serve");
     wait_listening("sealpost serve", port, &mut child).await;
-    (format!("http://127.0.0.1:{port}/"), Killed(child))
+    (port, Killed(child))
+}
+
+/// One HTTP/1.1 exchange on a connection of its own: (status, lower-cased headers, body).
+async fn http(
+    port: u16,
+    method: &str,
+    path: &str,
+    host: &str,
+    token: Option<&str>,
+    body: &str,
+) -> (u16, Vec<(String, String)>, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("connect to sealpost serve");
+    let mut req = format!("{method} {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n");
+    if let Some(t) = token {
+        req.push_str(&format!("Authorization: Bearer {t}\r\n"));
+    }
+    req.push_str(&format!(
+        "Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    ));
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut out = Vec::new();
+    tokio::time::timeout(Duration::from_secs(30), s.read_to_end(&mut out))
+        .await
+        .expect("an answer within 30 s")
+        .unwrap();
+    let text = String::from_utf8_lossy(&out).into_owned();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let mut lines = head.lines();
+    let status = lines
+        .next()
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|c| c.parse().ok())
+        .unwrap_or_else(|| panic!("not an HTTP answer: {text:?}"));
+    let headers = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
+        .collect();
+    (status, headers, body.to_string())
+}
+
+#[track_caller]
+fn assert_security_headers(what: &str, headers: &[(String, String)]) {
+    for (name, value) in SECURITY_HEADERS {
+        let got: Vec<&str> = headers
+            .iter()
+            .filter(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+            .collect();
+        assert_eq!(got, vec![value], "{what}: header {name}");
+    }
+}
+
+/// Signs the page in with `token` (the page asks for it once per tab).
+async fn sign_in(c: &Client, token: &str) {
+    wait_displayed(c, "#login", true).await;
+    set_input(c, "#access-token", token).await;
+    c.find(Locator::Css("#login-go"))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+}
+
+/// Waits until `css` is shown (`true`) or hidden.
+async fn wait_displayed(c: &Client, css: &str, shown: bool) {
+    let start = Instant::now();
+    loop {
+        if let Ok(e) = c.find(Locator::Css(css)).await {
+            if e.is_displayed().await.unwrap_or(!shown) == shown {
+                return;
+            }
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "`{css}` is still {} after 20 s",
+            if shown { "hidden" } else { "shown" }
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Runs `script` (a promise) in the page and returns its value.
+async fn in_page(c: &Client, script: &str) -> Value {
+    c.execute(script, vec![])
+        .await
+        .unwrap_or_else(|e| panic!("the page cannot run {script}: {e}"))
 }
 
 async fn enqueue(
@@ -262,7 +402,7 @@ fn f64_of(s: &str) -> f64 {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_status_page_shows_the_status_traces_and_releases_only_with_the_token() {
+async fn the_status_page_needs_a_token_shows_the_status_and_releases_only_for_an_operator() {
     // Fail first, with how to install it, when there is no browser to drive.
     let driver_path = chromedriver();
     assert!(driver_path.is_file());
@@ -297,8 +437,46 @@ async fn the_status_page_shows_the_status_traces_and_releases_only_with_the_toke
         .await
         .unwrap();
 
+    // Alice's operator token in a file (a comment and a blank line too).
+    let operators = Removed(std::env::temp_dir().join(format!("sealpost_web_{tag}.tokens")));
+    std::fs::write(
+        &operators.0,
+        format!("# operators of the web test\n\nalice:{ALICE_TOKEN}\n"),
+    )
+    .unwrap();
+
+    // A token on the command line is refused, with what to use instead, and not echoed.
+    for (flag, wants) in [
+        ("--operator-token", "SEALPOST_OPERATOR_TOKEN"),
+        ("--read-token", "SEALPOST_READ_TOKEN"),
+    ] {
+        let out = serve_command(&cfg, free_port(), None, &[flag, "cmdline-secret-Jq8"])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{flag} was accepted");
+        assert!(
+            err.contains(flag) && err.contains("ps") && err.contains(wants),
+            "{flag}: {err}"
+        );
+        assert!(!err.contains("cmdline-secret-Jq8"), "{err}");
+    }
+    // And a server with no token at all does not start.
+    let out = serve_command(&cfg, free_port(), None, &[])
+        .env_remove("SEALPOST_READ_TOKEN")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("no token"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
     // The page is up while events are published, so the chart has latency samples.
-    let (url, _server) = serve(&cfg, Some(TOKEN)).await;
+    let (port, _server) = serve(&cfg, Some(&operators.0)).await;
+    let url = format!("http://127.0.0.1:{port}/");
+    let host = format!("127.0.0.1:{port}");
     let poison = enqueue(&mut pg, "poison", &[b'x'; 4_096], 1).await[0];
     let mut stop = CancellationToken::new();
     let counters = Arc::new(Counters::default());
@@ -341,9 +519,162 @@ async fn the_status_page_shows_the_status_traces_and_releases_only_with_the_toke
     assert_eq!(item.len(), 1);
     assert!(store::record_missing(&pg, &item[0]).await.unwrap());
 
+    // Over plain HTTP: every answer, refusals included, carries the security headers.
+    let poison_id = poison.to_string();
+    let (local, rebind, rebind_port) = (
+        format!("localhost:{port}"),
+        "rebind.example:80".to_string(),
+        format!("rebind.example:{port}"),
+    );
+    let release_body = format!(r#"{{"event_id":"{poison_id}","reason":"r","operator":"mallory"}}"#);
+    for (what, method, path, h, token, body, want) in [
+        ("the page", "GET", "/", host.as_str(), None, "", 200),
+        ("the script", "GET", "/app.js", host.as_str(), None, "", 200),
+        (
+            "a read without a token",
+            "GET",
+            "/api/status",
+            host.as_str(),
+            None,
+            "",
+            401,
+        ),
+        (
+            "a read with a wrong token",
+            "GET",
+            "/api/trace?key=order/o-b0-0",
+            host.as_str(),
+            Some("wrong-token-0123456789"),
+            "",
+            401,
+        ),
+        (
+            "a read with the read token",
+            "GET",
+            "/api/status",
+            host.as_str(),
+            Some(READ_TOKEN),
+            "",
+            200,
+        ),
+        (
+            "localhost",
+            "GET",
+            "/api/history",
+            local.as_str(),
+            Some(READ_TOKEN),
+            "",
+            200,
+        ),
+        // DNS rebinding: the attacker's name in Host, even with a valid token.
+        (
+            "a foreign Host",
+            "GET",
+            "/api/status",
+            rebind.as_str(),
+            Some(READ_TOKEN),
+            "",
+            421,
+        ),
+        (
+            "a foreign Host, the page",
+            "GET",
+            "/",
+            rebind_port.as_str(),
+            None,
+            "",
+            421,
+        ),
+        (
+            "an unknown page",
+            "GET",
+            "/nope",
+            host.as_str(),
+            None,
+            "",
+            404,
+        ),
+        // The token is checked before the body is parsed: a malformed body is never read.
+        (
+            "a release without a token",
+            "POST",
+            "/api/release",
+            host.as_str(),
+            None,
+            "{not json",
+            401,
+        ),
+        (
+            "a release with the read token",
+            "POST",
+            "/api/release",
+            host.as_str(),
+            Some(READ_TOKEN),
+            "{not json",
+            403,
+        ),
+        (
+            "a release with the read token",
+            "POST",
+            "/api/release",
+            host.as_str(),
+            Some(READ_TOKEN),
+            release_body.as_str(),
+            403,
+        ),
+    ] {
+        let (status, headers, answer) = http(port, method, path, h, token, body).await;
+        assert_eq!(status, want, "{what}: {answer}");
+        assert_security_headers(what, &headers);
+        for secret in [READ_TOKEN, ALICE_TOKEN] {
+            assert!(!answer.contains(secret), "{what}: {answer}");
+        }
+    }
+    assert_eq!(state_of(&pg, poison).await, "QUARANTINED");
+    assert!(release_audits(&pg, poison).await.is_empty());
+
     let (c, _driver) = browser().await;
     c.goto(&url).await.unwrap();
     assert_eq!(c.title().await.unwrap(), "Sealpost status");
+    // Without a token the browser reads nothing: the page asks for one, and a read the
+    // page's origin makes without it is refused.
+    wait_displayed(&c, "#login", true).await;
+    wait_displayed(&c, "#content", false).await;
+    assert_eq!(text(&c, "#updated").await, "never");
+    let answer = in_page(
+        &c,
+        "return fetch('/api/status').then(async r => [r.status, (await r.json()).error, r.headers.get('content-security-policy')])",
+    )
+    .await;
+    assert_eq!(answer[0], 401, "{answer}");
+    assert!(
+        answer[1].as_str().unwrap().contains("token is required"),
+        "{answer}"
+    );
+    assert_eq!(answer[2], SECURITY_HEADERS[0].1, "{answer}");
+    // The page's headers, as the browser received them.
+    let answer = in_page(
+        &c,
+        "return fetch('/').then(r => ['content-security-policy', 'x-content-type-options', 'cache-control', 'x-frame-options'].map(h => r.headers.get(h)))",
+    )
+    .await;
+    assert_eq!(
+        answer,
+        Value::Array(
+            SECURITY_HEADERS
+                .iter()
+                .map(|(_, v)| Value::from(*v))
+                .collect()
+        )
+    );
+    // A wrong token: refused, still asking.
+    sign_in(&c, "not-the-token-0123456789").await;
+    wait_text(&c, "#login-error", |t| t.contains("refused")).await;
+    wait_displayed(&c, "#content", false).await;
+    // The read token: the page shows the figures.
+    sign_in(&c, READ_TOKEN).await;
+    wait_text(&c, "#whoami", |t| t.contains("reader (read only)")).await;
+    wait_displayed(&c, "#content", true).await;
 
     // The figures equal `sealpost status --json`: read between two CLI readings, so each age
     // on the page lies between them (the page shows tenths of a second).
@@ -498,21 +829,23 @@ async fn the_status_page_shows_the_status_traces_and_releases_only_with_the_toke
         std::fs::write(&path, c.screenshot().await.unwrap()).expect("write the screenshot");
     }
 
-    // Release without the token: refused, nothing changes.
-    set_input(&c, "#operator", "browser-test").await;
+    // A release with the read token: refused, nothing changes.
     set_input(&c, "#reason", "limit raised").await;
     let answer = click_release(&c, poison).await;
-    assert!(answer.contains("operator token is required"), "{answer}");
+    assert!(answer.contains("may read but not release"), "{answer}");
     assert_eq!(state_of(&pg, poison).await, "QUARANTINED");
     assert!(release_audits(&pg, poison).await.is_empty());
-    // With a wrong token: refused too.
-    set_input(&c, "#token", "not-the-token").await;
-    let answer = click_release(&c, poison).await;
-    assert!(answer.contains("operator token is wrong"), "{answer}");
-    assert_eq!(state_of(&pg, poison).await, "QUARANTINED");
-    assert!(release_audits(&pg, poison).await.is_empty());
-    // With the token: released through `store::release_quarantine`, audited.
-    set_input(&c, "#token", TOKEN).await;
+    // Signed out, the page asks again; alice's token releases, audited under her name.
+    c.find(Locator::Css("#logout"))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    sign_in(&c, ALICE_TOKEN).await;
+    wait_text(&c, "#whoami", |t| t.contains("alice (operator)")).await;
+    wait_displayed(&c, "#content", true).await;
+    set_input(&c, "#reason", "limit raised").await;
     let answer = click_release(&c, poison).await;
     assert!(
         answer.starts_with(&format!("released 1 row(s) of {poison} to PENDING")),
@@ -521,7 +854,7 @@ async fn the_status_page_shows_the_status_traces_and_releases_only_with_the_toke
     assert_eq!(state_of(&pg, poison).await, "PENDING");
     assert_eq!(
         release_audits(&pg, poison).await,
-        vec!["by browser-test: limit raised".to_string()]
+        vec!["by alice: limit raised".to_string()]
     );
     wait_text(&c, "#quarantined-rows", |t| {
         !t.contains(&poison.to_string())
@@ -529,7 +862,7 @@ async fn the_status_page_shows_the_status_traces_and_releases_only_with_the_toke
     .await;
     wait_text(&c, "#state-QUARANTINED", |t| t == "0").await;
 
-    // A server started without a token releases nothing, whatever the page sends.
+    // A server started without an operator token releases nothing, whatever the page sends.
     let other = enqueue(&mut pg, "poison2", &[b'y'; 4_096], 1).await[0];
     let tasks = {
         stop = CancellationToken::new();
@@ -555,14 +888,46 @@ async fn the_status_page_shows_the_status_traces_and_releases_only_with_the_toke
     for t in tasks {
         t.await.unwrap().unwrap();
     }
-    let (url2, _server2) = serve(&cfg, None).await;
-    c.goto(&url2).await.unwrap();
+    let (port2, _server2) = serve(&cfg, None).await;
+    c.goto(&format!("http://127.0.0.1:{port2}/")).await.unwrap();
+    sign_in(&c, READ_TOKEN).await;
     wait_text(&c, "#quarantined-rows", |t| t.contains(&other.to_string())).await;
-    set_input(&c, "#token", TOKEN).await;
     let answer = click_release(&c, other).await;
     assert!(answer.contains("releases are disabled"), "{answer}");
     assert_eq!(state_of(&pg, other).await, "QUARANTINED");
     assert!(release_audits(&pg, other).await.is_empty());
+    // Alice's token means nothing there.
+    let (status, _, _) = http(
+        port2,
+        "GET",
+        "/api/status",
+        &format!("127.0.0.1:{port2}"),
+        Some(ALICE_TOKEN),
+        "",
+    )
+    .await;
+    assert_eq!(status, 401);
+
+    // The operator is whoever's token matched: a body claiming another name is audited as
+    // alice (from the first server's page, where this tab is still signed in as her).
+    c.goto(&url).await.unwrap();
+    wait_text(&c, "#whoami", |t| t.contains("alice (operator)")).await;
+    let answer = in_page(
+        &c,
+        &format!(
+            "return fetch('/api/release', {{method: 'POST', headers: {{'Content-Type': 'application/json', \
+             'Authorization': 'Bearer ' + sessionStorage.getItem('sealpost.token')}}, \
+             body: JSON.stringify({{event_id: '{other}', reason: 'fixed', operator: 'mallory'}})}}) \
+             .then(async r => [r.status, await r.json()])"
+        ),
+    )
+    .await;
+    assert_eq!(answer[0], 200, "{answer}");
+    assert_eq!(state_of(&pg, other).await, "PENDING");
+    assert_eq!(
+        release_audits(&pg, other).await,
+        vec!["by alice: fixed".to_string()]
+    );
 
     c.close().await.unwrap();
 }

@@ -8,4 +8,4 @@ pub mod trace;
 
 pub use reconcile::{reconcile, Finding, NoScan, ReconcileOptions, ReconcileReport};
 pub use retention::{purge, reason_key, PurgeError, PurgeOptions, PurgeReport};
-pub use trace::trace;
+pub use trace::{trace, trace_bounded};

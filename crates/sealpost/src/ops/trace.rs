@@ -9,22 +9,40 @@ use crate::store::Result;
 
 /// The causal chain of one business fact (R22), by event id or `aggregate-type/aggregate-id`.
 pub async fn trace(pg: &tokio_postgres::Client, key: &str) -> Result<Value> {
-    let rows = if let Some(id) = EventId::parse(key) {
+    trace_bounded(pg, key, None).await
+}
+
+/// [`trace`], but with at most `max_events` event members (the first committed), and
+/// `"truncated": true` in the answer when there were more (`"truncated": false` otherwise);
+/// `None` is [`trace`] itself. The status page uses it: an aggregate's events are unbounded.
+pub async fn trace_bounded(
+    pg: &tokio_postgres::Client,
+    key: &str,
+    max_events: Option<i64>,
+) -> Result<Value> {
+    // One more than asked, to tell a full answer from a cut one (`LIMIT NULL` is no limit).
+    let fetch = max_events.map(|m| m.max(0).saturating_add(1));
+    let mut rows = if let Some(id) = EventId::parse(key) {
         pg.query(
-            "SELECT event_id, member FROM sealpost.work WHERE event_id = $1 ORDER BY member",
-            &[&Uuid::from_bytes(id.0)],
+            "SELECT event_id, member FROM sealpost.work WHERE event_id = $1 ORDER BY member
+             LIMIT $2",
+            &[&Uuid::from_bytes(id.0), &fetch],
         )
         .await?
     } else if let Some((t, a)) = key.split_once('/') {
         pg.query(
             "SELECT event_id, member FROM sealpost.outbox WHERE aggregate_type = $1 AND aggregate_id = $2
-             ORDER BY committed_seq, member",
-            &[&t, &a],
+             ORDER BY committed_seq, member LIMIT $3",
+            &[&t, &a, &fetch],
         )
         .await?
     } else {
         Vec::new()
     };
+    let truncated = max_events.is_some_and(|m| rows.len() as i64 > m);
+    if let Some(m) = max_events.filter(|_| truncated) {
+        rows.truncate(m.max(0) as usize);
+    }
     let mut out = Vec::new();
     for r in rows {
         let id: Uuid = r.get(0);
@@ -114,5 +132,9 @@ pub async fn trace(pg: &tokio_postgres::Client, key: &str) -> Result<Value> {
             "audit": audit,
         }));
     }
-    Ok(json!({ "query": key, "found": !out.is_empty(), "events": out }))
+    let mut answer = json!({ "query": key, "found": !out.is_empty(), "events": out });
+    if max_events.is_some() {
+        answer["truncated"] = Value::Bool(truncated);
+    }
+    Ok(answer)
 }
