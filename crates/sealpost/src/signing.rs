@@ -375,6 +375,49 @@ mod tests {
         }
     }
 
+    /// What signing and checking cost per message, against the claim digest alone in the
+    /// same process: `cargo test --release -p sealpost --lib -- --ignored --nocapture
+    /// signing_cost`. Prints figures; never fails on time.
+    #[test]
+    #[ignore]
+    fn signing_cost_per_message() {
+        const N: u32 = 20_000;
+        let signer = Signer::from_key("k1", SigningKey::from_bytes(&[7; 32])).unwrap();
+        let ring = Keyring::from_keys(
+            SignaturePolicy::Require,
+            vec![("k1".into(), signer.verifying_key())],
+        );
+        let mut c = claim();
+        let t = Instant::now();
+        let mut sink = 0u8;
+        for i in 0..N {
+            c.member = i as u16;
+            sink ^= c.digest().0[0];
+        }
+        let digest_us = t.elapsed().as_secs_f64() * 1e6 / f64::from(N);
+        let t = Instant::now();
+        let mut headers = Vec::with_capacity(N as usize);
+        for i in 0..N {
+            c.member = i as u16;
+            headers.push(signer.sign(&c));
+        }
+        let sign_us = t.elapsed().as_secs_f64() * 1e6 / f64::from(N);
+        let t = Instant::now();
+        for (i, h) in headers.iter().enumerate() {
+            c.member = i as u16;
+            let p = sealpost_core::signature::present(Some(h), Some(&c), |k, s, d| {
+                ring.crypto(k, s, d)
+            });
+            assert!(matches!(p, Presented::Valid(_)));
+        }
+        let verify_us = t.elapsed().as_secs_f64() * 1e6 / f64::from(N);
+        println!(
+            "per message ({N}): claim digest {digest_us:.2} us, sign {sign_us:.2} us ({:.1}x), verify {verify_us:.2} us ({:.1}x) [{sink}]",
+            sign_us / digest_us,
+            verify_us / digest_us
+        );
+    }
+
     #[test]
     fn a_generated_pair_signs_and_verifies_and_a_changed_claim_does_not() {
         let dir = std::env::temp_dir().join(format!("sealpost-keys-{}", std::process::id()));
