@@ -19,12 +19,12 @@ use std::time::{Duration, Instant};
 
 #[path = "../../sealpost/tests/common/mod.rs"]
 mod common;
+#[path = "../../sealpost/tests/common/teardown_kafka.rs"]
+mod teardown_kafka;
 #[path = "../../sealpost/tests/common/teardown_nats.rs"]
 mod teardown_nats;
 #[path = "../../sealpost/tests/common/teardown_rabbitmq.rs"]
 mod teardown_rabbitmq;
-#[path = "../../sealpost/tests/common/teardown_kafka.rs"]
-mod teardown_kafka;
 
 use futures::future::BoxFuture;
 use sealpost::consumer::{self, CancellationToken, Databases, Delivery, HandlerError, Options};
@@ -64,11 +64,13 @@ async fn fresh(tag: &str) -> (Config, tokio_postgres::Client, impl Sized, KeyDir
         .batch_execute(&format!("CREATE DATABASE {db}"))
         .await
         .expect("create the test database");
-    let mut cfg = Config::default();
-    cfg.database_url = format!("host=127.0.0.1 user=postgres dbname={db}");
-    cfg.lease_ms = 2_000;
-    cfg.ack_timeout_ms = 1_000;
-    cfg.reconcile_every_ms = 200;
+    let mut cfg = Config {
+        database_url: format!("host=127.0.0.1 user=postgres dbname={db}"),
+        lease_ms: 2_000,
+        ack_timeout_ms: 1_000,
+        reconcile_every_ms: 200,
+        ..Config::default()
+    };
     let keys = KeyDir(std::env::temp_dir().join(&db));
     let _ = std::fs::remove_dir_all(&keys.0);
     std::fs::create_dir_all(&keys.0).unwrap();
@@ -237,7 +239,13 @@ async fn look_alike_messages_are_quarantined_and_every_genuine_event_applied_onc
         })
         .collect();
     let forgeries = look_alikes(&read, &genuine.payload);
-    for (what, id, headers, body) in &forgeries {
+    for Forgery {
+        what,
+        id,
+        headers,
+        body,
+    } in &forgeries
+    {
         let mut h = HeaderMap::new();
         for (k, v) in headers {
             h.insert(k.as_str(), v.as_str());
@@ -362,19 +370,28 @@ async fn a_forged_copy_in_an_events_place_is_never_adopted() {
     let _ = client.drain().await;
 }
 
-/// The look-alikes of one genuine, signed message, as (what, headers, body) under new event
-/// ids: the forger copies every header of the genuine message and changes what it needs.
-fn look_alikes(
-    genuine: &[(String, String)],
-    genuine_payload: &[u8],
-) -> Vec<(&'static str, EventId, Vec<(String, String)>, Vec<u8>)> {
+/// One look-alike message: what it tries, its new event id, its headers and its body.
+struct Forgery {
+    what: &'static str,
+    id: EventId,
+    headers: Vec<(String, String)>,
+    body: Vec<u8>,
+}
+
+/// How one look-alike differs from the genuine message: its signature header, its body, and
+/// an event type of its own.
+type Change = (&'static str, Option<String>, Vec<u8>, Option<&'static str>);
+
+/// The look-alikes of one genuine, signed message under new event ids: the forger copies
+/// every header of the genuine message and changes what it needs.
+fn look_alikes(genuine: &[(String, String)], genuine_payload: &[u8]) -> Vec<Forgery> {
     let signed = genuine
         .iter()
         .find(|(k, _)| k == H_SIGNATURE)
         .map(|(_, v)| v.clone())
         .expect("the genuine message is signed");
     let foreign = br#"{"order_id":"forged","total_cents":1}"#.to_vec();
-    let cases: Vec<(&str, Option<String>, Vec<u8>, Option<&str>)> = vec![
+    let cases: Vec<Change> = vec![
         ("unsigned, foreign payload", None, foreign.clone(), None),
         (
             "genuine signature, foreign payload",
@@ -434,7 +451,12 @@ fn look_alikes(
             if let Some(t) = event_type {
                 set(&mut h, "Sealpost-Event-Type", Some(t.to_string()));
             }
-            (what, id, h, body)
+            Forgery {
+                what,
+                id,
+                headers: h,
+                body,
+            }
         })
         .collect()
 }
@@ -449,7 +471,6 @@ fn expected_reason(i: usize) -> &'static str {
         _ => "does not verify",
     }
 }
-
 
 /// Enqueues `n` events on `route` and publishes them through `broker` as a signing dispatcher
 /// does (claim, sign, send, accept); returns their ids and the first message sent.
@@ -500,7 +521,10 @@ fn headers_of(r: &sealpost_core::port::SendRequest) -> Vec<(String, String)> {
             sealpost_rabbitmq::H_EVENT_ID.to_string(),
             r.event_id.to_string(),
         ),
-        (sealpost_rabbitmq::H_MEMBER.to_string(), r.member.to_string()),
+        (
+            sealpost_rabbitmq::H_MEMBER.to_string(),
+            r.member.to_string(),
+        ),
         (
             sealpost_rabbitmq::H_ENVELOPE_GENERATION.to_string(),
             r.envelope_generation.to_string(),
@@ -535,7 +559,7 @@ async fn consume_and_check<S: sealpost_core::subscription::Subscription + Send +
     signed_sub: S,
     open_sub: S,
     ids: &[EventId],
-    forgeries: &[(&'static str, EventId, Vec<(String, String)>, Vec<u8>)],
+    forgeries: &[Forgery],
 ) where
     S::Error: Send,
 {
@@ -591,8 +615,11 @@ async fn consume_and_check<S: sealpost_core::subscription::Subscription + Send +
         .collect();
     let mut want: Vec<uuid::Uuid> = ids.iter().map(|i| uuid::Uuid::from_bytes(i.0)).collect();
     want.sort();
-    assert_eq!(applied, want, "each genuine event applied once, nothing else");
-    for (i, (what, id, ..)) in forgeries.iter().enumerate() {
+    assert_eq!(
+        applied, want,
+        "each genuine event applied once, nothing else"
+    );
+    for (i, Forgery { what, id, .. }) in forgeries.iter().enumerate() {
         let reasons: Vec<String> = pg
             .query(
                 "SELECT reason FROM sealpost.inbox_quarantine
@@ -615,7 +642,7 @@ async fn consume_and_check<S: sealpost_core::subscription::Subscription + Send +
         "SELECT count(*) FROM applied WHERE consumer = 'open' AND event_id IN ({})",
         forgeries
             .iter()
-            .map(|f| format!("'{}'", uuid::Uuid::from_bytes(f.1 .0)))
+            .map(|f| format!("'{}'", uuid::Uuid::from_bytes(f.id.0)))
             .collect::<Vec<_>>()
             .join(",")
     ))
@@ -659,7 +686,13 @@ async fn rabbitmq_look_alike_messages_are_quarantined_and_every_genuine_event_ap
     .await
     .unwrap();
     let ch = conn.create_channel().await.unwrap();
-    for (what, id, headers, body) in &forgeries {
+    for Forgery {
+        what,
+        id,
+        headers,
+        body,
+    } in &forgeries
+    {
         let mut table = lapin::types::FieldTable::default();
         for (k, v) in headers {
             table.insert(
@@ -738,7 +771,13 @@ async fn kafka_look_alike_messages_are_quarantined_and_every_genuine_event_appli
         pc.set(k, v);
     }
     let producer: rdkafka::producer::FutureProducer = pc.create().unwrap();
-    for (what, _, headers, body) in &forgeries {
+    for Forgery {
+        what,
+        headers,
+        body,
+        ..
+    } in &forgeries
+    {
         let mut h = OwnedHeaders::new();
         for (k, v) in headers {
             h = h.insert(Header {

@@ -601,11 +601,7 @@ async fn a_database_cut_mid_run_shows_the_cause_and_never_the_password() {
         dispatch_err.contains(cause) && dispatch_err.contains("password=***"),
         "the dispatcher does not log the cause:\n{dispatch_err}"
     );
-    let serve_err = &outputs
-        .iter()
-        .find(|(w, _)| w == "serve.stderr")
-        .unwrap()
-        .1;
+    let serve_err = &outputs.iter().find(|(w, _)| w == "serve.stderr").unwrap().1;
     assert!(
         serve_err.contains(cause),
         "the status page does not log the cause:\n{serve_err}"
