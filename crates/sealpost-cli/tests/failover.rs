@@ -208,6 +208,11 @@ async fn fresh_database(tag: &str) -> (common::TestDb, tokio_postgres::Client) {
     let cfg = common::fresh_database(&name).await;
     let pg = runtime::pg_connect(&cfg.database_url).await.unwrap();
     store::migrate(&pg).await.expect("migrate");
+    // The consumer's table exists from the start: the drill counts its rows while the
+    // consumer may still be waiting for the cluster to answer its first subscribe.
+    sealpost_cli::demo::prepare(&pg)
+        .await
+        .expect("the demo's tables");
     (cfg, pg)
 }
 
