@@ -235,7 +235,9 @@ async fn lookup_finds_the_stored_record_and_proves_an_unsent_one_absent() {
         panic!("{out:?}")
     };
     match kafka.lookup(&d, target.event_id, 0).await {
-        Lookup::Found(r) => {
+        // Unjudged: the reader judges its seal (`sealpost_core::signature::judge_copy`).
+        Lookup::Copy(c) => {
+            let r = c.receipt;
             assert_eq!((r.partition, r.sequence), (acked.partition, acked.sequence));
             assert_eq!(r.attempt_id, target.attempt_id);
             assert_eq!(r.payload_digest, target.payload_digest);

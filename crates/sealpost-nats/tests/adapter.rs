@@ -134,7 +134,9 @@ async fn receipt_duplicate_already_stored_and_lookup() {
     assert_eq!(stream_messages(&nats, &t).await, 2, "no second copy");
     // The lookup finds the first event with its headers, as a receipt.
     match nats.lookup(&d, r.event_id, 0).await {
-        Lookup::Found(rec) => {
+        // Unjudged: the reader judges its seal (`sealpost_core::signature::judge_copy`).
+        Lookup::Copy(c) => {
+            let rec = c.receipt;
             assert_eq!(rec.sequence, first.sequence);
             assert_eq!(rec.payload_digest, r.payload_digest);
             assert_eq!(rec.destination_digest, r.destination_digest);
@@ -206,7 +208,7 @@ async fn a_forged_copy_with_matching_headers_is_never_adopted() {
         .await
         .unwrap();
     let found = match nats.lookup(&d, victim.event_id, 0).await {
-        Lookup::Found(r) => r,
+        Lookup::Copy(c) => c.receipt,
         other => panic!("the forged copy is found: {other:?}"),
     };
     assert_eq!(
