@@ -2749,7 +2749,7 @@ impl World {
             1 => m.payload_digest = Digest([0xad; 32]),
             _ => m.event_type = 1 - m.event_type,
         }
-        let msg_id = self.adv.next_u32() % 2 == 0;
+        let msg_id = self.adv.next_u32().is_multiple_of(2);
         if self.forge_publish(s, m, msg_id) {
             self.fault(Fault::ReplayedSignature);
         }
@@ -2764,7 +2764,7 @@ impl World {
             member: req.member,
             envelope_generation: req.envelope_generation,
             attempt_id: req.attempt_id,
-            payload_digest: if self.adv.next_u32() % 3 == 0 {
+            payload_digest: if self.adv.next_u32().is_multiple_of(3) {
                 Digest([0xf0; 32])
             } else {
                 req.payload_digest
@@ -2774,7 +2774,7 @@ impl World {
             signature: self.forged_signature(),
             forged: true,
         };
-        let msg_id = self.adv.next_u32() % 4 != 0;
+        let msg_id = !self.adv.next_u32().is_multiple_of(4);
         if self.forge_publish(req.stream as usize, m, msg_id) {
             self.fault(Fault::ForgedCopyFirst);
         }
@@ -2789,23 +2789,19 @@ impl World {
         let (Some(r), Some(s)) = (self.row_of(event_id, member), self.stream_of(dest)) else {
             return;
         };
+        let signature = self.forged_signature();
         let row = &self.db.rows[r as usize];
-        let attempt_id = row.attempts.last().map_or(1, |a| a.id);
         let m = Msg {
             ordered: false,
             event_id,
             member,
             envelope_generation: row.envelope_generation,
-            attempt_id,
+            attempt_id: row.attempts.last().map_or(1, |a| a.id),
             payload_digest: row.payload_digest,
             destination_digest: row.destination_digest,
             event_type: 0,
-            signature: None,
+            signature,
             forged: true,
-        };
-        let m = Msg {
-            signature: self.forged_signature(),
-            ..m
         };
         if self.forge_publish(s as usize, m, false) {
             self.fault(Fault::ForgedCopyAtLookup);
@@ -3540,6 +3536,18 @@ impl World {
                 let s = self.stream_of(&row.destination);
                 if self.forged_on(s, row.event_id, row.member) {
                     self.stats.unsealed_parked += 1;
+                    // The genuine copy is stored too (the forgery came after it and the
+                    // lookup reads the subject's last copy): parked although published.
+                    let genuine = s
+                        .and_then(|s| self.streams.get(s as usize))
+                        .is_some_and(|st| {
+                            st.msgs.iter().any(|m| {
+                                !m.forged && m.event_id == row.event_id && m.member == row.member
+                            })
+                        });
+                    if genuine {
+                        self.stats.unsealed_parked_shadowing += 1;
+                    }
                 }
                 continue;
             }
