@@ -14,9 +14,14 @@ use sealpost_core::cleanup::{
 use sealpost_core::envelope::{NewEvent, PartitionAlgorithm, PAYLOAD_DOMAIN};
 use sealpost_core::inbox::{decide_inbox, idempotency_key, InboxDecision, InboxRecord};
 use sealpost_core::migration::{apply_migration, decide_migration, MigrationRefusal};
+use sealpost_core::port::WireEnvelope;
 use sealpost_core::receipt::{apply_receipt, decide_receipt, ReceiptSource};
 use sealpost_core::reconcile::{
     apply_reconcile, decide_reconcile, Lookup, ReconcileDecision, ReconcilePolicy,
+};
+use sealpost_core::reconciler::{decide_verify, VerifyItem, VerifyVerdict};
+use sealpost_core::signature::{
+    judge_copy, Crypto, FoundCopy, SealRefusal, SignatureHeader, SignaturePolicy, SIGNATURE_LEN,
 };
 use sealpost_core::{
     AttemptStatus, ClaimDecision, ClaimToken, Destination, Digest, DuplicateKind, EventId,
@@ -1701,4 +1706,166 @@ fn an_ordered_claim_waits_for_the_earlier_event_of_its_aggregate() {
         decide_migration(&ordered, &orders_eu()),
         Err(MigrationRefusal::OrderingChanged)
     );
+}
+
+// ---------------------------------------------------------------------------------------
+// Signed envelopes: a lookup's copy is judged by its seal before anything is decided on it
+// (issue 23)
+// ---------------------------------------------------------------------------------------
+
+/// A reconciler at a broker that refuses a second copy (NATS create-if-absent).
+const CREATE_IF_ABSENT: ReconcilePolicy = ReconcilePolicy {
+    redeliver_when_unqueryable: false,
+    create_if_absent: true,
+};
+
+/// A lookup's answer as the adapter reads it: the copy of `r` carrying `signature`.
+fn copy_of(r: &Receipt, signature: Option<&str>) -> Lookup {
+    Lookup::Copy(Box::new(FoundCopy::read(
+        found(r),
+        Some(WireEnvelope::default()),
+        signature.map(str::to_string),
+    )))
+}
+
+fn header() -> String {
+    SignatureHeader {
+        key_id: "k-2026".into(),
+        signature: [9; SIGNATURE_LEN],
+    }
+    .format()
+}
+
+#[test]
+fn a_found_copy_is_adopted_only_once_its_seal_is_judged_valid() {
+    let (mut row, rt) = reconciling();
+    let r = ack(&row, 1, 9);
+    let copy = copy_of(&r, Some(&header()));
+    // Unjudged, nothing is decided on it: the row stays unknown.
+    assert_eq!(
+        decide_reconcile(&row, rt, &copy, CREATE_IF_ABSENT, T0 + 4),
+        ReconcileDecision::StayUnknown
+    );
+    let judged = judge_copy(copy, SignaturePolicy::Require, |_, _, _| Crypto::Valid);
+    assert_eq!(judged, Lookup::Found(found(&r)));
+    let d = decide_reconcile(&row, rt, &judged, CREATE_IF_ABSENT, T0 + 4);
+    assert_eq!(d, ReconcileDecision::Accept(found(&r)));
+    assert_eq!(
+        accept(&mut row, &found(&r), T0 + 4),
+        ReceiptVerdict::Primary
+    );
+    assert_eq!(row.state, State::Published);
+}
+
+#[test]
+fn an_unsealed_copy_at_a_create_if_absent_broker_parks_the_row_as_a_conflict() {
+    // A forger published the event's copy first: the broker refuses the genuine one for
+    // good, so only an operator can resolve it (remove the forgery, release the row).
+    for (signature, crypto, refusal) in [
+        (None, Crypto::Valid, SealRefusal::Unsigned),
+        (
+            Some(header()),
+            Crypto::Invalid,
+            SealRefusal::Invalid("k-2026".into()),
+        ),
+        (
+            Some(header()),
+            Crypto::UnknownKey,
+            SealRefusal::UnknownKey("k-2026".into()),
+        ),
+    ] {
+        let (mut row, rt) = reconciling();
+        let r = ack(&row, 1, 9);
+        let judged = judge_copy(
+            copy_of(&r, signature.as_deref()),
+            SignaturePolicy::Require,
+            |_, _, _| crypto,
+        );
+        assert_eq!(
+            judged,
+            Lookup::Unsealed {
+                receipt: found(&r),
+                refusal
+            }
+        );
+        let d = decide_reconcile(&row, rt, &judged, CREATE_IF_ABSENT, T0 + 4);
+        assert_eq!(
+            d,
+            ReconcileDecision::Conflict(QuarantineReason::UnsealedCopy)
+        );
+        apply_reconcile(&mut row, &d, T0 + 4).unwrap();
+        assert_eq!(row.state, State::Quarantined);
+        assert_eq!(row.primary, None, "a forged copy is never adopted");
+    }
+}
+
+#[test]
+fn an_unsealed_copy_elsewhere_retries_to_the_same_destination() {
+    let (mut row, rt) = reconciling();
+    let r = ack(&row, 1, 9);
+    let judged = judge_copy(copy_of(&r, None), SignaturePolicy::Require, |_, _, _| {
+        Crypto::Valid
+    });
+    for policy in [NO_REDELIVER, REDELIVER] {
+        let d = decide_reconcile(&row, rt, &judged, policy, T0 + 4);
+        assert_eq!(
+            d,
+            ReconcileDecision::RetrySameDestination {
+                destination_digest: orders().digest(),
+                quarantine: None
+            }
+        );
+    }
+    let d = decide_reconcile(&row, rt, &judged, NO_REDELIVER, T0 + 4);
+    apply_reconcile(&mut row, &d, T0 + 4).unwrap();
+    assert_eq!(row.state, State::RetryClaimed);
+    assert_eq!(row.destination_digest, orders().digest());
+    assert_eq!(row.primary, None);
+}
+
+#[test]
+fn a_replayed_signature_is_refused_under_require_and_admitted_only_without_keys() {
+    let (row, _) = reconciling();
+    let r = ack(&row, 1, 9);
+    // The crypto says the genuine signature does not verify over this copy's facts.
+    let under = |policy| {
+        judge_copy(copy_of(&r, Some(&header())), policy, |_, _, _| {
+            Crypto::Invalid
+        })
+    };
+    assert!(matches!(
+        under(SignaturePolicy::Require),
+        Lookup::Unsealed { .. }
+    ));
+    assert!(matches!(
+        under(SignaturePolicy::IfPresent),
+        Lookup::Unsealed { .. }
+    ));
+    assert_eq!(under(SignaturePolicy::Off), Lookup::Found(found(&r)));
+}
+
+#[test]
+fn verification_counts_an_unsealed_copy_missing_and_an_unjudged_one_unknown() {
+    let (row, _) = reconciling();
+    let r = ack(&row, 1, 9);
+    let item = VerifyItem {
+        event_id: row.event_id,
+        member: row.member,
+        destination: row.destination.clone(),
+        sequence: 9,
+    };
+    let unsealed = judge_copy(copy_of(&r, None), SignaturePolicy::Require, |_, _, _| {
+        Crypto::Valid
+    });
+    assert_eq!(decide_verify(&item, &unsealed), VerifyVerdict::Missing);
+    assert_eq!(
+        decide_verify(&item, &copy_of(&r, Some(&header()))),
+        VerifyVerdict::Unknown
+    );
+    let sealed = judge_copy(
+        copy_of(&r, Some(&header())),
+        SignaturePolicy::Require,
+        |_, _, _| Crypto::Valid,
+    );
+    assert_eq!(decide_verify(&item, &sealed), VerifyVerdict::Held);
 }

@@ -11,6 +11,7 @@ use sealpost_core::inbox::{self, InboxDecision, InboxRecord};
 use sealpost_core::receipt::{self, Receipt, ReceiptVerdict, RejectReason};
 use sealpost_core::reconcile::{self, Lookup, ReconcileDecision, ReconcilePolicy};
 use sealpost_core::row::EventRow;
+use sealpost_core::signature::{self as seal, Crypto, Presented, SignaturePolicy, SIGNATURE_LEN};
 use sealpost_core::state::State;
 use sealpost_core::step::{
     self, AcceptRules, Acceptance, ClaimInput, ClaimRules, ClaimStep, Finished, Pick,
@@ -77,11 +78,17 @@ pub enum Mutant {
     /// without checking that the row is still that version (no `xmin` guard): a late ACK
     /// overwrites whatever the reconciler or another dispatcher wrote since.
     UnguardedFastPath,
+    /// The reader admits every copy a lookup finds, whatever its seal (`judge_copy` under no
+    /// policy): a forged copy is adopted as the event's publication or counted present.
+    AdoptUnsignedCopy,
+    /// The consumer's delivery check ignores the seal (only the digest header is checked):
+    /// a forged or replayed message is applied.
+    ConsumerSkipsSignature,
 }
 
 impl Mutant {
     /// Every mutant, in `--list-mutants` order.
-    pub const ALL: [Mutant; 21] = [
+    pub const ALL: [Mutant; 23] = [
         Mutant::AcceptWithoutDigestCheck,
         Mutant::RetryToOtherDestination,
         Mutant::AcceptUnregisteredAttempt,
@@ -103,6 +110,8 @@ impl Mutant {
         Mutant::AckFailedEffect,
         Mutant::AbsentFromUnfinishedScan,
         Mutant::UnguardedFastPath,
+        Mutant::AdoptUnsignedCopy,
+        Mutant::ConsumerSkipsSignature,
     ];
 
     /// The CLI name.
@@ -129,6 +138,8 @@ impl Mutant {
             Mutant::AckFailedEffect => "ack-failed-effect",
             Mutant::AbsentFromUnfinishedScan => "absent-from-unfinished-scan",
             Mutant::UnguardedFastPath => "unguarded-fast-path",
+            Mutant::AdoptUnsignedCopy => "adopt-unsigned-copy",
+            Mutant::ConsumerSkipsSignature => "consumer-skips-signature",
         }
     }
 
@@ -472,7 +483,7 @@ impl Protocol {
     pub fn decide_scanned(
         &self,
         group: &[(EventId, u16)],
-        found: impl Fn(EventId, u16) -> Option<Receipt>,
+        found: impl Fn(EventId, u16) -> Option<seal::FoundCopy>,
         reach: reconcile::ScanReach,
     ) -> Vec<Lookup> {
         let reach = if self.is(Mutant::AbsentFromUnfinishedScan) {
@@ -521,6 +532,40 @@ impl Protocol {
             }
             _ => d,
         }
+    }
+
+    /// The reader's judgement of a copy a lookup found (`signature::judge_copy` under the
+    /// reader's `policy`, with the shell's `verify`); the adopt-unsigned-copy mutant judges
+    /// under no policy, so every copy is admitted.
+    pub fn judge_copy(
+        &self,
+        lookup: Lookup,
+        policy: SignaturePolicy,
+        verify: impl FnOnce(&str, &[u8; SIGNATURE_LEN], &Digest) -> Crypto,
+    ) -> Lookup {
+        let policy = if self.is(Mutant::AdoptUnsignedCopy) {
+            SignaturePolicy::Off
+        } else {
+            policy
+        };
+        seal::judge_copy(lookup, policy, verify)
+    }
+
+    /// The consumer's check of a delivery before its effect (`inbox::decide_delivery`); the
+    /// consumer-skips-signature mutant checks the digest header only.
+    pub fn decide_delivery(
+        &self,
+        claimed_digest: Digest,
+        payload_digest: Digest,
+        policy: SignaturePolicy,
+        presented: &Presented,
+    ) -> Result<(), inbox::DeliveryRefusal> {
+        let policy = if self.is(Mutant::ConsumerSkipsSignature) {
+            SignaturePolicy::Off
+        } else {
+            policy
+        };
+        inbox::decide_delivery(claimed_digest, payload_digest, policy, presented)
     }
 
     /// True when cleanup should also run right at acceptance (only the purge-at-ack mutant).

@@ -34,11 +34,17 @@ pub enum Violation {
     /// R13: a lookup answered "absent" while the broker held the event (a retry is granted
     /// only once absence is proven).
     FalseAbsences,
+    /// Signed envelopes: a consumer applied a message no dispatcher signed (a forged event, a
+    /// forged copy, or a genuine signature replayed onto other facts).
+    ForgeryApplied,
+    /// Signed envelopes: a row's primary receipt, or a verification pass's "held", points at
+    /// a message no dispatcher signed (a forged copy adopted as the event's publication).
+    ForgedCopyAdopted,
 }
 
 impl Violation {
     /// Every class, in JSON order.
-    pub const ALL: [Violation; 12] = [
+    pub const ALL: [Violation; 14] = [
         Violation::LostEvents,
         Violation::SecondEventIds,
         Violation::CrossDestinationRetries,
@@ -51,6 +57,8 @@ impl Violation {
         Violation::SendsPastLease,
         Violation::Ordering,
         Violation::FalseAbsences,
+        Violation::ForgeryApplied,
+        Violation::ForgedCopyAdopted,
     ];
 
     /// JSON key.
@@ -68,6 +76,8 @@ impl Violation {
             Violation::SendsPastLease => "sends_past_lease",
             Violation::Ordering => "ordering",
             Violation::FalseAbsences => "false_absences",
+            Violation::ForgeryApplied => "forgery_applied",
+            Violation::ForgedCopyAdopted => "forged_copy_adopted",
         }
     }
 }
@@ -167,11 +177,23 @@ pub enum Fault {
     /// time limit or a fetch error in production): nothing learned about the events it did
     /// not see; they stay unknown and are asked again.
     ScanCutShort,
+    /// Adversary: a message with a fresh event id and no valid signature published on a
+    /// stream (no signature, a malformed one, an unknown key, or a made-up signature).
+    ForgedNewEvent,
+    /// Adversary: a copy of a genuine request in flight (its headers, without a valid
+    /// signature) published at its subject before the genuine message arrives.
+    ForgedCopyFirst,
+    /// Adversary: a forged copy of an event published at its subject just before a lookup
+    /// (the reconciler's or the verification pass's) reads it.
+    ForgedCopyAtLookup,
+    /// Adversary: a genuine message's signature replayed onto another event id, payload or
+    /// event type.
+    ReplayedSignature,
 }
 
 impl Fault {
     /// Every fault, in report order.
-    pub const ALL: [Fault; 30] = [
+    pub const ALL: [Fault; 34] = [
         Fault::CrashBeforeCommit,
         Fault::CrashAfterCommit,
         Fault::AckLate,
@@ -202,6 +224,10 @@ impl Fault {
         Fault::EffectFailed,
         Fault::DatabaseUnreachable,
         Fault::ScanCutShort,
+        Fault::ForgedNewEvent,
+        Fault::ForgedCopyFirst,
+        Fault::ForgedCopyAtLookup,
+        Fault::ReplayedSignature,
     ];
 
     /// Label for the report, with the SPEC number where there is one.
@@ -237,13 +263,23 @@ impl Fault {
             Fault::DeadlineRefused => "send refused at its deadline",
             Fault::Unencodable => "message the adapter cannot encode",
             Fault::EffectFailed => "consumer effect failed (rolled back, sent back)",
+            Fault::ForgedNewEvent => "forged new event (no valid signature)",
+            Fault::ForgedCopyFirst => "forged copy at the subject before the genuine send",
+            Fault::ForgedCopyAtLookup => "forged copy found by a lookup",
+            Fault::ReplayedSignature => "genuine signature replayed onto other facts",
         }
     }
 }
 
 /// Counts per fault.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Faults(pub [u64; Fault::ALL.len()]);
+
+impl Default for Faults {
+    fn default() -> Self {
+        Faults([0; Fault::ALL.len()])
+    }
+}
 
 impl Faults {
     /// Adds one.
@@ -373,6 +409,22 @@ pub struct TraceStats {
     /// Ordered events a consumer could not apply because a restore lost an earlier version
     /// before it reached the broker (the consumer's owner's exit: seed the version).
     pub ordering_gaps_parked: u64,
+    /// Deliveries a consumer refused by their seal (forged or replayed), recorded and acked.
+    pub deliveries_unsealed: u64,
+    /// Copies a lookup found whose seal the reader refused (`Lookup::Unsealed`).
+    pub copies_unsealed: u64,
+    /// Rows parked in `QUARANTINED` as an unsealed copy (a forgery occupies their subject at a
+    /// create-if-absent broker), waiting for an operator.
+    pub unsealed_parked: u64,
+    /// Of those, rows whose genuine copy is stored too, before the forgery (the lookup reads
+    /// the subject's last copy, the forgery): parked although the event was published.
+    pub unsealed_parked_shadowing: u64,
+    /// Duplicate ACKs whose stored copy the adapter found unsealed (answered "already
+    /// stored": the genuine message's outcome is a lookup away).
+    pub duplicate_acks_unsealed: u64,
+    /// Verification findings ("published but missing") caused by a forged copy shadowing the
+    /// genuine one at its subject: a true alarm for the operator, not a lost event.
+    pub forgeries_reported: u64,
 }
 
 impl TraceStats {
@@ -400,6 +452,12 @@ impl TraceStats {
         self.guarded_accepts += o.guarded_accepts;
         self.ordering_holds += o.ordering_holds;
         self.ordering_gaps_parked += o.ordering_gaps_parked;
+        self.deliveries_unsealed += o.deliveries_unsealed;
+        self.copies_unsealed += o.copies_unsealed;
+        self.unsealed_parked += o.unsealed_parked;
+        self.unsealed_parked_shadowing += o.unsealed_parked_shadowing;
+        self.duplicate_acks_unsealed += o.duplicate_acks_unsealed;
+        self.forgeries_reported += o.forgeries_reported;
         self.inbox_duplicates += o.inbox_duplicates;
         self.inbox_quarantined += o.inbox_quarantined;
         self.effect_retries += o.effect_retries;

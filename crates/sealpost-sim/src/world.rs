@@ -6,6 +6,7 @@
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
+use std::rc::Rc;
 
 use rand_chacha::ChaCha8Rng;
 use rand_core::{Rng, SeedableRng};
@@ -24,7 +25,9 @@ use sealpost_core::envelope::{
 };
 use sealpost_core::inbox::{ApplyOrder, Failure, InboxDecision, InboxRecord, RedeliveryPolicy};
 use sealpost_core::migration::{apply_migration, decide_migration};
-use sealpost_core::port::{Capabilities, NeverSentReason, RefusalKind, SendRequest, SendResult};
+use sealpost_core::port::{
+    Capabilities, NeverSentReason, RefusalKind, SendRequest, SendResult, WireEnvelope,
+};
 use sealpost_core::receipt::{Receipt, ReceiptSource, ReceiptVerdict};
 use sealpost_core::reconcile::{
     decide_reconcile_missing, Lookup, LookupScan, ReconcileDecision, ReconcilePolicy, ScanReach,
@@ -34,11 +37,15 @@ use sealpost_core::reconciler::{
     VerifyItem,
 };
 use sealpost_core::row::{AttemptStatus, EventRow};
+use sealpost_core::signature::{
+    present, Crypto, FoundCopy, SignatureHeader, SignaturePolicy, SignedClaim, SIGNATURE_LEN,
+};
 use sealpost_core::state::{transition, Phase, State};
 use sealpost_core::step::{
     self, Acceptance, Authorised, ClaimInput, Pick, PickOutcome, Served, UnknownPick,
 };
 use sealpost_core::subscription::{Processed, Settlement};
+use sealpost_core::QuarantineReason;
 
 use crate::protocol::Protocol;
 use crate::stats::{Fault, TraceStats, Violation};
@@ -78,6 +85,62 @@ const DRAIN_MAX_MS: u64 = 3_600_000;
 const STEPS_MAX: u32 = 60_000;
 const BROKER_OUTAGE_MAX_MS: u64 = 600_000;
 
+/// Every reader (consumers, the reconciler, the verification pass) requires a valid signature
+/// in every trace, and the forging adversary runs in every trace: under `off` or `if-present`
+/// a forged message is *meant* to be trusted (that is the vulnerability those policies
+/// accept), so a trace under them could only show the forgery working.
+const SIM_POLICY: SignaturePolicy = SignaturePolicy::Require;
+/// The dispatchers' key id in the model.
+const SIM_KEY_ID: &str = "sim-dispatcher";
+/// The model of the dispatchers' private key: a signature over digest `d` is `d`'s 32 bytes
+/// followed by these 32. Nothing but a dispatcher writes them, so the adversary can only
+/// make up other bytes or copy a whole genuine signature (a replay, over other facts).
+const SIM_SECRET: [u8; 32] = *b"sealpost-sim dispatcher key 2026";
+/// The event types a message's envelope may name (genuine messages: the first).
+const EVENT_TYPES: [&str; 2] = ["order.placed.v1", "order.cancelled.v1"];
+/// The NATS-like adapter reads the copy a duplicate ACK points at and judges its seal before
+/// it reports a receipt (a forger who publishes first under the event's `Nats-Msg-Id` makes
+/// the genuine send a broker duplicate of the forgery). `sealpost-nats` does not do this yet:
+/// see docs/simulator.md (with `false`, the adversary gets forged copies adopted).
+const DUPLICATE_ACK_JUDGED: bool = true;
+
+/// The wire envelope a message describes (the simulated envelope: its event type only).
+fn wire_envelope(event_type: u8) -> WireEnvelope {
+    WireEnvelope {
+        event_type: EVENT_TYPES[usize::from(event_type)].to_string(),
+        ..WireEnvelope::default()
+    }
+}
+
+/// The model dispatcher key's signature over a claim digest.
+fn model_signature(digest: &Digest) -> [u8; SIGNATURE_LEN] {
+    let mut sig = [0u8; SIGNATURE_LEN];
+    sig[..32].copy_from_slice(&digest.0);
+    sig[32..].copy_from_slice(&SIM_SECRET);
+    sig
+}
+
+/// A dispatcher signs a request: the core's claim and header, the model key's bytes.
+fn sim_sign(claim: &SignedClaim) -> String {
+    SignatureHeader {
+        key_id: SIM_KEY_ID.to_string(),
+        signature: model_signature(&claim.digest()),
+    }
+    .format()
+}
+
+/// The readers' keyring in the model: the crypto answer and nothing else (what a reader then
+/// trusts is the core's `present` and `decide_seal`).
+fn sim_verify(kid: &str, sig: &[u8; SIGNATURE_LEN], digest: &Digest) -> Crypto {
+    if kid != SIM_KEY_ID {
+        Crypto::UnknownKey
+    } else if *sig == model_signature(digest) {
+        Crypto::Valid
+    } else {
+        Crypto::Invalid
+    }
+}
+
 /// Knobs of one trace, drawn from its seed.
 #[derive(Clone, Debug)]
 struct Config {
@@ -107,6 +170,12 @@ struct Config {
     scan_max: usize,
     p_seq0: u32,
     p_forge: u32,
+    /// Adversary, per mille per request that leaves: a forged copy of it reaches its subject
+    /// first.
+    p_forge_copy_first: u32,
+    /// Adversary, per mille per lookup: a forged copy of the event is published at its
+    /// subject just before the lookup reads it.
+    p_forge_copy_lookup: u32,
     /// Per-aggregate ordering of the route (R29): 0 never, 1 every policy generation, 2 the
     /// even generations only (a revision turns it on or off between an aggregate's events).
     ordering_mode: u8,
@@ -136,6 +205,10 @@ struct PubReq {
     create_if_absent: bool,
     /// The destination keeps per-aggregate order (R29; on the wire: a header).
     ordered: bool,
+    /// The envelope's event type (index into [`EVENT_TYPES`]).
+    event_type: u8,
+    /// The `Sealpost-Signature` header the dispatcher put on it.
+    signature: Option<Rc<str>>,
 }
 
 /// A batch handed to the adapter model, until every message has an outcome.
@@ -204,6 +277,10 @@ enum Ev {
     ConsumerRestart {
         c: u8,
     },
+    /// Adversary: a forged new event on some stream.
+    ForgeNewEvent,
+    /// Adversary: a genuine message's signature replayed onto other facts.
+    ReplaySignature,
     CleanupTick,
     PolicyRevision,
     MigrationRequest,
@@ -265,6 +342,49 @@ struct Msg {
     attempt_id: u64,
     payload_digest: Digest,
     destination_digest: Digest,
+    /// The envelope's event type (index into [`EVENT_TYPES`]).
+    event_type: u8,
+    /// The `Sealpost-Signature` header it carries.
+    signature: Option<Rc<str>>,
+    /// Ghost: published by the adversary, and not a dispatcher's signature over this very
+    /// claim (an exact replay of a genuine message is the genuine message).
+    forged: bool,
+}
+
+impl Msg {
+    /// The claim a reader rebuilds from the message (its headers and payload digest).
+    fn claim(&self) -> SignedClaim {
+        SignedClaim {
+            event_id: self.event_id,
+            member: self.member,
+            envelope_generation: self.envelope_generation,
+            payload_digest: self.payload_digest,
+            destination_digest: self.destination_digest,
+            envelope: wire_envelope(self.event_type),
+        }
+    }
+
+    /// What a lookup reads of the message at `sequence`: a receipt and its seal, unjudged.
+    fn found_copy(&self, cluster: &str, topic: &str, sequence: u64) -> FoundCopy {
+        FoundCopy::read(
+            Receipt {
+                event_id: self.event_id,
+                member: self.member,
+                envelope_generation: self.envelope_generation,
+                attempt_id: self.attempt_id,
+                payload_digest: self.payload_digest,
+                destination_digest: self.destination_digest,
+                cluster: cluster.to_string(),
+                stream: topic.to_string(),
+                partition: None,
+                sequence,
+                broker_duplicate: false,
+                source: ReceiptSource::Lookup,
+            },
+            Some(wire_envelope(self.event_type)),
+            self.signature.as_deref().map(str::to_string),
+        )
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -368,6 +488,9 @@ struct Consumer {
 /// Runs one trace.
 pub struct World {
     rng: ChaCha8Rng,
+    /// The adversary's own randomness (a separate stream: traces without a forgery draw
+    /// exactly what they drew before the adversary existed).
+    adv: ChaCha8Rng,
     cfg: Config,
     proto: Protocol,
     now: u64,
@@ -418,6 +541,8 @@ pub struct World {
     /// and envelopes lost): their later versions were written against a history the
     /// database no longer has, so the order checkers skip them (see docs/simulator.md).
     restore_broken: Vec<u32>,
+    /// Ghost: the digests of every claim a dispatcher signed.
+    signed: Vec<Digest>,
 }
 
 fn chance(rng: &mut ChaCha8Rng, per_mille: u32) -> bool {
@@ -520,6 +645,8 @@ impl World {
             p_redeliver: range(&mut rng, 0, 300) as u32,
             p_seq0: range(&mut rng, 0, 300) as u32,
             p_forge: range(&mut rng, 0, 80) as u32,
+            p_forge_copy_first: 0,
+            p_forge_copy_lookup: 0,
             p_effect_fail: range(&mut rng, 0, 250) as u32,
             p_db_unreachable: range(&mut rng, 0, 150) as u32,
             scan_max: range(&mut rng, 2, 60) as usize,
@@ -527,6 +654,13 @@ impl World {
             aggregates: 0,
         };
         let mut cfg = cfg;
+        let mut adv = ChaCha8Rng::seed_from_u64(trace_seed ^ 0x5EA1_F0E6_ADFE_25A1);
+        // A third of the traces have no copy forger; the others one of up to 15% of the
+        // requests and up to 20% of the lookups.
+        if !chance(&mut adv, 333) {
+            cfg.p_forge_copy_first = range(&mut adv, 0, 150) as u32;
+            cfg.p_forge_copy_lookup = range(&mut adv, 0, 200) as u32;
+        }
         // Half the traces give several facts to one aggregate (its versions 1, 2, ...).
         cfg.aggregates = if chance(&mut rng, 500) {
             range(&mut rng, 1, cfg.facts as u64) as u32
@@ -580,6 +714,7 @@ impl World {
             .collect();
         let mut w = World {
             rng,
+            adv,
             cfg,
             proto,
             now: 0,
@@ -615,6 +750,7 @@ impl World {
             reported: Vec::new(),
             ordered_stored: Vec::new(),
             restore_broken: Vec::new(),
+            signed: Vec::new(),
         };
         w.plan();
         w
@@ -718,6 +854,15 @@ impl World {
             self.at(t1, Ev::Snapshot);
             self.at(t2, Ev::Restore);
         }
+        // The adversary's own events, from its own randomness.
+        for _ in 0..range(&mut self.adv, 0, 2) {
+            let t = range(&mut self.adv, 0, end);
+            self.at(t, Ev::ForgeNewEvent);
+        }
+        for _ in 0..range(&mut self.adv, 0, 2) {
+            let t = range(&mut self.adv, 0, end);
+            self.at(t, Ev::ReplaySignature);
+        }
     }
 
     /// Runs the trace to quiescence (or its bound) and checks liveness.
@@ -820,6 +965,8 @@ impl World {
                 con.tick_scheduled = true;
                 self.at(self.now, Ev::ConsumerTick { c, inc });
             }
+            Ev::ForgeNewEvent => self.forge_new_event(),
+            Ev::ReplaySignature => self.replay_signature(),
             Ev::CleanupTick => {
                 self.cleanup(None);
                 self.at(self.now + CLEANUP_EVERY_MS, Ev::CleanupTick);
@@ -1315,21 +1462,23 @@ impl World {
             )
         });
         let row_ref = &self.db.rows[r];
-        Some((
-            SendRequest {
-                event_id: begin.event_id,
-                member: row_ref.member,
-                envelope_generation: begin.envelope_generation,
-                attempt_id,
-                payload_digest: row_ref.payload_digest,
-                destination,
-                destination_digest: begin.destination_digest,
-                payload: Vec::new(),
-                envelope: Default::default(),
-                signature: None,
-            },
-            stream,
-        ))
+        let mut req = SendRequest {
+            event_id: begin.event_id,
+            member: row_ref.member,
+            envelope_generation: begin.envelope_generation,
+            attempt_id,
+            payload_digest: row_ref.payload_digest,
+            destination,
+            destination_digest: begin.destination_digest,
+            payload: Vec::new(),
+            envelope: wire_envelope(0),
+            signature: None,
+        };
+        // The dispatcher signs what it sends (the core's claim of the request).
+        let claim = SignedClaim::of_request(&req);
+        req.signature = Some(sim_sign(&claim));
+        self.signed.push(claim.digest());
+        Some((req, stream))
     }
 
     /// Hands a batch to the adapter model. It leaves after a stall: in-flight permits, a
@@ -1365,6 +1514,8 @@ impl World {
                     stream,
                     create_if_absent,
                     ordered: s.destination.ordering == EventOrdering::PerAggregate,
+                    event_type: 0,
+                    signature: s.signature.map(Rc::from),
                 },
             )
             .collect();
@@ -1458,6 +1609,9 @@ impl World {
                     self.fault(Fault::PartitionMidSend);
                     None
                 } else {
+                    if self.faults_on && chance(&mut self.adv, self.cfg.p_forge_copy_first) {
+                        self.forge_copy_first(req);
+                    }
                     let t = self.now + range(&mut self.rng, 1, 40);
                     self.at(
                         t,
@@ -1647,7 +1801,8 @@ impl World {
             .get(s)
             .and_then(|st| st.msgs.get((r.sequence as usize).wrapping_sub(1)))
             .is_some_and(|m| {
-                m.event_id == r.event_id
+                !m.forged
+                    && m.event_id == r.event_id
                     && m.member == r.member
                     && m.payload_digest == r.payload_digest
             })
@@ -1754,7 +1909,33 @@ impl World {
             .msgs
             .iter()
             .any(|m| m.event_id == req.event_id && m.member == req.member);
+        let held_genuine = stream
+            .msgs
+            .iter()
+            .any(|m| !m.forged && m.event_id == req.event_id && m.member == req.member);
         let (seq, duplicate) = if let Some(seq) = dedup_hit {
+            if DUPLICATE_ACK_JUDGED && !self.duplicate_is_sealed(s, seq) {
+                // The copy the broker calls the original does not carry a seal this reader
+                // admits: not a receipt of this message, whose outcome is a lookup away.
+                self.stats.duplicate_acks_unsealed += 1;
+                self.note(|| {
+                    format!(
+                        "duplicate ACK for attempt {} points at an unsealed copy",
+                        req.attempt_id
+                    )
+                });
+                self.at(
+                    answer_at,
+                    Ev::AckArrive {
+                        d,
+                        inc,
+                        batch,
+                        slot,
+                        result: Box::new(SendResult::AlreadyStored),
+                    },
+                );
+                return;
+            }
             (seq, true)
         } else if req.create_if_absent && held {
             // The broker itself refuses a second copy (NATS: wrong last subject sequence).
@@ -1772,7 +1953,10 @@ impl World {
             );
             return;
         } else {
-            let first = !stream.msgs.iter().any(|m| m.event_id == req.event_id);
+            let first = !stream
+                .msgs
+                .iter()
+                .any(|m| !m.forged && m.event_id == req.event_id);
             stream.msgs.push(Msg {
                 ordered: req.ordered,
                 event_id: req.event_id,
@@ -1781,6 +1965,9 @@ impl World {
                 attempt_id: req.attempt_id,
                 payload_digest: req.payload_digest,
                 destination_digest: req.destination_digest,
+                event_type: req.event_type,
+                signature: req.signature.clone(),
+                forged: false,
             });
             let seq = stream.msgs.len() as u64;
             stream.dedup.push((req.event_id, req.member, seq, now));
@@ -1791,7 +1978,7 @@ impl World {
         };
         if held && !duplicate {
             self.stats.second_copies += 1;
-            if self.cfg.caps.create_if_absent {
+            if self.cfg.caps.create_if_absent && held_genuine {
                 let a = req.attempt_id;
                 self.violation_of(Violation::SecondCopies, 5_000_000 + a as u32, || {
                     format!("a create-if-absent broker stored a second copy (attempt {a})")
@@ -2028,6 +2215,7 @@ impl World {
             ReconcileAction::LookupMany(group) => {
                 for item in &group {
                     self.count_lookup(item);
+                    self.forge_copy_at_lookup(&item.destination, item.event_id, item.member);
                 }
                 let lookups = self.broker_scan(&group);
                 let t = self.now + range(&mut self.rng, 1, 200);
@@ -2042,6 +2230,7 @@ impl World {
             }
             ReconcileAction::Lookup(item) => {
                 self.count_lookup(&item);
+                self.forge_copy_at_lookup(&item.destination, item.event_id, item.member);
                 let lookup = self.broker_lookup(&item.destination, item.event_id, item.member);
                 let t = self.now + range(&mut self.rng, 1, 200);
                 self.at(
@@ -2111,7 +2300,23 @@ impl World {
                 self.reconciler.machine.handle_verify_batch(now, items);
             }
             ReconcileAction::VerifyLookup(v) => {
+                self.forge_copy_at_lookup(&v.destination, v.event_id, v.member);
                 let lookup = self.broker_lookup(&v.destination, v.event_id, v.member);
+                if let Lookup::Found(r) = &lookup {
+                    // Checker: the verification pass counts only a sealed copy present.
+                    let s = self.stream_index(&r.cluster, &r.stream) as usize;
+                    let forged = self
+                        .streams
+                        .get(s)
+                        .and_then(|st| st.msgs.get((r.sequence as usize).wrapping_sub(1)))
+                        .is_some_and(|m| m.forged);
+                    if forged {
+                        let e = v.event_id;
+                        self.violation(Violation::ForgedCopyAdopted, || {
+                            format!("verification counted a forged copy of {e} present")
+                        });
+                    }
+                }
                 let item = ReconcileItem {
                     event_id: v.event_id,
                     member: v.member,
@@ -2134,10 +2339,17 @@ impl World {
             }
             ReconcileAction::ReportMissing(v) => {
                 // Checker: the simulated brokers never lose a stored message, so a
-                // "published but missing" finding here is a false alarm.
-                self.violation(Violation::LostEvents, || {
-                    format!("verification reported {} missing at the broker", v.event_id)
-                });
+                // "published but missing" finding here is a false alarm, unless a forged
+                // copy sits at the event's subject (the lookup reads the last copy there and
+                // refuses its seal): a true finding for the operator.
+                let s = self.stream_of(&v.destination);
+                if self.forged_on(s, v.event_id, v.member) {
+                    self.stats.forgeries_reported += 1;
+                } else {
+                    self.violation(Violation::LostEvents, || {
+                        format!("verification reported {} missing at the broker", v.event_id)
+                    });
+                }
             }
         }
     }
@@ -2295,23 +2507,7 @@ impl World {
             |event_id, member| {
                 read.iter()
                     .position(|m| m.event_id == event_id && m.member == member)
-                    .map(|k| {
-                        let m = &read[k];
-                        Receipt {
-                            event_id: m.event_id,
-                            member: m.member,
-                            envelope_generation: m.envelope_generation,
-                            attempt_id: m.attempt_id,
-                            payload_digest: m.payload_digest,
-                            destination_digest: m.destination_digest,
-                            cluster: cluster.clone(),
-                            stream: topic.clone(),
-                            partition: None,
-                            sequence: (start + k) as u64 + 1,
-                            broker_duplicate: false,
-                            source: ReceiptSource::Lookup,
-                        }
-                    })
+                    .map(|k| read[k].found_copy(&cluster, &topic, (start + k) as u64 + 1))
             },
             reach,
         );
@@ -2335,7 +2531,7 @@ impl World {
                 format!("a scan answered {event_id} absent while the broker holds it")
             });
         }
-        lookups
+        lookups.into_iter().map(|l| self.judge(l)).collect()
     }
 
     /// "Did you store event X at destination D?" against the simulated broker: the last
@@ -2353,28 +2549,262 @@ impl World {
         {
             return Lookup::Unavailable;
         }
-        match stream
+        let lookup = match stream
             .msgs
             .iter()
             .enumerate()
             .rev()
             .find(|(_, m)| m.event_id == event_id && m.member == member)
         {
-            Some((i, m)) => Lookup::Found(Receipt {
-                event_id: m.event_id,
-                member: m.member,
-                envelope_generation: m.envelope_generation,
-                attempt_id: m.attempt_id,
-                payload_digest: m.payload_digest,
-                destination_digest: m.destination_digest,
-                cluster: dest.cluster.clone(),
-                stream: dest.topic.clone(),
-                partition: None,
-                sequence: i as u64 + 1,
-                broker_duplicate: false,
-                source: ReceiptSource::Lookup,
-            }),
+            Some((i, m)) => Lookup::Copy(Box::new(m.found_copy(
+                &dest.cluster,
+                &dest.topic,
+                i as u64 + 1,
+            ))),
             None => Lookup::Absent,
+        };
+        self.judge(lookup)
+    }
+
+    /// The reader judges a lookup's copy (the core's `judge_copy` through the protocol) right
+    /// where the adapter's answer comes back.
+    fn judge(&mut self, lookup: Lookup) -> Lookup {
+        let judged = self.proto.judge_copy(lookup, SIM_POLICY, sim_verify);
+        if matches!(judged, Lookup::Unsealed { .. }) {
+            self.stats.copies_unsealed += 1;
+        }
+        judged
+    }
+
+    /// The adapter reads the copy a duplicate ACK names (stream `s`, `seq`) and judges its
+    /// seal: true when the reader admits it.
+    fn duplicate_is_sealed(&mut self, s: usize, seq: u64) -> bool {
+        let st = &self.streams[s];
+        let Some(m) = st.msgs.get((seq as usize).wrapping_sub(1)) else {
+            return false;
+        };
+        let copy = m.found_copy(
+            CLUSTERS[st.cluster as usize],
+            TOPICS[st.topic as usize],
+            seq,
+        );
+        matches!(self.judge(Lookup::Copy(Box::new(copy))), Lookup::Found(_))
+    }
+
+    /// Ghost: does stream `s` hold a forged message under this event id and member?
+    fn forged_on(&self, s: Option<u8>, event_id: EventId, member: u16) -> bool {
+        s.and_then(|s| self.streams.get(s as usize))
+            .is_some_and(|st| {
+                st.msgs
+                    .iter()
+                    .any(|m| m.forged && m.event_id == event_id && m.member == member)
+            })
+    }
+
+    // ---------------------------------------------------------------- the adversary
+    //
+    // Anyone with publish rights on a stream: it sees what crosses the wire (headers,
+    // payloads, signatures) but holds no dispatcher key. Every message it publishes is
+    // ghost-marked `forged`; the checkers count one applied or adopted.
+
+    /// A signature header for a message the adversary makes up: none, a malformed one, an
+    /// unknown key's, made-up bytes under the dispatchers' key id, or a genuine signature
+    /// copied from a message on the streams (a replay over other facts).
+    fn forged_signature(&mut self) -> Option<Rc<str>> {
+        let mut bytes = [0u8; SIGNATURE_LEN];
+        self.adv.fill_bytes(&mut bytes);
+        let header = |kid: &str| -> Option<Rc<str>> {
+            Some(Rc::from(
+                SignatureHeader {
+                    key_id: kid.to_string(),
+                    signature: bytes,
+                }
+                .format(),
+            ))
+        };
+        match self.adv.next_u32() % 5 {
+            0 => None,
+            1 => Some(Rc::from("ed25519 kid=sim-dispatcher sig=forged")),
+            2 => header("stolen-laptop"),
+            3 => header(SIM_KEY_ID),
+            _ => {
+                let n: usize = self.streams.iter().map(|st| st.msgs.len()).sum();
+                if n == 0 {
+                    return None;
+                }
+                let mut k = self.adv.next_u32() as usize % n;
+                for st in &self.streams {
+                    if k < st.msgs.len() {
+                        return st.msgs[k].signature.clone();
+                    }
+                    k -= st.msgs.len();
+                }
+                None
+            }
+        }
+    }
+
+    /// The adversary publishes `m` on stream `s` as any client may: without create-if-absent;
+    /// with `msg_id` it sets the event id as the broker's duplicate id (and is dropped as a
+    /// duplicate inside the window of a stored one). True when the broker stored it.
+    fn forge_publish(&mut self, s: usize, mut m: Msg, msg_id: bool) -> bool {
+        // Ghost: forged unless it carries a dispatcher's signature over its very claim.
+        let digest = m.claim().digest();
+        m.forged = !(self.signed.contains(&digest)
+            && m.signature.as_deref()
+                == Some(
+                    SignatureHeader {
+                        key_id: SIM_KEY_ID.to_string(),
+                        signature: model_signature(&digest),
+                    }
+                    .format()
+                    .as_str(),
+                ));
+        let cluster = self.streams[s].cluster as usize;
+        if self.broker_down_until[cluster] > self.now || self.stream_deleted_until[s] > self.now {
+            return false;
+        }
+        let now = self.now;
+        let window = self.cfg.dup_window_ms;
+        let stream = &mut self.streams[s];
+        if msg_id {
+            stream.dedup.retain(|e| e.3 + window > now);
+            if stream
+                .dedup
+                .iter()
+                .any(|e| e.0 == m.event_id && e.1 == m.member)
+            {
+                return false;
+            }
+        }
+        let (event_id, member) = (m.event_id, m.member);
+        stream.msgs.push(m);
+        let seq = stream.msgs.len() as u64;
+        if msg_id {
+            stream.dedup.push((event_id, member, seq, now));
+        }
+        self.note(|| format!("adversary stores a forged {event_id} at stream {s}#{seq}"));
+        self.wake_consumers();
+        true
+    }
+
+    /// Fault: a forged new event (a fresh event id) on a random stream.
+    fn forge_new_event(&mut self) {
+        if !self.faults_on {
+            return;
+        }
+        let s = self.adv.next_u32() as usize % self.streams.len();
+        let mut random = [0u8; 10];
+        self.adv.fill_bytes(&mut random);
+        let mut digest = [0u8; 32];
+        self.adv.fill_bytes(&mut digest);
+        let m = Msg {
+            ordered: false,
+            event_id: EventId::mint(1_700_000_000_000 + self.now, random),
+            member: 0,
+            envelope_generation: 1,
+            attempt_id: 9_500_000 + u64::from(self.adv.next_u32() % 1000),
+            payload_digest: Digest(digest),
+            destination_digest: Digest([0x5a; 32]),
+            event_type: (self.adv.next_u32() % 2) as u8,
+            signature: self.forged_signature(),
+            forged: true,
+        };
+        if self.forge_publish(s, m, true) {
+            self.fault(Fault::ForgedNewEvent);
+        }
+    }
+
+    /// Fault: a genuine message's signature replayed onto another event id, payload or
+    /// event type (the rest of its headers copied).
+    fn replay_signature(&mut self) {
+        if !self.faults_on {
+            return;
+        }
+        let genuine: Vec<(usize, usize)> = (0..self.streams.len())
+            .flat_map(|s| {
+                self.streams[s]
+                    .msgs
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, m)| !m.forged)
+                    .map(move |(k, _)| (s, k))
+            })
+            .collect();
+        if genuine.is_empty() {
+            // Nothing to copy yet: the adversary waits for traffic.
+            let t = self.now + range(&mut self.adv, 1_000, 10_000);
+            self.at(t, Ev::ReplaySignature);
+            return;
+        }
+        let (s, k) = genuine[self.adv.next_u32() as usize % genuine.len()];
+        let mut m = self.streams[s].msgs[k].clone();
+        m.forged = true;
+        match self.adv.next_u32() % 3 {
+            0 => {
+                let mut random = [0u8; 10];
+                self.adv.fill_bytes(&mut random);
+                m.event_id = EventId::mint(1_700_000_000_000 + self.now, random);
+            }
+            1 => m.payload_digest = Digest([0xad; 32]),
+            _ => m.event_type = 1 - m.event_type,
+        }
+        let msg_id = self.adv.next_u32().is_multiple_of(2);
+        if self.forge_publish(s, m, msg_id) {
+            self.fault(Fault::ReplayedSignature);
+        }
+    }
+
+    /// Fault: the adversary saw `req` leave and gets its own copy (the request's headers,
+    /// sometimes another payload, no valid signature) to the subject first.
+    fn forge_copy_first(&mut self, req: &PubReq) {
+        let m = Msg {
+            ordered: req.ordered,
+            event_id: req.event_id,
+            member: req.member,
+            envelope_generation: req.envelope_generation,
+            attempt_id: req.attempt_id,
+            payload_digest: if self.adv.next_u32().is_multiple_of(3) {
+                Digest([0xf0; 32])
+            } else {
+                req.payload_digest
+            },
+            destination_digest: req.destination_digest,
+            event_type: req.event_type,
+            signature: self.forged_signature(),
+            forged: true,
+        };
+        let msg_id = !self.adv.next_u32().is_multiple_of(4);
+        if self.forge_publish(req.stream as usize, m, msg_id) {
+            self.fault(Fault::ForgedCopyFirst);
+        }
+    }
+
+    /// Fault (before a lookup of `event_id`/`member` at `dest`): the adversary publishes a
+    /// copy of the row's latest attempt (its headers, no valid signature) at the subject.
+    fn forge_copy_at_lookup(&mut self, dest: &Destination, event_id: EventId, member: u16) {
+        if !self.faults_on || !chance(&mut self.adv, self.cfg.p_forge_copy_lookup) {
+            return;
+        }
+        let (Some(r), Some(s)) = (self.row_of(event_id, member), self.stream_of(dest)) else {
+            return;
+        };
+        let signature = self.forged_signature();
+        let row = &self.db.rows[r as usize];
+        let m = Msg {
+            ordered: false,
+            event_id,
+            member,
+            envelope_generation: row.envelope_generation,
+            attempt_id: row.attempts.last().map_or(1, |a| a.id),
+            payload_digest: row.payload_digest,
+            destination_digest: row.destination_digest,
+            event_type: 0,
+            signature,
+            forged: true,
+        };
+        if self.forge_publish(s as usize, m, false) {
+            self.fault(Fault::ForgedCopyAtLookup);
         }
     }
 
@@ -2433,8 +2863,18 @@ impl World {
                 self.wake_dispatchers();
             }
             ReconcileDecision::StayUnknown => {}
-            ReconcileDecision::Conflict(_) => {
+            ReconcileDecision::Conflict(reason) => {
                 self.stats.quarantined_receipts += 1;
+                // Checker: a row parks as an unsealed copy only where a forgery sits at its
+                // subject.
+                let s = self.stream_of(&self.db.rows[r].destination);
+                if *reason == QuarantineReason::UnsealedCopy
+                    && !self.forged_on(s, item.event_id, item.member)
+                {
+                    self.violation_of(Violation::Liveness, r as u32, || {
+                        format!("row {r} parked as an unsealed copy without a forgery")
+                    });
+                }
                 // Ghost: this row waits for an operator who must move it elsewhere; the
                 // simulated operator only releases poison.
                 if !self.conflicts.contains(&row) {
@@ -2590,6 +3030,32 @@ impl World {
                 }
             }
         };
+        // The delivery check before the inbox (the core's `decide_delivery` through the
+        // protocol): the signature verified over the claim rebuilt from the message.
+        let claim = m.claim();
+        let presented = present(m.signature.as_deref(), Some(&claim), sim_verify);
+        if let Err(refusal) =
+            self.proto
+                .decide_delivery(m.payload_digest, m.payload_digest, SIM_POLICY, &presented)
+        {
+            // Recorded in the consumer's quarantine, then acked: never applied.
+            self.stats.deliveries_unsealed += 1;
+            if !m.forged {
+                self.violation(Violation::Liveness, || {
+                    format!("consumer {ci} refused a genuine message: {refusal}")
+                });
+            }
+            match self
+                .proto
+                .decide_settlement(Processed::Quarantined, delivered, SIM_REDELIVERY)
+            {
+                Settlement::Ack => self.ack_position(ci, s, pos),
+                other => self.violation(Violation::Liveness, || {
+                    format!("consumer {ci}: a refused delivery settled as {other:?}")
+                }),
+            }
+            return true;
+        }
         if decision == InboxDecision::Apply {
             if let Some((_, version)) = agg_version.filter(|_| m.ordered) {
                 if self.proto.decide_apply_order(last, version) == ApplyOrder::Hold {
@@ -2763,11 +3229,17 @@ impl World {
                 && !self
                     .streams
                     .iter()
-                    .any(|s| s.msgs.iter().any(|m| m.event_id == x.event_id))
+                    .any(|s| s.msgs.iter().any(|m| !m.forged && m.event_id == x.event_id))
         })
     }
 
     fn apply_effect(&mut self, ci: usize, m: &Msg) {
+        if m.forged {
+            let e = m.event_id;
+            self.violation(Violation::ForgeryApplied, || {
+                format!("consumer {ci} applied a forged message under {e}")
+            });
+        }
         // Checker: the effect's payload is the sealed one.
         let sealed = self
             .db
@@ -2987,6 +3459,11 @@ impl World {
                     .and_then(|st| st.msgs.get((p.sequence as usize).wrapping_sub(1)));
                 let not_held =
                     !held.is_some_and(|m| m.event_id == row.event_id && m.member == row.member);
+                if held.is_some_and(|m| m.forged) {
+                    self.violation_of(Violation::ForgedCopyAdopted, i as u32, || {
+                        format!("row {i}'s primary receipt points at a forged copy")
+                    });
+                }
                 if diverges {
                     self.violation_of(Violation::DivergentPayloads, i as u32, || {
                         format!("row {i} primary receipt diverges from the envelope")
@@ -3056,6 +3533,22 @@ impl World {
             if row.state == State::Quarantined && self.conflicts.contains(&(i as u32)) {
                 // Parked with its evidence for an operator (R28: a manual exit), not lost.
                 self.stats.conflicts_parked += 1;
+                let s = self.stream_of(&row.destination);
+                if self.forged_on(s, row.event_id, row.member) {
+                    self.stats.unsealed_parked += 1;
+                    // The genuine copy is stored too (the forgery came after it and the
+                    // lookup reads the subject's last copy): parked although published.
+                    let genuine = s
+                        .and_then(|s| self.streams.get(s as usize))
+                        .is_some_and(|st| {
+                            st.msgs.iter().any(|m| {
+                                !m.forged && m.event_id == row.event_id && m.member == row.member
+                            })
+                        });
+                    if genuine {
+                        self.stats.unsealed_parked_shadowing += 1;
+                    }
+                }
                 continue;
             }
             if self.behind_conflict(i) {

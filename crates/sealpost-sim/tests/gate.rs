@@ -52,6 +52,14 @@ fn gate_100k_traces_zero_violations() {
         s.verified > 0,
         "the verification pass must re-check published rows at the broker"
     );
+    assert!(
+        s.deliveries_unsealed > 0 && s.copies_unsealed > 0,
+        "consumers and lookups must meet forged messages and refuse them"
+    );
+    assert!(
+        s.unsealed_parked > 0,
+        "a forgery occupying a create-if-absent subject must park its row for the operator"
+    );
     for f in sealpost_sim::Fault::ALL {
         assert!(
             s.faults.get(f) > 0,
@@ -85,6 +93,8 @@ fn expected_class(m: Mutant) -> Option<Violation> {
         Mutant::AckFailedEffect => Some(Violation::Liveness),
         Mutant::AbsentFromUnfinishedScan => Some(Violation::FalseAbsences),
         Mutant::UnguardedFastPath => Some(Violation::LostEvents),
+        Mutant::AdoptUnsignedCopy => Some(Violation::ForgedCopyAdopted),
+        Mutant::ConsumerSkipsSignature => Some(Violation::ForgeryApplied),
     }
 }
 
