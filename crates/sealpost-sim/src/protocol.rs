@@ -494,22 +494,7 @@ impl Protocol {
         } else {
             reach
         };
-        // Interim (the lead's branch): copies read without a seal, judged at once under
-        // `Off`, until the simulator models signatures.
-        reconcile::decide_scanned(
-            group,
-            |e, m| found(e, m).map(|r| sealpost_core::signature::FoundCopy::read(r, None, None)),
-            reach,
-        )
-        .into_iter()
-        .map(|l| {
-            sealpost_core::signature::judge_copy(
-                l,
-                sealpost_core::signature::SignaturePolicy::Off,
-                |_, _, _| sealpost_core::signature::Crypto::Invalid,
-            )
-        })
-        .collect()
+        reconcile::decide_scanned(group, found, reach)
     }
 
     pub fn decide_reconcile(
