@@ -149,18 +149,10 @@ pub struct Keyring {
 
 impl std::fmt::Debug for Keyring {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let mut ids: Vec<String> = self
-            .keys
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .keys()
-            .cloned()
-            .collect();
-        ids.sort();
         f.debug_struct("Keyring")
             .field("policy", &self.policy.name())
             .field("dir", &self.dir)
-            .field("key_ids", &ids)
+            .field("key_ids", &self.key_ids())
             .finish()
     }
 }
