@@ -203,7 +203,7 @@ impl Drill {
             assert!(
                 matches!(
                     self.nats.lookup_topic(&self.topic, id, 0).await,
-                    Lookup::Copy(_)
+                    Lookup::Copies(_)
                 ),
                 "{id} not in the stream"
             );

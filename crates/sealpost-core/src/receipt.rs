@@ -193,8 +193,7 @@ pub fn decide_receipt(row: &EventRow, r: &Receipt) -> ReceiptVerdict {
 /// publication), else a duplicate.
 fn adopt(row: &EventRow) -> ReceiptVerdict {
     match row.primary {
-        // A lookup returns the last copy; if it is not the primary's position, it is a
-        // second copy, a finding.
+        // A copy adopted while the slot is filled is a second copy, a finding.
         Some(_) => ReceiptVerdict::Duplicate(DuplicateKind::SecondCopy),
         None => ReceiptVerdict::Primary,
     }

@@ -16,10 +16,14 @@ pub enum Lookup {
     /// the reader admitted ([`crate::signature::judge_copy`]), or a broker whose adapter
     /// reads no seal.
     Found(Receipt),
-    /// A stored message as the adapter read it, its signature not yet judged: the reader
-    /// turns it into `Found` or `Unsealed` with [`crate::signature::judge_copy`] before any
-    /// decision. Undecided, a decision leaves the row unknown.
-    Copy(Box<crate::signature::FoundCopy>),
+    /// The stored messages for the event at the frozen destination as the adapter read them,
+    /// oldest first (never empty, at most [`crate::signature::COPIES_MAX`]), their signatures
+    /// not yet judged: the reader turns them into `Found` (the first copy whose seal it
+    /// admits) or `Unsealed` with [`crate::signature::judge_copy`] before any decision.
+    /// Every copy is read, not only the first or the last: anyone who may publish there can
+    /// put a look-alike before or after the genuine one. Undecided, a decision leaves the row
+    /// unknown.
+    Copies(Vec<crate::signature::FoundCopy>),
     /// A stored message whose seal the reader refused: forged, or signed by a key it does not
     /// hold. Never adopted, never counted as present.
     Unsealed {
@@ -82,24 +86,27 @@ pub struct ScanReach {
     pub start_deleted: bool,
 }
 
-/// The answer of one scan for each event of its group (R13): `Copy` (its seal to be judged)
-/// for an event the scan saw, `Absent` only for an event it did not see **and** a scan that read its whole range
+/// The answer of one scan for each event of its group (R13): `Copies` (their seals to be
+/// judged) for an event the scan saw, `Absent` only for an event it did not see **and** a scan that read its whole range
 /// (nothing proven from a range it did not finish: a bound, a time limit or an error stops a
 /// scan short), `Unqueryable` when retention removed records the scan needed, `Unavailable`
 /// (nothing learned) otherwise. Every adapter that scans, and the simulator, answer through
 /// this.
 pub fn decide_scanned(
     group: &[(crate::envelope::EventId, u16)],
-    found: impl Fn(crate::envelope::EventId, u16) -> Option<crate::signature::FoundCopy>,
+    found: impl Fn(crate::envelope::EventId, u16) -> Vec<crate::signature::FoundCopy>,
     reach: ScanReach,
 ) -> Vec<Lookup> {
     group
         .iter()
-        .map(|&(event_id, member)| match found(event_id, member) {
-            Some(c) => Lookup::Copy(Box::new(c)),
-            None if reach.start_deleted => Lookup::Unqueryable,
-            None if reach.finished => Lookup::Absent,
-            None => Lookup::Unavailable,
+        .map(|&(event_id, member)| {
+            let copies = found(event_id, member);
+            match () {
+                _ if !copies.is_empty() => Lookup::Copies(copies),
+                _ if reach.start_deleted => Lookup::Unqueryable,
+                _ if reach.finished => Lookup::Absent,
+                _ => Lookup::Unavailable,
+            }
         })
         .collect()
 }
@@ -228,7 +235,7 @@ pub fn decide_reconcile(
         }
         Lookup::Unsealed { .. } => retry(None),
         // Not judged by the shell: nothing is decided on an unchecked copy.
-        Lookup::Copy(_) => ReconcileDecision::StayUnknown,
+        Lookup::Copies(_) => ReconcileDecision::StayUnknown,
         Lookup::Absent => retry(None),
         Lookup::Unqueryable if policy.redeliver_when_unqueryable => retry(None),
         Lookup::Unqueryable | Lookup::Unavailable => ReconcileDecision::StayUnknown,

@@ -514,7 +514,7 @@ pub fn decide_verify(item: &VerifyItem, lookup: &Lookup) -> VerifyVerdict {
         // A copy whose seal was refused is not the event: the genuine one is missing.
         Lookup::Found(_) | Lookup::Unsealed { .. } | Lookup::Absent => VerifyVerdict::Missing,
         // Not judged: nothing learned.
-        Lookup::Copy(_) | Lookup::Unavailable | Lookup::Unqueryable => VerifyVerdict::Unknown,
+        Lookup::Copies(_) | Lookup::Unavailable | Lookup::Unqueryable => VerifyVerdict::Unknown,
     }
 }
 

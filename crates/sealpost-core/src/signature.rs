@@ -20,8 +20,10 @@
 //! * [`Presented`]: what checking a message's signature found (the shell's crypto answer),
 //!   and [`decide_seal`]: the one rule of what a reader may trust, under the reader's
 //!   [`SignaturePolicy`].
-//! * [`judge_copy`]: a copy found by a lookup becomes adoptable evidence ([`Lookup::Found`])
-//!   only if its seal is admitted; otherwise [`Lookup::Unsealed`].
+//! * [`judge_copy`]: the copies a lookup found become adoptable evidence ([`Lookup::Found`])
+//!   only through a copy whose seal is admitted; otherwise [`Lookup::Unsealed`].
+//! * [`is_this_message`]: whether a copy a broker calls the original of a send is that very
+//!   message (a duplicate acknowledgement is a receipt only then).
 
 use crate::encoding::{Canonical, Digest};
 use crate::envelope::EventId;
@@ -345,26 +347,54 @@ pub fn present(
     }
 }
 
-/// Judges the seal of a copy a lookup found: [`Lookup::Copy`] becomes [`Lookup::Found`] when
-/// [`decide_seal`] admits what the copy presents ([`present`] with the shell's `verify`),
-/// and [`Lookup::Unsealed`] otherwise; every other answer is returned as it is. The
+/// Copies of one event at one destination a lookup reads at most. A genuine copy is the
+/// first on its subject at a create-if-absent broker (NATS refuses the genuine send once
+/// anything holds the subject), so only a forger's flood reaches the bound, and what the
+/// bound costs is then liveness (the row stays unknown or is retried), never a forged copy
+/// adopted.
+pub const COPIES_MAX: usize = 16;
+
+/// Judges the seals of the copies a lookup found: [`Lookup::Copies`] becomes
+/// [`Lookup::Found`] with the first (oldest) copy whose seal [`decide_seal`] admits
+/// ([`present`] with the shell's `verify`), and [`Lookup::Unsealed`] with the first copy and
+/// its refusal when none is admitted; every other answer is returned as it is. The
 /// reconciler and the verification pass call this before they decide anything on a copy.
 pub fn judge_copy(
     lookup: Lookup,
     policy: SignaturePolicy,
-    verify: impl FnOnce(&str, &[u8; SIGNATURE_LEN], &Digest) -> Crypto,
+    mut verify: impl FnMut(&str, &[u8; SIGNATURE_LEN], &Digest) -> Crypto,
 ) -> Lookup {
     match lookup {
-        Lookup::Copy(copy) => {
-            let FoundCopy { receipt, seal } = *copy;
-            let presented = present(seal.signature.as_deref(), seal.claim.as_ref(), verify);
-            match decide_seal(policy, &presented) {
-                Ok(()) => Lookup::Found(receipt),
-                Err(refusal) => Lookup::Unsealed { receipt, refusal },
+        Lookup::Copies(copies) => {
+            let mut first_refused = None;
+            for FoundCopy { receipt, seal } in copies {
+                let presented =
+                    present(seal.signature.as_deref(), seal.claim.as_ref(), &mut verify);
+                match decide_seal(policy, &presented) {
+                    Ok(()) => return Lookup::Found(receipt),
+                    Err(refusal) => {
+                        first_refused.get_or_insert(Lookup::Unsealed { receipt, refusal });
+                    }
+                }
             }
+            // An empty list is no answer at all: nothing learned.
+            first_refused.unwrap_or(Lookup::Unavailable)
         }
         other => other,
     }
+}
+
+/// Whether `copy` is the very message a sender put on the wire under `claim` and
+/// `signature`: the same claim (rebuilt from the copy's headers and the digest of its stored
+/// bytes) and the same signature header, byte for byte. A broker that answers a send with
+/// "duplicate of the message stored at N" (NATS within its duplicate window) names whatever
+/// was published first under the event's duplicate id, possibly a forger's look-alike: the
+/// send is a receipt only when the copy at N is this message; otherwise its outcome is a
+/// lookup away ([`crate::port::SendResult::AlreadyStored`]). Ed25519 signatures are
+/// deterministic, so an earlier attempt's copy under the same key compares equal; one signed
+/// under a key rotated since does not, and goes to the reconciler, whose keyring judges it.
+pub fn is_this_message(claim: &SignedClaim, signature: Option<&str>, copy: &FoundCopy) -> bool {
+    copy.seal.claim.as_ref() == Some(claim) && copy.seal.signature.as_deref() == signature
 }
 
 #[cfg(test)]

@@ -21,7 +21,8 @@ use sealpost_core::reconcile::{
 };
 use sealpost_core::reconciler::{decide_verify, VerifyItem, VerifyVerdict};
 use sealpost_core::signature::{
-    judge_copy, Crypto, FoundCopy, SealRefusal, SignatureHeader, SignaturePolicy, SIGNATURE_LEN,
+    is_this_message, judge_copy, Crypto, FoundCopy, SealRefusal, SignatureHeader, SignaturePolicy,
+    SignedClaim, SIGNATURE_LEN,
 };
 use sealpost_core::{
     AttemptStatus, ClaimDecision, ClaimToken, Destination, Digest, DuplicateKind, EventId,
@@ -1721,11 +1722,15 @@ const CREATE_IF_ABSENT: ReconcilePolicy = ReconcilePolicy {
 
 /// A lookup's answer as the adapter reads it: the copy of `r` carrying `signature`.
 fn copy_of(r: &Receipt, signature: Option<&str>) -> Lookup {
-    Lookup::Copy(Box::new(FoundCopy::read(
+    Lookup::Copies(vec![read_copy(r, signature)])
+}
+
+fn read_copy(r: &Receipt, signature: Option<&str>) -> FoundCopy {
+    FoundCopy::read(
         found(r),
         Some(WireEnvelope::default()),
         signature.map(str::to_string),
-    )))
+    )
 }
 
 fn header() -> String {
@@ -1868,4 +1873,132 @@ fn verification_counts_an_unsealed_copy_missing_and_an_unjudged_one_unknown() {
         |_, _, _| Crypto::Valid,
     );
     assert_eq!(decide_verify(&item, &sealed), VerifyVerdict::Held);
+}
+
+#[test]
+fn the_genuine_copy_is_adopted_wherever_forgeries_stand_beside_it() {
+    // A forger may publish look-alikes before the genuine copy (Kafka: nothing refuses a
+    // second copy) or after it (NATS: a publish without the expected-sequence header): the
+    // reader judges every copy the lookup read and adopts the sealed one, wherever it is.
+    let (row, rt) = reconciling();
+    let genuine = ack(&row, 1, 9);
+    let forged = |seq| ack(&row, 1, seq);
+    let forged_header = SignatureHeader {
+        key_id: "k-2026".into(),
+        signature: [4; SIGNATURE_LEN],
+    }
+    .format();
+    let verify = |_: &str, sig: &[u8; SIGNATURE_LEN], _: &Digest| {
+        if sig == &[9; SIGNATURE_LEN] {
+            Crypto::Valid
+        } else {
+            Crypto::Invalid
+        }
+    };
+    for order in [[0, 1, 2], [1, 0, 2], [1, 2, 0]] {
+        let copies: Vec<FoundCopy> = order
+            .iter()
+            .map(|&i| match i {
+                0 => read_copy(&genuine, Some(&header())),
+                1 => read_copy(&forged(7), None),
+                _ => read_copy(&forged(11), Some(&forged_header)),
+            })
+            .collect();
+        let judged = judge_copy(Lookup::Copies(copies), SignaturePolicy::Require, verify);
+        assert_eq!(judged, Lookup::Found(found(&genuine)), "order {order:?}");
+        assert_eq!(
+            decide_reconcile(&row, rt, &judged, CREATE_IF_ABSENT, T0 + 4),
+            ReconcileDecision::Accept(found(&genuine))
+        );
+    }
+    // Only forgeries: the oldest one is reported with its refusal (the copy that holds the
+    // subject at a create-if-absent broker).
+    let judged = judge_copy(
+        Lookup::Copies(vec![
+            read_copy(&forged(7), None),
+            read_copy(&forged(11), Some(&forged_header)),
+        ]),
+        SignaturePolicy::Require,
+        verify,
+    );
+    assert_eq!(
+        judged,
+        Lookup::Unsealed {
+            receipt: found(&forged(7)),
+            refusal: SealRefusal::Unsigned
+        }
+    );
+    // An adapter that found nothing must say Absent or Unavailable; an empty list is no
+    // proof of anything.
+    assert_eq!(
+        judge_copy(Lookup::Copies(vec![]), SignaturePolicy::Off, verify),
+        Lookup::Unavailable
+    );
+}
+
+#[test]
+fn a_duplicate_acknowledgement_is_a_receipt_only_for_this_very_message() {
+    let (row, _) = reconciling();
+    let request = sealpost_core::port::SendRequest {
+        event_id: row.event_id,
+        member: row.member,
+        envelope_generation: 1,
+        attempt_id: 1,
+        payload_digest: Digest([1; 32]),
+        destination: orders(),
+        destination_digest: orders().digest(),
+        payload: b"{}".to_vec(),
+        envelope: WireEnvelope {
+            event_type: "order.created.v1".into(),
+            ..WireEnvelope::default()
+        },
+        signature: Some(header()),
+    };
+    let stored = |r: &sealpost_core::port::SendRequest, signature: Option<String>| {
+        FoundCopy::read(
+            Receipt {
+                event_id: r.event_id,
+                member: r.member,
+                envelope_generation: r.envelope_generation,
+                attempt_id: 7,
+                payload_digest: r.payload_digest,
+                destination_digest: r.destination_digest,
+                cluster: "c".into(),
+                stream: "s".into(),
+                partition: None,
+                sequence: 3,
+                broker_duplicate: false,
+                source: ReceiptSource::Lookup,
+            },
+            Some(r.envelope.clone()),
+            signature,
+        )
+    };
+    let this = |copy: &FoundCopy| {
+        is_this_message(
+            &SignedClaim::of_request(&request),
+            request.signature.as_deref(),
+            copy,
+        )
+    };
+    // An earlier attempt of the same message (another attempt id, same facts and seal).
+    assert!(this(&stored(&request, Some(header()))));
+    // A forger's look-alike: no seal, another seal, another payload, another event type.
+    assert!(!this(&stored(&request, None)));
+    let other_seal = SignatureHeader {
+        key_id: "k-2026".into(),
+        signature: [4; SIGNATURE_LEN],
+    }
+    .format();
+    assert!(!this(&stored(&request, Some(other_seal))));
+    let mut other = request.clone();
+    other.payload_digest = Digest([2; 32]);
+    assert!(!this(&stored(&other, Some(header()))));
+    let mut other = request.clone();
+    other.envelope.event_type = "order.cancelled.v1".into();
+    assert!(!this(&stored(&other, Some(header()))));
+    // A copy whose headers are too incomplete to rebuild a claim is never this message.
+    let mut bare = stored(&request, Some(header()));
+    bare.seal.claim = None;
+    assert!(!this(&bare));
 }

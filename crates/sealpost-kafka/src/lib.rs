@@ -85,9 +85,9 @@ use sealpost_core::port::{
 };
 use sealpost_core::receipt::{Receipt, ReceiptSource};
 use sealpost_core::reconcile::{decide_scanned, Lookup, LookupScan, ScanReach};
-use sealpost_core::signature::FoundCopy;
 /// Header: the dispatcher's signature (`sealpost_core::signature`).
 pub use sealpost_core::signature::H_SIGNATURE;
+use sealpost_core::signature::{FoundCopy, COPIES_MAX};
 
 pub use rdkafka;
 pub use subscription::{unreadable_reason, KafkaSubscription};
@@ -754,7 +754,10 @@ impl Kafka {
             .iter()
             .map(|&(e, m)| ((e.to_string(), m.to_string()), (e, m)))
             .collect();
-        let mut found: std::collections::HashMap<(EventId, u16), FoundCopy> = Default::default();
+        // Every copy of each event in the range, oldest first: a look-alike published before
+        // the genuine copy must not hide it (the reader judges them all).
+        let mut found: std::collections::HashMap<(EventId, u16), Vec<FoundCopy>> =
+            Default::default();
         // Our id without our headers: not proof of our send.
         let mut unusable: std::collections::HashSet<(EventId, u16)> = Default::default();
         let began = Instant::now();
@@ -765,9 +768,7 @@ impl Kafka {
             start_deleted: false,
         };
         loop {
-            if found.len() == wanted.len() {
-                break; // every event seen: nothing left to prove
-            }
+            // No early stop once every event was seen: a later copy may be the sealed one.
             if read >= self.cfg.lookup_scan_max {
                 tracing::warn!(topic, partition, read, events = events.len(), "Kafka lookup: scan bound reached; nothing learned about the events not seen (raise lookup_scan_max, or resolve by hand)");
                 break;
@@ -824,13 +825,14 @@ impl Kafka {
                     })();
                     match parsed {
                         Some(r) => {
-                            found.entry((event_id, member)).or_insert_with(|| {
-                                FoundCopy::read(
+                            let copies = found.entry((event_id, member)).or_default();
+                            if copies.len() < COPIES_MAX {
+                                copies.push(FoundCopy::read(
                                     r,
                                     WireEnvelope::from_headers(|n| header_str(&m, n)),
                                     get(H_SIGNATURE).map(str::to_string),
-                                )
-                            });
+                                ));
+                            }
                         }
                         None => {
                             unusable.insert((event_id, member));
@@ -843,7 +845,11 @@ impl Kafka {
                 break;
             }
         }
-        let mut out = decide_scanned(events, |e, m| found.get(&(e, m)).cloned(), reach);
+        let mut out = decide_scanned(
+            events,
+            |e, m| found.get(&(e, m)).cloned().unwrap_or_default(),
+            reach,
+        );
         for (i, key) in events.iter().enumerate() {
             if unusable.contains(key) && !found.contains_key(key) {
                 out[i] = Lookup::Unavailable;

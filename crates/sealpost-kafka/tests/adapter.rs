@@ -236,8 +236,9 @@ async fn lookup_finds_the_stored_record_and_proves_an_unsent_one_absent() {
     };
     match kafka.lookup(&d, target.event_id, 0).await {
         // Unjudged: the reader judges its seal (`sealpost_core::signature::judge_copy`).
-        Lookup::Copy(c) => {
-            let r = c.receipt;
+        Lookup::Copies(c) => {
+            assert_eq!(c.len(), 1, "{c:?}");
+            let r = c[0].receipt.clone();
             assert_eq!((r.partition, r.sequence), (acked.partition, acked.sequence));
             assert_eq!(r.attempt_id, target.attempt_id);
             assert_eq!(r.payload_digest, target.payload_digest);
@@ -346,6 +347,97 @@ async fn an_unencodable_message_is_refused_alone_and_its_batch_is_sent() {
             } => assert!(detail.contains(field), "{detail}"),
             other => panic!("expected an Unencodable refusal, got {other:?}"),
         }
+    }
+    kafka.delete_topic(&t).await.unwrap();
+}
+
+/// Simulator finding (issue 23): Kafka refuses no second copy, so a look-alike can sit in the
+/// frozen partition *before* the genuine record (published by anyone who may write the
+/// topic). The lookup reads every copy in its range, oldest first, and the reader adopts
+/// the sealed one; before, the scan kept the first match and the genuine record was never
+/// found (the row was retried forever beside the forgery).
+#[tokio::test]
+async fn a_look_alike_before_the_genuine_record_does_not_hide_it() {
+    use rdkafka::message::{Header, OwnedHeaders};
+    use sealpost_core::signature::{judge_copy, Crypto, SignatureHeader, SignaturePolicy};
+    let t = topic("shadow");
+    let kafka = connect().await;
+    let _topic = teardown_kafka::topic(kafka.config(), &t);
+    kafka.ensure_topic(&t, 2).await.unwrap();
+    let d = destination(&t, "order-9", 2);
+    let mut genuine = request(&d, 900, b"{\"order\":\"o-9\"}");
+    genuine.signature = Some(
+        SignatureHeader {
+            key_id: "k-1".into(),
+            signature: [9; sealpost_core::signature::SIGNATURE_LEN],
+        }
+        .format(),
+    );
+    // The forger writes first, into the event's frozen partition, with its headers.
+    let mut producer = ClientConfig::new();
+    producer.set("bootstrap.servers", brokers());
+    for (k, v) in properties() {
+        producer.set(&k, &v);
+    }
+    let producer: FutureProducer = producer.create().unwrap();
+    let mut h = OwnedHeaders::new();
+    for (k, v) in [
+        (H_EVENT_ID, genuine.event_id.to_string()),
+        (sealpost_kafka::H_MEMBER, "0".to_string()),
+        (sealpost_kafka::H_ENVELOPE_GENERATION, "1".to_string()),
+        (H_ATTEMPT_ID, "900".to_string()),
+        (
+            sealpost_kafka::H_PAYLOAD_DIGEST,
+            genuine.payload_digest.to_prefixed_hex(),
+        ),
+        (
+            sealpost_kafka::H_DESTINATION_DIGEST,
+            genuine.destination_digest.to_prefixed_hex(),
+        ),
+    ] {
+        h = h.insert(Header {
+            key: k,
+            value: Some(v.as_str()),
+        });
+    }
+    let partition = d.partition().unwrap() as i32;
+    producer
+        .send(
+            FutureRecord::to(&t)
+                .partition(partition)
+                .key("order-9")
+                .payload("{\"order\":\"o-9\",\"total_cents\":1}")
+                .headers(h),
+            Duration::from_secs(10),
+        )
+        .await
+        .unwrap();
+    let SendResult::Receipt(acked) = kafka
+        .send_batch(vec![genuine.clone()], later())
+        .await
+        .remove(0)
+    else {
+        panic!("genuine send")
+    };
+    let Lookup::Copies(copies) = kafka.lookup(&d, genuine.event_id, 0).await else {
+        panic!("copies expected")
+    };
+    assert_eq!(copies.len(), 2, "both copies are read: {copies:?}");
+    assert!(
+        copies[0].receipt.sequence < copies[1].receipt.sequence,
+        "oldest first"
+    );
+    let judged = judge_copy(
+        Lookup::Copies(copies),
+        SignaturePolicy::Require,
+        |_, _, _| Crypto::Valid,
+    );
+    match judged {
+        Lookup::Found(r) => {
+            assert_eq!((r.partition, r.sequence), (acked.partition, acked.sequence));
+            assert_eq!(r.payload_digest, genuine.payload_digest);
+        }
+        other => panic!("the genuine record is found: {other:?}"),
     }
     kafka.delete_topic(&t).await.unwrap();
 }

@@ -9,7 +9,9 @@
 //! with the original sequence and `duplicate: true`, which stays a receipt with
 //! `broker_duplicate`), `Nats-Expected-Last-Subject-Sequence: 0` (create-if-absent: after the
 //! window the stream refuses a second copy with JetStream error 10071, which becomes
-//! [`SendResult::AlreadyStored`] and the reconciler looks the copy up), and headers carrying
+//! [`SendResult::AlreadyStored`] and the reconciler looks the copy up; a duplicate answer
+//! is a receipt only once the message it names was read and is this very message,
+//! `sealpost_core::signature::is_this_message`), and headers carrying
 //! the event id, member, envelope generation, attempt id and digests. The publish
 //! acknowledgement (stream, sequence) is the [`Receipt`]. No message is handed to the client
 //! once the batch deadline has passed ([`NeverSentReason::DeadlinePassed`]), nor while the
@@ -22,9 +24,10 @@
 //! carry (a CR or LF ends a header line) is refused alone as [`RefusalKind::Unencodable`]
 //! before it is handed to the client, and the rest of its batch is sent
 //! ([`sealpost_core::port::encode_request`]); any other failure after the request
-//! left is [`SendResult::NoAnswer`]. The lookup ("did you store event X at D?") is a
-//! last-by-subject read of the event's subject, which works for as long as the stream
-//! retains the message, not only inside the duplicate window. The cost is one subject per
+//! left is [`SendResult::NoAnswer`]. The lookup ("did you store event X at D?") reads every
+//! message on the event's subject, oldest first, for the reader to judge by their seals; it
+//! works for as long as the stream retains the message, not only inside the duplicate
+//! window. The cost is one subject per
 //! event in the stream's subject index (tens of bytes of server memory per retained event).
 //!
 //! **Durability and clusters.** The destination's frozen durability names the stream's
@@ -64,9 +67,9 @@ use sealpost_core::port::{
 };
 use sealpost_core::receipt::{Receipt, ReceiptSource};
 use sealpost_core::reconcile::Lookup;
-use sealpost_core::signature::FoundCopy;
 /// Header: the dispatcher's signature (`sealpost_core::signature`).
 pub use sealpost_core::signature::H_SIGNATURE;
+use sealpost_core::signature::{is_this_message, FoundCopy, SignedClaim, COPIES_MAX};
 use tokio::sync::Semaphore;
 
 pub use async_nats;
@@ -424,51 +427,92 @@ impl Nats {
             .remove(subject)
     }
 
-    /// "Did you store event X at topic T?" (R13): the last message on the event's subject.
+    /// "Did you store event X at topic T?" (R13): every message on the event's subject, oldest
+    /// first (at most [`COPIES_MAX`]), for the reader to judge. Not only the last one: anyone
+    /// who may publish on `sp.>` can put a look-alike after the genuine copy (a publish
+    /// without the expected-sequence header is not refused), and it must not hide the
+    /// genuine one.
     pub async fn lookup_topic(&self, topic: &str, event_id: EventId, member: u16) -> Lookup {
-        let stream = match self.js.get_stream(topic).await {
+        let stream = match self.js.get_stream_no_info(topic).await {
             Ok(s) => s,
             Err(_) => return Lookup::Unavailable,
         };
-        match stream
-            .get_last_raw_message_by_subject(&subject(topic, event_id, member))
-            .await
-        {
-            Ok(m) => {
-                let h = |name: &str| m.headers.get(name).map(|v| v.as_str().to_string());
-                let parsed = (|| {
-                    Some(Receipt {
-                        event_id: EventId::parse(&h(H_EVENT_ID)?)?,
-                        member: h(H_MEMBER)?.parse().ok()?,
-                        envelope_generation: h(H_ENVELOPE_GENERATION)?.parse().ok()?,
-                        attempt_id: h(H_ATTEMPT_ID)?.parse().ok()?,
-                        // The digest of the bytes stored, not the header's claim: a copy
-                        // someone else published with our headers is no proof of our send.
-                        payload_digest: payload_digest(&m.payload),
-                        destination_digest: Digest::from_hex(&h(H_DESTINATION_DIGEST)?)?,
-                        cluster: self.cluster.clone(),
-                        stream: topic.to_string(),
-                        partition: None,
-                        sequence: m.sequence,
-                        broker_duplicate: false,
-                        source: ReceiptSource::Lookup,
-                    })
-                })();
-                match parsed {
-                    // The reader judges its seal (`sealpost_core::signature::judge_copy`).
-                    Some(r) => Lookup::Copy(Box::new(FoundCopy::read(
-                        r,
-                        WireEnvelope::from_headers(|n| m.headers.get(n).map(|v| v.as_str())),
-                        h(H_SIGNATURE),
-                    ))),
-                    // A message on our subject without our headers: someone else published
-                    // there. Not proof of our send; leave it unknown for an operator.
-                    None => Lookup::Unavailable,
+        let subject = subject(topic, event_id, member);
+        let mut copies = Vec::new();
+        let mut from = 1;
+        while copies.len() < COPIES_MAX {
+            match stream
+                .get_first_raw_message_by_subject(&subject, from)
+                .await
+            {
+                Ok(m) => {
+                    from = m.sequence + 1;
+                    match self.copy_of(topic, &m) {
+                        Some(c) => copies.push(c),
+                        // A message on our subject without our headers: someone else
+                        // published there. Not proof of our send; if nothing else is
+                        // there, leave it unknown for an operator.
+                        None if copies.is_empty() => return Lookup::Unavailable,
+                        None => {}
+                    }
                 }
+                Err(e) if matches!(e.kind(), LastRawMessageErrorKind::NoMessageFound) => break,
+                // Nothing learned past what was read: an answer without every copy could
+                // hide the genuine one.
+                Err(_) => return Lookup::Unavailable,
             }
-            Err(e) if matches!(e.kind(), LastRawMessageErrorKind::NoMessageFound) => Lookup::Absent,
-            Err(_) => Lookup::Unavailable,
         }
+        if copies.is_empty() {
+            Lookup::Absent
+        } else {
+            Lookup::Copies(copies)
+        }
+    }
+
+    /// A stored message as a copy for the reader to judge: the receipt its headers describe
+    /// (payload digest of the stored bytes), its envelope description and its signature;
+    /// `None` when it lacks Sealpost's headers.
+    fn copy_of(&self, topic: &str, m: &jetstream::message::StreamMessage) -> Option<FoundCopy> {
+        let h = |name: &str| m.headers.get(name).map(|v| v.as_str().to_string());
+        let receipt = Receipt {
+            event_id: EventId::parse(&h(H_EVENT_ID)?)?,
+            member: h(H_MEMBER)?.parse().ok()?,
+            envelope_generation: h(H_ENVELOPE_GENERATION)?.parse().ok()?,
+            attempt_id: h(H_ATTEMPT_ID)?.parse().ok()?,
+            // The digest of the bytes stored, not the header's claim: a copy someone else
+            // published with our headers is no proof of our send.
+            payload_digest: payload_digest(&m.payload),
+            destination_digest: Digest::from_hex(&h(H_DESTINATION_DIGEST)?)?,
+            cluster: self.cluster.clone(),
+            stream: topic.to_string(),
+            partition: None,
+            sequence: m.sequence,
+            broker_duplicate: false,
+            source: ReceiptSource::Lookup,
+        };
+        Some(FoundCopy::read(
+            receipt,
+            WireEnvelope::from_headers(|n| m.headers.get(n).map(|v| v.as_str())),
+            h(H_SIGNATURE),
+        ))
+    }
+
+    /// Whether the message a duplicate acknowledgement names (stream `topic`, `sequence`) is
+    /// the one `r` sent (`sealpost_core::signature::is_this_message`). JetStream answers a
+    /// publish whose `Nats-Msg-Id` it saw within the duplicate window with the first
+    /// message's sequence, whoever published that: a forger who publishes first under the
+    /// event's id would otherwise have its copy taken for our receipt. `false` when the copy
+    /// cannot be read (then the outcome is a lookup away).
+    async fn duplicate_is_ours(&self, r: &SendRequest, topic: &str, sequence: u64) -> bool {
+        let Ok(stream) = self.js.get_stream_no_info(topic).await else {
+            return false;
+        };
+        let Ok(m) = stream.get_raw_message(sequence).await else {
+            return false;
+        };
+        self.copy_of(topic, &m).is_some_and(|copy| {
+            is_this_message(&SignedClaim::of_request(r), r.signature.as_deref(), &copy)
+        })
     }
 
     /// Maps the broker's answer to one publish that left.
@@ -650,7 +694,23 @@ impl Broker for Nats {
         ))
         .await;
         for (i, subject, a) in acks {
-            out[i] = Some(self.answer(&batch[i], &subject, a));
+            let mut result = self.answer(&batch[i], &subject, a);
+            if let SendResult::Receipt(r) = &result {
+                if r.broker_duplicate
+                    && !self
+                        .duplicate_is_ours(&batch[i], &r.stream, r.sequence)
+                        .await
+                {
+                    tracing::warn!(
+                        event_id = %batch[i].event_id,
+                        stream = %r.stream,
+                        sequence = r.sequence,
+                        "duplicate publish ack names a message that is not this event's (a look-alike published first under its id?); the reconciler looks it up"
+                    );
+                    result = SendResult::AlreadyStored;
+                }
+            }
+            out[i] = Some(result);
         }
         out.into_iter()
             .map(|r| r.unwrap_or(SendResult::NoAnswer))

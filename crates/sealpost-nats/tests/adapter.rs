@@ -135,8 +135,9 @@ async fn receipt_duplicate_already_stored_and_lookup() {
     // The lookup finds the first event with its headers, as a receipt.
     match nats.lookup(&d, r.event_id, 0).await {
         // Unjudged: the reader judges its seal (`sealpost_core::signature::judge_copy`).
-        Lookup::Copy(c) => {
-            let rec = c.receipt;
+        Lookup::Copies(c) => {
+            assert_eq!(c.len(), 1, "{c:?}");
+            let rec = c[0].receipt.clone();
             assert_eq!(rec.sequence, first.sequence);
             assert_eq!(rec.payload_digest, r.payload_digest);
             assert_eq!(rec.destination_digest, r.destination_digest);
@@ -208,7 +209,7 @@ async fn a_forged_copy_with_matching_headers_is_never_adopted() {
         .await
         .unwrap();
     let found = match nats.lookup(&d, victim.event_id, 0).await {
-        Lookup::Copy(c) => c.receipt,
+        Lookup::Copies(c) => c[0].receipt.clone(),
         other => panic!("the forged copy is found: {other:?}"),
     };
     assert_eq!(
@@ -455,4 +456,149 @@ async fn an_unencodable_message_is_refused_alone_and_its_batch_is_sent() {
     }
     assert_eq!(stream_messages(&nats, &t).await, 2);
     nats.js.delete_stream(&t).await.unwrap();
+}
+
+/// A well-formed signature header (the adapter never verifies one; the reader does).
+fn seal_header() -> String {
+    sealpost_core::signature::SignatureHeader {
+        key_id: "k-1".into(),
+        signature: [9; sealpost_core::signature::SIGNATURE_LEN],
+    }
+    .format()
+}
+
+/// A look-alike published on an event's subject (no expected-sequence header, so NATS takes
+/// it), as an independent client would, with the genuine message's headers and a foreign
+/// payload; under the event's `Nats-Msg-Id` when `same_msg_id` (NATS drops it as a duplicate
+/// if the genuine message came first inside the window).
+async fn publish_look_alike(
+    nats: &Nats,
+    topic: &str,
+    of: &SendRequest,
+    payload: &[u8],
+    same_msg_id: bool,
+) {
+    let mut headers = sealpost_nats::async_nats::HeaderMap::new();
+    for (k, v) in [
+        (sealpost_nats::H_EVENT_ID, of.event_id.to_string()),
+        (sealpost_nats::H_MEMBER, of.member.to_string()),
+        (
+            sealpost_nats::H_ENVELOPE_GENERATION,
+            of.envelope_generation.to_string(),
+        ),
+        (sealpost_nats::H_ATTEMPT_ID, of.attempt_id.to_string()),
+        (
+            sealpost_nats::H_PAYLOAD_DIGEST,
+            of.payload_digest.to_prefixed_hex(),
+        ),
+        (
+            sealpost_nats::H_DESTINATION_DIGEST,
+            of.destination_digest.to_prefixed_hex(),
+        ),
+    ] {
+        headers.insert(k, v.as_str());
+    }
+    if same_msg_id {
+        headers.insert("Nats-Msg-Id", of.event_id.to_string().as_str());
+    }
+    nats.js
+        .publish_with_headers(
+            subject(topic, of.event_id, 0),
+            headers,
+            payload.to_vec().into(),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+}
+
+/// Simulator finding (issue 23): a look-alike published *after* the genuine copy must not
+/// hide it. The lookup returns every copy on the subject, oldest first, and the reader's
+/// judgement picks the sealed one.
+#[tokio::test]
+async fn a_look_alike_after_the_genuine_copy_does_not_hide_it() {
+    let t = topic("SHD");
+    let (nats, _stream) = connect(&t).await;
+    let d = destination(CLUSTER, &t);
+    let mut genuine = request(&d, b"{\"order\":\"o-1\"}");
+    genuine.signature = Some(seal_header());
+    let SendResult::Receipt(ack) = nats
+        .send_batch(vec![genuine.clone()], later())
+        .await
+        .remove(0)
+    else {
+        panic!("genuine send")
+    };
+    // Under the event's id the broker drops it as a duplicate; under another id it is stored.
+    for (payload, same_msg_id) in [
+        (&b"{\"order\":\"o-1\",\"forged\":true}"[..], true),
+        (b"{\"order\":\"o-1\",\"forged\":1}", false),
+        (b"{\"order\":\"o-1\",\"forged\":2}", false),
+    ] {
+        publish_look_alike(&nats, &t, &genuine, payload, same_msg_id).await;
+    }
+    let Lookup::Copies(copies) = nats.lookup(&d, genuine.event_id, 0).await else {
+        panic!("copies expected")
+    };
+    assert_eq!(copies.len(), 3, "every copy on the subject is read");
+    assert_eq!(copies[0].receipt.sequence, ack.sequence, "oldest first");
+    assert_eq!(copies[0].seal.signature, genuine.signature);
+    // The reader admits only the genuine signature: the genuine copy is found, wherever the
+    // look-alikes stand.
+    let judged = sealpost_core::signature::judge_copy(
+        Lookup::Copies(copies),
+        sealpost_core::signature::SignaturePolicy::Require,
+        |_, _, _| sealpost_core::signature::Crypto::Valid,
+    );
+    match judged {
+        Lookup::Found(r) => {
+            assert_eq!(r.sequence, ack.sequence);
+            assert_eq!(r.payload_digest, genuine.payload_digest);
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+/// Simulator finding (issue 23): a forger who publishes first under the event's
+/// `Nats-Msg-Id` makes the genuine send a broker duplicate whose ACK names the forgery's
+/// sequence. The adapter reads that message: not this one, so the send is "already stored"
+/// (a lookup away), never a receipt. A genuine re-send within the window stays a receipt.
+#[tokio::test]
+async fn a_duplicate_ack_naming_a_look_alike_is_not_a_receipt() {
+    let t = topic("DUP");
+    let (nats, _stream) = connect(&t).await;
+    let d = destination(CLUSTER, &t);
+    let mut victim = request(&d, b"{\"order\":\"o-2\"}");
+    victim.signature = Some(seal_header());
+    publish_look_alike(
+        &nats,
+        &t,
+        &victim,
+        b"{\"order\":\"o-2\",\"total_cents\":1}",
+        true,
+    )
+    .await;
+    assert_eq!(
+        nats.send_batch(vec![victim.clone()], later()).await,
+        vec![SendResult::AlreadyStored],
+        "a duplicate of the look-alike is no receipt of the genuine send"
+    );
+    // The genuine case: the same message sent twice inside the window.
+    let mut ours = request(&d, b"{\"order\":\"o-3\"}");
+    ours.signature = Some(seal_header());
+    let SendResult::Receipt(first) = nats.send_batch(vec![ours.clone()], later()).await.remove(0)
+    else {
+        panic!("first send")
+    };
+    assert!(!first.broker_duplicate);
+    let mut again = ours.clone();
+    again.attempt_id = 2;
+    match nats.send_batch(vec![again], later()).await.remove(0) {
+        SendResult::Receipt(r) => {
+            assert!(r.broker_duplicate);
+            assert_eq!(r.sequence, first.sequence);
+        }
+        other => panic!("a genuine duplicate stays a receipt: {other:?}"),
+    }
 }

@@ -64,11 +64,10 @@ fn main() {
         .collect();
     println!("  faults never injected: {never:?}");
     println!(
-        "  deliveries unsealed {}, copies unsealed {}, unsealed parked {} (of which the genuine copy stored first {}; conflicts {}), duplicate acks unsealed {}, forgeries reported {}",
+        "  deliveries unsealed {}, copies unsealed {}, unsealed parked {} (conflicts {}), duplicate acks not this message {}, forgeries reported {}",
         s.deliveries_unsealed,
         s.copies_unsealed,
         s.unsealed_parked,
-        s.unsealed_parked_shadowing,
         s.conflicts_parked,
         s.duplicate_acks_unsealed,
         s.forgeries_reported

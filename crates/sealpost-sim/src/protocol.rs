@@ -84,11 +84,15 @@ pub enum Mutant {
     /// The consumer's delivery check ignores the seal (only the digest header is checked):
     /// a forged or replayed message is applied.
     ConsumerSkipsSignature,
+    /// The adapter takes a broker's "duplicate of the message at N" for a receipt of its
+    /// send without reading the copy at N (`signature::is_this_message`): a forger who
+    /// published first under the event's duplicate id gets its copy adopted.
+    TrustDuplicateAck,
 }
 
 impl Mutant {
     /// Every mutant, in `--list-mutants` order.
-    pub const ALL: [Mutant; 23] = [
+    pub const ALL: [Mutant; 24] = [
         Mutant::AcceptWithoutDigestCheck,
         Mutant::RetryToOtherDestination,
         Mutant::AcceptUnregisteredAttempt,
@@ -112,6 +116,7 @@ impl Mutant {
         Mutant::UnguardedFastPath,
         Mutant::AdoptUnsignedCopy,
         Mutant::ConsumerSkipsSignature,
+        Mutant::TrustDuplicateAck,
     ];
 
     /// The CLI name.
@@ -140,6 +145,7 @@ impl Mutant {
             Mutant::UnguardedFastPath => "unguarded-fast-path",
             Mutant::AdoptUnsignedCopy => "adopt-unsigned-copy",
             Mutant::ConsumerSkipsSignature => "consumer-skips-signature",
+            Mutant::TrustDuplicateAck => "trust-duplicate-ack",
         }
     }
 
@@ -483,7 +489,7 @@ impl Protocol {
     pub fn decide_scanned(
         &self,
         group: &[(EventId, u16)],
-        found: impl Fn(EventId, u16) -> Option<seal::FoundCopy>,
+        found: impl Fn(EventId, u16) -> Vec<seal::FoundCopy>,
         reach: reconcile::ScanReach,
     ) -> Vec<Lookup> {
         let reach = if self.is(Mutant::AbsentFromUnfinishedScan) {
@@ -526,7 +532,7 @@ impl Protocol {
         &self,
         lookup: Lookup,
         policy: SignaturePolicy,
-        verify: impl FnOnce(&str, &[u8; SIGNATURE_LEN], &Digest) -> Crypto,
+        verify: impl FnMut(&str, &[u8; SIGNATURE_LEN], &Digest) -> Crypto,
     ) -> Lookup {
         let policy = if self.is(Mutant::AdoptUnsignedCopy) {
             SignaturePolicy::Off
@@ -534,6 +540,18 @@ impl Protocol {
             policy
         };
         seal::judge_copy(lookup, policy, verify)
+    }
+
+    /// Whether the copy a duplicate acknowledgement names is the message the adapter sent
+    /// (`signature::is_this_message`); the trust-duplicate-ack mutant never reads the copy
+    /// and takes every duplicate acknowledgement for a receipt.
+    pub fn is_this_message(
+        &self,
+        claim: &seal::SignedClaim,
+        signature: Option<&str>,
+        copy: &seal::FoundCopy,
+    ) -> bool {
+        self.is(Mutant::TrustDuplicateAck) || seal::is_this_message(claim, signature, copy)
     }
 
     /// The consumer's check of a delivery before its effect (`inbox::decide_delivery`); the

@@ -416,11 +416,8 @@ pub struct TraceStats {
     /// Rows parked in `QUARANTINED` as an unsealed copy (a forgery occupies their subject at a
     /// create-if-absent broker), waiting for an operator.
     pub unsealed_parked: u64,
-    /// Of those, rows whose genuine copy is stored too, before the forgery (the lookup reads
-    /// the subject's last copy, the forgery): parked although the event was published.
-    pub unsealed_parked_shadowing: u64,
-    /// Duplicate ACKs whose stored copy the adapter found unsealed (answered "already
-    /// stored": the genuine message's outcome is a lookup away).
+    /// Duplicate ACKs whose stored copy the adapter found not to be the message sent
+    /// (answered "already stored": the genuine message's outcome is a lookup away).
     pub duplicate_acks_unsealed: u64,
     /// Verification findings ("published but missing") caused by a forged copy shadowing the
     /// genuine one at its subject: a true alarm for the operator, not a lost event.
@@ -455,7 +452,6 @@ impl TraceStats {
         self.deliveries_unsealed += o.deliveries_unsealed;
         self.copies_unsealed += o.copies_unsealed;
         self.unsealed_parked += o.unsealed_parked;
-        self.unsealed_parked_shadowing += o.unsealed_parked_shadowing;
         self.duplicate_acks_unsealed += o.duplicate_acks_unsealed;
         self.forgeries_reported += o.forgeries_reported;
         self.inbox_duplicates += o.inbox_duplicates;

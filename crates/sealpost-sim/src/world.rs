@@ -38,7 +38,8 @@ use sealpost_core::reconciler::{
 };
 use sealpost_core::row::{AttemptStatus, EventRow};
 use sealpost_core::signature::{
-    present, Crypto, FoundCopy, SignatureHeader, SignaturePolicy, SignedClaim, SIGNATURE_LEN,
+    present, Crypto, FoundCopy, SignatureHeader, SignaturePolicy, SignedClaim, COPIES_MAX,
+    SIGNATURE_LEN,
 };
 use sealpost_core::state::{transition, Phase, State};
 use sealpost_core::step::{
@@ -98,12 +99,6 @@ const SIM_KEY_ID: &str = "sim-dispatcher";
 const SIM_SECRET: [u8; 32] = *b"sealpost-sim dispatcher key 2026";
 /// The event types a message's envelope may name (genuine messages: the first).
 const EVENT_TYPES: [&str; 2] = ["order.placed.v1", "order.cancelled.v1"];
-/// The NATS-like adapter reads the copy a duplicate ACK points at and judges its seal before
-/// it reports a receipt (a forger who publishes first under the event's `Nats-Msg-Id` makes
-/// the genuine send a broker duplicate of the forgery). `sealpost-nats` does not do this yet:
-/// see docs/simulator.md (with `false`, the adversary gets forged copies adopted).
-const DUPLICATE_ACK_JUDGED: bool = true;
-
 /// The wire envelope a message describes (the simulated envelope: its event type only).
 fn wire_envelope(event_type: u8) -> WireEnvelope {
     WireEnvelope {
@@ -1914,9 +1909,10 @@ impl World {
             .iter()
             .any(|m| !m.forged && m.event_id == req.event_id && m.member == req.member);
         let (seq, duplicate) = if let Some(seq) = dedup_hit {
-            if DUPLICATE_ACK_JUDGED && !self.duplicate_is_sealed(s, seq) {
-                // The copy the broker calls the original does not carry a seal this reader
-                // admits: not a receipt of this message, whose outcome is a lookup away.
+            if !self.duplicate_is_this_message(s, seq, &req) {
+                // The copy the broker calls the original is not the message sent (a forger
+                // published first under its duplicate id): not a receipt of this send, whose
+                // outcome is a lookup away.
                 self.stats.duplicate_acks_unsealed += 1;
                 self.note(|| {
                     format!(
@@ -2340,10 +2336,13 @@ impl World {
             ReconcileAction::ReportMissing(v) => {
                 // Checker: the simulated brokers never lose a stored message, so a
                 // "published but missing" finding here is a false alarm, unless a forged
-                // copy sits at the event's subject (the lookup reads the last copy there and
-                // refuses its seal): a true finding for the operator.
+                // copy sits at the event's subject and no genuine copy among those a lookup
+                // reads (the lookup refuses the forgery's seal): a true finding for the
+                // operator.
                 let s = self.stream_of(&v.destination);
-                if self.forged_on(s, v.event_id, v.member) {
+                if self.forged_on(s, v.event_id, v.member)
+                    && !self.genuine_visible(s, v.event_id, v.member)
+                {
                     self.stats.forgeries_reported += 1;
                 } else {
                     self.violation(Violation::LostEvents, || {
@@ -2506,8 +2505,11 @@ impl World {
             &events,
             |event_id, member| {
                 read.iter()
-                    .position(|m| m.event_id == event_id && m.member == member)
-                    .map(|k| read[k].found_copy(&cluster, &topic, (start + k) as u64 + 1))
+                    .enumerate()
+                    .filter(|(_, m)| m.event_id == event_id && m.member == member)
+                    .take(COPIES_MAX)
+                    .map(|(k, m)| m.found_copy(&cluster, &topic, (start + k) as u64 + 1))
+                    .collect()
             },
             reach,
         );
@@ -2534,8 +2536,9 @@ impl World {
         lookups.into_iter().map(|l| self.judge(l)).collect()
     }
 
-    /// "Did you store event X at destination D?" against the simulated broker: the last
-    /// message on the event's own subject (a subject per event id).
+    /// "Did you store event X at destination D?" against the simulated broker: every message
+    /// on the event's own subject (a subject per event id), oldest first, as `sealpost-nats`
+    /// reads them (at most `COPIES_MAX`).
     fn broker_lookup(&mut self, dest: &Destination, event_id: EventId, member: u16) -> Lookup {
         if !self.cfg.caps.lookup_by_event_id {
             return Lookup::Unqueryable;
@@ -2549,19 +2552,18 @@ impl World {
         {
             return Lookup::Unavailable;
         }
-        let lookup = match stream
+        let copies: Vec<FoundCopy> = stream
             .msgs
             .iter()
             .enumerate()
-            .rev()
-            .find(|(_, m)| m.event_id == event_id && m.member == member)
-        {
-            Some((i, m)) => Lookup::Copy(Box::new(m.found_copy(
-                &dest.cluster,
-                &dest.topic,
-                i as u64 + 1,
-            ))),
-            None => Lookup::Absent,
+            .filter(|(_, m)| m.event_id == event_id && m.member == member)
+            .take(COPIES_MAX)
+            .map(|(i, m)| m.found_copy(&dest.cluster, &dest.topic, i as u64 + 1))
+            .collect();
+        let lookup = if copies.is_empty() {
+            Lookup::Absent
+        } else {
+            Lookup::Copies(copies)
         };
         self.judge(lookup)
     }
@@ -2576,9 +2578,9 @@ impl World {
         judged
     }
 
-    /// The adapter reads the copy a duplicate ACK names (stream `s`, `seq`) and judges its
-    /// seal: true when the reader admits it.
-    fn duplicate_is_sealed(&mut self, s: usize, seq: u64) -> bool {
+    /// The adapter reads the copy a duplicate ACK names (stream `s`, `seq`) and compares it
+    /// with the message it sent (the core's `is_this_message`, through the protocol).
+    fn duplicate_is_this_message(&mut self, s: usize, seq: u64, req: &PubReq) -> bool {
         let st = &self.streams[s];
         let Some(m) = st.msgs.get((seq as usize).wrapping_sub(1)) else {
             return false;
@@ -2588,7 +2590,29 @@ impl World {
             TOPICS[st.topic as usize],
             seq,
         );
-        matches!(self.judge(Lookup::Copy(Box::new(copy))), Lookup::Found(_))
+        let claim = SignedClaim {
+            event_id: req.event_id,
+            member: req.member,
+            envelope_generation: req.envelope_generation,
+            payload_digest: req.payload_digest,
+            destination_digest: req.destination_digest,
+            envelope: wire_envelope(req.event_type),
+        };
+        self.proto
+            .is_this_message(&claim, req.signature.as_deref(), &copy)
+    }
+
+    /// Ghost: is a genuine copy of this event among the first `COPIES_MAX` messages a lookup
+    /// reads for it on stream `s`?
+    fn genuine_visible(&self, s: Option<u8>, event_id: EventId, member: u16) -> bool {
+        s.and_then(|s| self.streams.get(s as usize))
+            .is_some_and(|st| {
+                st.msgs
+                    .iter()
+                    .filter(|m| m.event_id == event_id && m.member == member)
+                    .take(COPIES_MAX)
+                    .any(|m| !m.forged)
+            })
     }
 
     /// Ghost: does stream `s` hold a forged message under this event id and member?
@@ -3536,17 +3560,14 @@ impl World {
                 let s = self.stream_of(&row.destination);
                 if self.forged_on(s, row.event_id, row.member) {
                     self.stats.unsealed_parked += 1;
-                    // The genuine copy is stored too (the forgery came after it and the
-                    // lookup reads the subject's last copy): parked although published.
-                    let genuine = s
-                        .and_then(|s| self.streams.get(s as usize))
-                        .is_some_and(|st| {
-                            st.msgs.iter().any(|m| {
-                                !m.forged && m.event_id == row.event_id && m.member == row.member
-                            })
+                    // Checker: parked for an operator although its genuine copy is stored
+                    // where a lookup reads it (a look-alike beside it must not hide it).
+                    if self.genuine_visible(s, row.event_id, row.member) {
+                        self.violation(Violation::Liveness, || {
+                            format!(
+                                "row {i} parked as an unsealed copy although its genuine copy is stored"
+                            )
                         });
-                    if genuine {
-                        self.stats.unsealed_parked_shadowing += 1;
                     }
                 }
                 continue;

@@ -95,6 +95,7 @@ fn expected_class(m: Mutant) -> Option<Violation> {
         Mutant::UnguardedFastPath => Some(Violation::LostEvents),
         Mutant::AdoptUnsignedCopy => Some(Violation::ForgedCopyAdopted),
         Mutant::ConsumerSkipsSignature => Some(Violation::ForgeryApplied),
+        Mutant::TrustDuplicateAck => Some(Violation::ForgedCopyAdopted),
     }
 }
 

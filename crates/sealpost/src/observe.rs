@@ -223,7 +223,7 @@ pub fn record_lookup(pass: &'static str, l: &Lookup) {
     let outcome = match l {
         Lookup::Found(_) => "found",
         Lookup::Unsealed { .. } => "unsealed",
-        Lookup::Copy(_) => "unjudged",
+        Lookup::Copies(_) => "unjudged",
         Lookup::Absent => "absent",
         Lookup::Unqueryable => "unqueryable",
         Lookup::Unavailable => "unavailable",
