@@ -2899,6 +2899,15 @@ impl World {
                         format!("row {r} parked as an unsealed copy without a forgery")
                     });
                 }
+                // Checker: nor while its genuine copy is among those a lookup reads (a
+                // look-alike beside it must not hide it).
+                if *reason == QuarantineReason::UnsealedCopy
+                    && self.genuine_visible(s, item.event_id, item.member)
+                {
+                    self.violation_of(Violation::Liveness, r as u32, || {
+                        format!("row {r} parked as an unsealed copy although its genuine copy is stored")
+                    });
+                }
                 // Ghost: this row waits for an operator who must move it elsewhere; the
                 // simulated operator only releases poison.
                 if !self.conflicts.contains(&row) {
@@ -3560,15 +3569,6 @@ impl World {
                 let s = self.stream_of(&row.destination);
                 if self.forged_on(s, row.event_id, row.member) {
                     self.stats.unsealed_parked += 1;
-                    // Checker: parked for an operator although its genuine copy is stored
-                    // where a lookup reads it (a look-alike beside it must not hide it).
-                    if self.genuine_visible(s, row.event_id, row.member) {
-                        self.violation(Violation::Liveness, || {
-                            format!(
-                                "row {i} parked as an unsealed copy although its genuine copy is stored"
-                            )
-                        });
-                    }
                 }
                 continue;
             }
