@@ -41,6 +41,13 @@
 //! new leader answered), [`SendResult::NoAnswer`] (an unknown the reconciler looks up on the
 //! new leader) or never sent (no leader yet, no responders).
 //!
+//! **Rights.** A least-privilege user (docs/security.md, docs/nats-permissions.conf) may be
+//! refused a JetStream API call: the server answers `-ERR 'Permissions Violation ...'` and
+//! the request itself only times out. The adapter remembers the refused subject, so creating
+//! a stream ([`Nats::ensure_stream_for`]) or opening a consumer ([`NatsSubscription`]) the
+//! user may not ends in [`NatsError::NotPermitted`], naming the subject to grant, and any other
+//! refused API call (a lookup) is logged with the subject.
+//!
 //! **TLS and credentials.** [`Nats::connect_with`] takes [`NatsOptions`]: the CA that signs
 //! the servers' certificates, a client certificate for servers that verify clients, TLS
 //! required (never plaintext), and one of a `.creds` file, an nkey seed file, a user with a
@@ -131,6 +138,20 @@ pub enum NatsError {
         path: PathBuf,
         /// Cause.
         source: std::io::Error,
+    },
+    /// The server refused a JetStream API call for lack of permission: this NATS user may
+    /// not do it (docs/security.md). Not retried: it fails the same way until the rights
+    /// change.
+    #[error("the NATS user may not {action}: the server refused `{subject}` ({detail}); {hint}")]
+    NotPermitted {
+        /// What was being done (`create stream ORDERS`, ...).
+        action: String,
+        /// The JetStream API subject the server refused.
+        subject: String,
+        /// The server's words.
+        detail: String,
+        /// What to do.
+        hint: String,
     },
     /// Stream management failed.
     #[error("JetStream stream `{stream}`: {detail}")]
@@ -325,6 +346,13 @@ impl Nats {
                         async_nats::Event::ServerError(ServerError::Other(e)) => {
                             match denied_subject(&e) {
                                 Some(subject) => {
+                                    // A refused event publish becomes that message's refusal;
+                                    // a refused JetStream API call is named here as well, as
+                                    // it may be a lookup that only ever sees a timeout.
+                                    if subject.starts_with("$JS.") {
+                                        tracing::warn!(error = %e, subject = %subject,
+                                            "the NATS user may not call this JetStream API: grant it (docs/security.md) or run this as a user who may");
+                                    }
                                     let mut m = seen.lock().unwrap_or_else(|p| p.into_inner());
                                     if m.len() >= DENIED_REMEMBERED_MAX {
                                         m.clear();
@@ -384,7 +412,7 @@ impl Nats {
             Storage::File => jetstream::stream::StorageType::File,
             Storage::Memory => jetstream::stream::StorageType::Memory,
         };
-        let mut stream = self
+        let stream = self
             .js
             .get_or_create_stream(jetstream::stream::Config {
                 name: topic.to_string(),
@@ -394,13 +422,32 @@ impl Nats {
                 duplicate_window: DUPLICATE_WINDOW,
                 ..Default::default()
             })
-            .await
-            .map_err(|e| {
-                err(format!(
+            .await;
+        let mut stream = match stream {
+            Ok(s) => s,
+            Err(e) => {
+                for (call, action) in [
+                    ("STREAM.INFO", "read the info of stream"),
+                    ("STREAM.CREATE", "create stream"),
+                ] {
+                    let subject = format!("$JS.API.{call}.{topic}");
+                    if let Some(detail) = self.take_denied(&subject) {
+                        return Err(NatsError::NotPermitted {
+                            action: format!("{action} `{topic}`"),
+                            hint: format!(
+                                "create the stream as an administrator (`nats stream add {topic} --subjects 'sp.{topic}.>'`, docs/security.md) or grant this user publish on `{subject}`"
+                            ),
+                            subject,
+                            detail,
+                        });
+                    }
+                }
+                return Err(err(format!(
                     "{e}; a stream of {} replicas needs a JetStream cluster of at least as many servers",
                     d.replicas
-                ))
-            })?;
+                )));
+            }
+        };
         let have = &stream.info().await.map_err(|e| err(e.to_string()))?.config;
         if have.storage != storage || have.num_replicas < d.replicas {
             return Err(err(format!(
@@ -425,6 +472,14 @@ impl Nats {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .remove(subject)
+    }
+
+    /// The first refused subject starting with `prefix`, and the server's words.
+    fn take_denied_prefix(&self, prefix: &str) -> Option<(String, String)> {
+        let mut m = self.denied.lock().unwrap_or_else(|p| p.into_inner());
+        let subject = m.keys().find(|s| s.starts_with(prefix))?.clone();
+        let detail = m.remove(&subject)?;
+        Some((subject, detail))
     }
 
     /// "Did you store event X at topic T?" (R13): every message on the event's subject, oldest
@@ -547,7 +602,10 @@ impl Nats {
         if let Some(detail) = self.take_denied(subject) {
             return SendResult::Refused {
                 kind: RefusalKind::NotPermitted,
-                detail,
+                detail: format!(
+                    "NATS: {detail}: this user may not publish on `sp.{}.>`; a dispatcher's user needs publish on `sp.>` (docs/security.md): grant it, then release the event",
+                    r.destination.topic
+                ),
             };
         }
         match e.kind() {

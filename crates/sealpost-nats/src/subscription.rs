@@ -94,9 +94,28 @@ async fn open(
     consumer_id: &str,
     ack_wait: Duration,
 ) -> Result<Consumer<pull::Config>, NatsError> {
-    let error = |e: &dyn std::fmt::Display| NatsError::Stream {
-        stream: topic.to_string(),
-        detail: format!("consumer `{consumer_id}`: {e}"),
+    let error = |e: &dyn std::fmt::Display| {
+        // A call the user may not make only times out; the server named it meanwhile.
+        for prefix in [
+            format!("$JS.API.STREAM.INFO.{topic}"),
+            format!("$JS.API.CONSUMER.INFO.{topic}.{consumer_id}"),
+            format!("$JS.API.CONSUMER.CREATE.{topic}.{consumer_id}"),
+        ] {
+            if let Some((subject, detail)) = nats.take_denied_prefix(&prefix) {
+                return NatsError::NotPermitted {
+                    action: format!("open consumer `{consumer_id}` on stream `{topic}`"),
+                    hint: format!(
+                        "give this user a consumer's rights for stream `{topic}` and consumer `{consumer_id}` (docs/security.md, docs/nats-permissions.conf), or have an administrator create the consumer"
+                    ),
+                    subject,
+                    detail,
+                };
+            }
+        }
+        NatsError::Stream {
+            stream: topic.to_string(),
+            detail: format!("consumer `{consumer_id}`: {e}"),
+        }
     };
     let stream = nats.js.get_stream(topic).await.map_err(|e| error(&e))?;
     stream

@@ -328,23 +328,14 @@ impl Drop for PrivateServer {
 }
 
 fn private_server() -> Option<PrivateServer> {
-    let bin = "/usr/sbin/nats-server";
-    if !std::path::Path::new(bin).exists() {
-        eprintln!("skipped: no {bin}");
+    if !std::path::Path::new(NATS_SERVER).exists() {
+        eprintln!("skipped: no {NATS_SERVER}");
         return None;
     }
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let dir = std::env::temp_dir().join(format!("sealpost-nats-perm-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let conf = dir.join("server.conf");
-    std::fs::write(
-        &conf,
-        format!(
-            r#"listen: "127.0.0.1:{port}"
+    Some(start_server(
+        |port, store| {
+            format!(
+                r#"listen: "127.0.0.1:{port}"
 jetstream {{ store_dir: "{}" }}
 no_auth_user: "sp"
 authorization {{
@@ -354,13 +345,36 @@ authorization {{
   ]
 }}
 "#,
-            dir.join("js").display()
-        ),
-    )
-    .unwrap();
-    let child = Command::new(bin)
+                store.display()
+            )
+        },
+        &[],
+    ))
+}
+
+const NATS_SERVER: &str = "/usr/sbin/nats-server";
+
+/// Starts `nats-server` on a free port with the configuration `config(port, store_dir)` and
+/// the environment `env`, in a directory of its own (removed when it drops); waits until it
+/// listens.
+fn start_server(
+    config: impl FnOnce(u16, &std::path::Path) -> String,
+    env: &[(&str, &str)],
+) -> PrivateServer {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let dir =
+        std::env::temp_dir().join(format!("sealpost-nats-perm-{}-{port}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let conf = dir.join("server.conf");
+    std::fs::write(&conf, config(port, &dir.join("js"))).unwrap();
+    let child = Command::new(NATS_SERVER)
         .arg("-c")
         .arg(&conf)
+        .envs(env.iter().copied())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
@@ -373,12 +387,11 @@ authorization {{
         );
         std::thread::sleep(Duration::from_millis(50));
     }
-    Some(PrivateServer {
+    PrivateServer {
         child,
         dir,
-        // `no_auth_user`: a client without credentials is the restricted user.
         url: format!("nats://127.0.0.1:{port}"),
-    })
+    }
 }
 
 #[tokio::test]
@@ -601,4 +614,331 @@ async fn a_duplicate_ack_naming_a_look_alike_is_not_a_receipt() {
         }
         other => panic!("a genuine duplicate stays a receipt: {other:?}"),
     }
+}
+
+// Broker rights (docs/security.md): a private server runs the users and permissions of
+// docs/nats-permissions.conf, read from that file (the template is what is tested), and each
+// forbidden action is refused by the server.
+
+/// The passwords the template reads from the server's environment.
+const RIGHTS_USERS: [(&str, &str); 3] = [
+    ("admin", "SEALPOST_NATS_ADMIN_PASSWORD"),
+    ("dispatcher", "SEALPOST_NATS_DISPATCHER_PASSWORD"),
+    ("fulfilment", "SEALPOST_NATS_FULFILMENT_PASSWORD"),
+];
+
+/// A private server with docs/nats-permissions.conf and a password per user (`pw-<user>`).
+fn rights_server() -> PrivateServer {
+    // .ci/run starts this very binary: without it these tests fail, they do not skip.
+    assert!(
+        std::path::Path::new(NATS_SERVER).exists(),
+        "no {NATS_SERVER}: the broker rights tests run a private nats-server"
+    );
+    let template = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../docs/nats-permissions.conf"
+    ))
+    .expect("docs/nats-permissions.conf");
+    let env: Vec<(String, String)> = RIGHTS_USERS
+        .iter()
+        .map(|(user, var)| (var.to_string(), format!("pw-{user}")))
+        .collect();
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    start_server(
+        |port, store| {
+            format!(
+                "listen: \"127.0.0.1:{port}\"\njetstream {{ store_dir: \"{}\" }}\n{template}",
+                store.display()
+            )
+        },
+        &env,
+    )
+}
+
+/// The adapter, connected as `user` of the template (its password from a file, as
+/// `nats.security.password_file` would give it).
+async fn rights_connect(server: &PrivateServer, user: &str) -> Nats {
+    let file = server.dir.join(format!("{user}.password"));
+    std::fs::write(&file, format!("pw-{user}\n")).unwrap();
+    let options = sealpost_nats::NatsOptions {
+        user: Some(user.into()),
+        password_file: Some(file),
+        ..Default::default()
+    };
+    Nats::connect_with(&server.url, CLUSTER, Duration::from_secs(1), &options)
+        .await
+        .unwrap_or_else(|e| panic!("connect as {user}: {e}"))
+}
+
+/// A plain client as `user`, independent of the adapter, with the server errors it was sent.
+struct Witness {
+    js: sealpost_nats::async_nats::jetstream::Context,
+    errors: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+}
+
+impl Witness {
+    async fn connect(server: &PrivateServer, user: &str) -> Witness {
+        use sealpost_nats::async_nats;
+        let errors: std::sync::Arc<std::sync::Mutex<Vec<String>>> = Default::default();
+        let seen = errors.clone();
+        let client =
+            async_nats::ConnectOptions::with_user_and_password(user.into(), format!("pw-{user}"))
+                .event_callback(move |event| {
+                    let seen = seen.clone();
+                    async move {
+                        if let async_nats::Event::ServerError(e) = event {
+                            seen.lock().unwrap().push(e.to_string());
+                        }
+                    }
+                })
+                .connect(server.url.as_str())
+                .await
+                .unwrap_or_else(|e| panic!("connect as {user}: {e}"));
+        let js = async_nats::jetstream::ContextBuilder::new()
+            .timeout(Duration::from_secs(1))
+            .build(client);
+        Witness { js, errors }
+    }
+
+    /// Asserts that the server refused a publish on `subject` with a permissions violation
+    /// (its `-ERR` comes before the request's timeout; the callback may run a moment later).
+    async fn assert_refused(&self, subject: &str) {
+        for _ in 0..100 {
+            let errors = self.errors.lock().unwrap().clone();
+            if errors.iter().any(|e| {
+                e.to_lowercase()
+                    .contains("permissions violation for publish")
+                    && e.contains(&format!("\"{subject}\""))
+            }) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        panic!(
+            "the server did not refuse `{subject}`; it said {:?}",
+            self.errors.lock().unwrap()
+        );
+    }
+}
+
+/// Messages in stream `name` and its max age, as the administrator sees them.
+async fn admin_view(admin: &Nats, name: &str) -> (u64, Duration) {
+    let info = admin
+        .js
+        .get_stream(name)
+        .await
+        .expect("the stream exists")
+        .get_info()
+        .await
+        .unwrap();
+    (info.state.messages, info.config.max_age)
+}
+
+#[tokio::test]
+async fn rights_a_dispatcher_publishes_and_looks_up_but_may_not_create_change_purge_or_delete_a_stream(
+) {
+    let server = rights_server();
+    let admin = rights_connect(&server, "admin").await;
+    admin
+        .ensure_stream("ORDERS")
+        .await
+        .expect("the admin creates the stream");
+    let dispatcher = rights_connect(&server, "dispatcher").await;
+
+    // What it is for: publish an event and look it up.
+    let d = destination(CLUSTER, "ORDERS");
+    let r = request(&d, b"{\"order\":1}");
+    let receipt = match dispatcher
+        .send_batch(vec![r.clone()], later())
+        .await
+        .remove(0)
+    {
+        SendResult::Receipt(rc) => rc,
+        other => panic!("the dispatcher may publish on sp.ORDERS.>: {other:?}"),
+    };
+    match dispatcher.lookup(&d, r.event_id, 0).await {
+        Lookup::Copy(c) => assert_eq!(c.receipt.sequence, receipt.sequence),
+        other => panic!("the dispatcher may look the event up: {other:?}"),
+    }
+    assert!(matches!(
+        dispatcher.lookup(&d, EventId([7; 16]), 0).await,
+        Lookup::Absent
+    ));
+
+    // Creating a stream is an administrator's: a clear error naming the subject to grant.
+    let e = dispatcher
+        .ensure_stream("INVOICES")
+        .await
+        .expect_err("the dispatcher may not create a stream")
+        .to_string();
+    assert!(e.contains("may not create stream `INVOICES`"), "{e}");
+    assert!(e.contains("$JS.API.STREAM.CREATE.INVOICES"), "{e}");
+    assert!(e.contains("docs/security.md"), "{e}");
+    assert!(
+        admin.js.get_stream("INVOICES").await.is_err(),
+        "no stream was created"
+    );
+
+    // Change retention, purge, delete: each refused by the server, and nothing changed.
+    let before = admin_view(&admin, "ORDERS").await;
+    assert_eq!(before, (1, Duration::ZERO));
+    let w = Witness::connect(&server, "dispatcher").await;
+    let mut config = admin
+        .js
+        .get_stream("ORDERS")
+        .await
+        .unwrap()
+        .cached_info()
+        .config
+        .clone();
+    config.max_age = Duration::from_secs(1);
+    assert!(w.js.update_stream(config).await.is_err());
+    w.assert_refused("$JS.API.STREAM.UPDATE.ORDERS").await;
+    let stream =
+        w.js.get_stream("ORDERS")
+            .await
+            .expect("stream info is allowed");
+    assert!(stream.purge().await.is_err());
+    w.assert_refused("$JS.API.STREAM.PURGE.ORDERS").await;
+    assert!(w.js.delete_stream("ORDERS").await.is_err());
+    w.assert_refused("$JS.API.STREAM.DELETE.ORDERS").await;
+    assert!(w
+        .js
+        .get_stream("ORDERS")
+        .await
+        .unwrap()
+        .delete_message(receipt.sequence)
+        .await
+        .is_err());
+    w.assert_refused("$JS.API.STREAM.MSG.DELETE.ORDERS").await;
+    assert_eq!(admin_view(&admin, "ORDERS").await, before);
+}
+
+#[tokio::test]
+async fn rights_a_consumer_consumes_its_own_consumer_but_may_not_publish_an_event_or_purge() {
+    use sealpost_core::subscription::{FetchLimits, Settlement, Subscription};
+    use sealpost_nats::NatsSubscription;
+
+    let server = rights_server();
+    let admin = rights_connect(&server, "admin").await;
+    admin
+        .ensure_stream("ORDERS")
+        .await
+        .expect("the admin creates the stream");
+    let dispatcher = rights_connect(&server, "dispatcher").await;
+    let d = destination(CLUSTER, "ORDERS");
+    let sent: Vec<SendRequest> = (0..2)
+        .map(|i| request(&d, format!("{{\"n\":{i}}}").as_bytes()))
+        .collect();
+    for o in dispatcher.send_batch(sent.clone(), later()).await {
+        assert!(matches!(o, SendResult::Receipt(_)), "{o:?}");
+    }
+
+    // Its own durable consumer, through Sealpost's subscription: created, read, acked.
+    let consumer = rights_connect(&server, "fulfilment").await;
+    let mut sub =
+        NatsSubscription::subscribe(&consumer, "ORDERS", "fulfilment", Duration::from_secs(30))
+            .await
+            .expect("the consumer may open its own consumer");
+    let mut got = Vec::new();
+    for _ in 0..20 {
+        got.extend(
+            sub.fetch(FetchLimits {
+                messages_max: 10,
+                bytes_max: 1 << 20,
+                wait_ms: 500,
+            })
+            .await
+            .expect("fetch"),
+        );
+        if got.len() >= sent.len() {
+            break;
+        }
+    }
+    let ids: Vec<EventId> = got
+        .iter()
+        .map(|m| sub.read(m).headers.expect("Sealpost headers").event_id)
+        .collect();
+    assert_eq!(ids, sent.iter().map(|r| r.event_id).collect::<Vec<_>>());
+    sub.settle(got.into_iter().map(|m| (m, Settlement::Ack)).collect())
+        .await
+        .unwrap();
+    let mut floor = 0;
+    for _ in 0..100 {
+        floor = sub.watermarks().await.expect("consumer info is allowed")[0].1;
+        if floor == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(floor, 2, "both acks reached the server");
+
+    // Another consumer's durable: a clear error naming the subject.
+    let e =
+        match NatsSubscription::subscribe(&consumer, "ORDERS", "billing", Duration::from_secs(30))
+            .await
+        {
+            Ok(_) => panic!("the consumer may not open another consumer"),
+            Err(e) => e.to_string(),
+        };
+    assert!(e.contains("may not open consumer `billing`"), "{e}");
+    assert!(e.contains("$JS.API.CONSUMER.INFO.ORDERS.billing"), "{e}");
+
+    // It cannot forge an upstream event: the publish is refused, and Sealpost's adapter says
+    // NotPermitted (a refusal, never retried).
+    let forged = request(&d, b"{\"forged\":true}");
+    match consumer
+        .send_batch(vec![forged.clone()], later())
+        .await
+        .remove(0)
+    {
+        SendResult::Refused {
+            kind: RefusalKind::NotPermitted,
+            detail,
+        } => {
+            assert!(
+                detail.to_lowercase().contains("permissions violation"),
+                "{detail}"
+            );
+            assert!(
+                detail.contains(&subject("ORDERS", forged.event_id, 0)),
+                "{detail}"
+            );
+            assert!(detail.contains("docs/security.md"), "{detail}");
+        }
+        other => panic!("a consumer's publish must be refused: {other:?}"),
+    }
+    let w = Witness::connect(&server, "fulfilment").await;
+    let sp = subject("ORDERS", EventId([9; 16]), 0);
+    assert!(w
+        .js
+        .publish(sp.clone(), "{}".into())
+        .await
+        .unwrap()
+        .await
+        .is_err());
+    w.assert_refused(&sp).await;
+
+    // Nor purge or delete the stream, nor delete its consumer.
+    let stream =
+        w.js.get_stream("ORDERS")
+            .await
+            .expect("stream info is allowed");
+    assert!(stream.purge().await.is_err());
+    w.assert_refused("$JS.API.STREAM.PURGE.ORDERS").await;
+    assert!(w.js.delete_stream("ORDERS").await.is_err());
+    w.assert_refused("$JS.API.STREAM.DELETE.ORDERS").await;
+    assert!(stream.delete_consumer("fulfilment").await.is_err());
+    w.assert_refused("$JS.API.CONSUMER.DELETE.ORDERS.fulfilment")
+        .await;
+    assert_eq!(
+        admin_view(&admin, "ORDERS").await.0,
+        2,
+        "nothing forged, nothing purged"
+    );
+    let admin_stream = admin.js.get_stream("ORDERS").await.unwrap();
+    assert!(
+        admin_stream.consumer_info("fulfilment").await.is_ok(),
+        "the consumer is still there"
+    );
 }

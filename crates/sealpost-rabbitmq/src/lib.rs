@@ -124,6 +124,18 @@ pub enum RabbitError {
         /// What is wrong.
         detail: String,
     },
+    /// The broker refused an action for lack of permission (AMQP 403 ACCESS_REFUSED): this
+    /// user's configure, write or read pattern in the vhost does not cover it
+    /// (docs/security.md). Not retried: it fails the same way until the rights change.
+    #[error("RabbitMQ refused {what}: {detail}; {hint}")]
+    NotPermitted {
+        /// What was being done.
+        what: String,
+        /// The server's words (they name the resource, the vhost and the user).
+        detail: String,
+        /// The permission that covers it and what to do.
+        hint: String,
+    },
     /// Declaring or deleting an exchange, a queue or a binding failed.
     #[error("RabbitMQ {what}: {source}")]
     Topology {
@@ -132,6 +144,46 @@ pub enum RabbitError {
         /// The server's words.
         source: lapin::Error,
     },
+}
+
+impl RabbitError {
+    /// Whether the broker refused for lack of permission ([`RabbitError::NotPermitted`]).
+    pub fn is_not_permitted(&self) -> bool {
+        matches!(self, RabbitError::NotPermitted { .. })
+    }
+}
+
+/// The server's words if `e` is an AMQP 403 ACCESS_REFUSED (the channel or connection was
+/// closed for lack of permission).
+pub fn access_refused(e: &lapin::Error) -> Option<String> {
+    match e.kind() {
+        lapin::ErrorKind::ProtocolError(amqp) if amqp.get_id() == 403 => {
+            Some(format!("{} {}", amqp.get_id(), amqp.get_message()))
+        }
+        _ => None,
+    }
+}
+
+/// The exchange named by RabbitMQ's "access to exchange 'X' in vhost 'V' refused for user 'U'".
+fn refused_exchange(detail: &str) -> Option<&str> {
+    let rest = detail.split_once("access to exchange '")?.1;
+    let (name, rest) = rest.split_once("' in vhost ")?;
+    rest.contains("refused").then_some(name)
+}
+
+/// A failed topology action as an error: [`RabbitError::NotPermitted`] naming `permission`
+/// when the broker refused it for lack of permission, else [`RabbitError::Topology`].
+fn topology_error(what: String, permission: &str, source: lapin::Error) -> RabbitError {
+    match access_refused(&source) {
+        Some(detail) => RabbitError::NotPermitted {
+            hint: format!(
+                "it needs {permission} in this vhost: run it as an administrator, or grant it with `rabbitmqctl set_permissions` (docs/security.md)"
+            ),
+            what,
+            detail,
+        },
+        None => RabbitError::Topology { what, source },
+    }
 }
 
 /// The quorum queue of `consumer` on exchange `topic`.
@@ -269,7 +321,7 @@ impl Rabbit {
                     RabbitError::Connect { source, .. } | RabbitError::Topology { source, .. } => {
                         source
                     }
-                    RabbitError::Setting { .. } => {
+                    RabbitError::Setting { .. } | RabbitError::NotPermitted { .. } => {
                         lapin::Error::from(std::io::Error::other(e.to_string()))
                     }
                 })?;
@@ -295,7 +347,6 @@ impl Rabbit {
                 what: "opening a channel".into(),
                 source,
             })?;
-        let topo = |what: String| move |source| RabbitError::Topology { what, source };
         ch.exchange_declare(
             topic.into(),
             lapin::ExchangeKind::Topic,
@@ -306,7 +357,13 @@ impl Rabbit {
             FieldTable::default(),
         )
         .await
-        .map_err(topo(format!("declaring exchange `{topic}`")))?;
+        .map_err(|source| {
+            topology_error(
+                format!("declaring exchange `{topic}`"),
+                &format!("configure permission on `{topic}`"),
+                source,
+            )
+        })?;
         for c in consumers {
             declare_queue(&ch, topic, c).await?;
         }
@@ -335,16 +392,22 @@ impl Rabbit {
             let q = queue_name(topic, c);
             ch.queue_delete(q.as_str().into(), QueueDeleteOptions::default())
                 .await
-                .map_err(|source| RabbitError::Topology {
-                    what: format!("deleting queue `{q}`"),
-                    source,
+                .map_err(|source| {
+                    topology_error(
+                        format!("deleting queue `{q}`"),
+                        &format!("configure permission on `{q}`"),
+                        source,
+                    )
                 })?;
         }
         ch.exchange_delete(topic.into(), ExchangeDeleteOptions::default())
             .await
-            .map_err(|source| RabbitError::Topology {
-                what: format!("deleting exchange `{topic}`"),
-                source,
+            .map_err(|source| {
+                topology_error(
+                    format!("deleting exchange `{topic}`"),
+                    &format!("configure permission on `{topic}`"),
+                    source,
+                )
             })?;
         let _ = ch.close(200, "done".into()).await;
         self.exchanges
@@ -433,13 +496,28 @@ impl Rabbit {
             }
             // Confirms are selected on every channel this adapter publishes on.
             Ok(Ok(Confirmation::NotRequested)) => SendResult::NoAnswer,
-            Ok(Err(e)) => {
+            Ok(Err(e)) => not_permitted(r, &e).unwrap_or_else(|| {
                 tracing::debug!(event_id = %r.event_id, error = %e, "no confirm: outcome unknown");
                 SendResult::NoAnswer
-            }
+            }),
             Err(_) => SendResult::NoAnswer,
         }
     }
+}
+
+/// A publish to `r`'s exchange that the broker refused for lack of write permission: the
+/// channel closed with 403 ACCESS_REFUSED naming that exchange. Every confirm outstanding on
+/// the channel fails with the same error, so a message to another exchange (or one whose
+/// exchange the words do not name) is not refused by it: its outcome stays unknown.
+fn not_permitted(r: &SendRequest, e: &lapin::Error) -> Option<SendResult> {
+    let detail = access_refused(e)?;
+    let topic = r.destination.topic.as_str();
+    (refused_exchange(&detail)? == topic).then(|| SendResult::Refused {
+        kind: RefusalKind::NotPermitted,
+        detail: format!(
+            "RabbitMQ: {detail}: this user may not publish to exchange `{topic}`; a dispatcher's user needs write permission on it (`rabbitmqctl set_permissions`, docs/security.md): grant it, then release the event"
+        ),
+    })
 }
 
 /// Declares `consumer`'s durable quorum queue on `topic` and binds it with `#`.
@@ -459,9 +537,12 @@ pub async fn declare_queue(ch: &Channel, topic: &str, consumer: &str) -> Result<
         args,
     )
     .await
-    .map_err(|source| RabbitError::Topology {
-        what: format!("declaring quorum queue `{q}`"),
-        source,
+    .map_err(|source| {
+        topology_error(
+            format!("declaring quorum queue `{q}`"),
+            &format!("configure permission on `{q}`"),
+            source,
+        )
     })?;
     ch.queue_bind(
         q.as_str().into(),
@@ -471,9 +552,12 @@ pub async fn declare_queue(ch: &Channel, topic: &str, consumer: &str) -> Result<
         FieldTable::default(),
     )
     .await
-    .map_err(|source| RabbitError::Topology {
-        what: format!("binding queue `{q}` to exchange `{topic}`"),
-        source,
+    .map_err(|source| {
+        topology_error(
+            format!("binding queue `{q}` to exchange `{topic}`"),
+            &format!("write permission on `{q}` and read permission on `{topic}`"),
+            source,
+        )
     })?;
     Ok(())
 }
@@ -717,6 +801,10 @@ impl Broker for Rabbit {
                 .await
             {
                 Ok(confirm) => pending.push((i, permit, confirm)),
+                // The channel closed for lack of write permission on this exchange.
+                Err(e) if not_permitted(r, &e).is_some() => {
+                    out[i] = not_permitted(r, &e);
+                }
                 // The frames may have been partly written: the outcome is unknown.
                 Err(e) => {
                     tracing::debug!(event_id = %r.event_id, error = %e, "publish failed after the channel check: outcome unknown");
@@ -762,6 +850,20 @@ mod tests {
         assert_eq!(
             redact("amqp://guest:se/cr@t@127.0.0.1/%2f"),
             "amqp://guest:***@127.0.0.1/%2f"
+        );
+    }
+
+    #[test]
+    fn an_access_refusal_names_its_exchange() {
+        let words = "403 ACCESS_REFUSED - access to exchange 'ORDERS' in vhost 'v1' refused for user 'fulfilment'";
+        assert_eq!(refused_exchange(words), Some("ORDERS"));
+        assert_eq!(
+            refused_exchange("403 ACCESS_REFUSED - access to queue 'ORDERS.c' in vhost 'v1' refused for user 'u'"),
+            None
+        );
+        assert_eq!(
+            refused_exchange("NOT_FOUND - no exchange 'X' in vhost '/'"),
+            None
         );
     }
 

@@ -1,7 +1,8 @@
 //! The consumer side of the RabbitMQ adapter: [`RabbitSubscription`] implements the
 //! subscription port ([`sealpost_core::subscription::Subscription`]) over the consumer's own
 //! durable quorum queue (`<topic>.<consumer>`, bound to the topic exchange with `#`, declared
-//! if missing), manual acks and a prefetch of 1,000. Its delivery count is the quorum
+//! if missing; a least-privilege user who may not declare finds them declared by an
+//! administrator, docs/security.md), manual acks and a prefetch of 1,000. Its delivery count is the quorum
 //! queue's `x-delivery-count` plus this delivery.
 //!
 //! **Settlement.** `Ack` is `basic.ack`; `Terminate` is `basic.reject` without requeue (the
@@ -39,8 +40,8 @@ use sealpost_core::subscription::{
 };
 
 use crate::{
-    declare_queue, delivered_count, delivery_of, open_connection, queue_name, RabbitError,
-    RabbitOptions,
+    declare_queue, delivered_count, delivery_of, open_connection, queue_name, topology_error,
+    RabbitError, RabbitOptions,
 };
 
 /// Why a subscription needs reopening.
@@ -103,27 +104,26 @@ async fn open(
         ConnectionProperties::default().with_connection_name(LongString::from(name)),
     )
     .await?;
+    let topo = |what: String| move |source| RabbitError::Topology { what, source };
     let channel = conn
         .create_channel()
         .await
-        .map_err(|source| RabbitError::Topology {
-            what: "opening the consuming channel".into(),
-            source,
-        })?;
-    let topo = |what: String| move |source| RabbitError::Topology { what, source };
-    channel
-        .exchange_declare(
-            topic.into(),
-            ExchangeKind::Topic,
-            ExchangeDeclareOptions {
-                durable: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .map_err(topo(format!("declaring exchange `{topic}`")))?;
-    declare_queue(&channel, topic, consumer_id).await?;
+        .map_err(topo("opening the consuming channel".into()))?;
+    let channel = match declare(&channel, topic, consumer_id).await {
+        Ok(()) => channel,
+        // A least-privilege consumer (docs/security.md) may not declare: an administrator
+        // declared the exchange, the queue and its binding. The refusal closed the channel;
+        // on a new one, check that they exist (a passive declare needs no permission).
+        Err(e) if e.is_not_permitted() => {
+            let channel = conn
+                .create_channel()
+                .await
+                .map_err(topo("opening the consuming channel".into()))?;
+            expect_declared(&channel, topic, consumer_id, &e).await?;
+            channel
+        }
+        Err(e) => return Err(e),
+    };
     channel
         .basic_qos(PREFETCH, BasicQosOptions::default())
         .await
@@ -137,11 +137,83 @@ async fn open(
             FieldTable::default(),
         )
         .await
-        .map_err(topo(format!("consuming queue `{q}`")))?;
+        .map_err(|source| {
+            topology_error(
+                format!("consuming queue `{q}`"),
+                &format!("read permission on `{q}`"),
+                source,
+            )
+        })?;
     Ok(Link {
         _conn: conn,
         channel,
         consumer,
+    })
+}
+
+/// Declares the exchange `topic` and the consumer's queue, bound with `#` (idempotent).
+async fn declare(channel: &Channel, topic: &str, consumer_id: &str) -> Result<(), RabbitError> {
+    channel
+        .exchange_declare(
+            topic.into(),
+            ExchangeKind::Topic,
+            ExchangeDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .map_err(|source| {
+            topology_error(
+                format!("declaring exchange `{topic}`"),
+                &format!("configure permission on `{topic}`"),
+                source,
+            )
+        })?;
+    declare_queue(channel, topic, consumer_id).await
+}
+
+/// Checks, by passive declares, that the exchange `topic` and the consumer's queue exist;
+/// if one does not, the error is `refused` (this user may not declare it) and says that an
+/// administrator declares them.
+async fn expect_declared(
+    channel: &Channel,
+    topic: &str,
+    consumer_id: &str,
+    refused: &RabbitError,
+) -> Result<(), RabbitError> {
+    let q = queue_name(topic, consumer_id);
+    let passive = async {
+        channel
+            .exchange_declare(
+                topic.into(),
+                ExchangeKind::Topic,
+                ExchangeDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await?;
+        channel
+            .queue_declare(
+                q.as_str().into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .map(|_| ())
+    };
+    passive.await.map_err(|e| RabbitError::NotPermitted {
+        what: format!("opening consumer `{consumer_id}` on exchange `{topic}`"),
+        detail: format!("{refused}; and they are not there: {e}"),
+        hint: format!(
+            "an administrator declares exchange `{topic}` and queue `{q}` bound to it with `#` (`sealpost demo` or your topology tooling, docs/security.md)"
+        ),
     })
 }
 

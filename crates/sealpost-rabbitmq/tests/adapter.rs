@@ -258,3 +258,391 @@ async fn an_unencodable_message_is_refused_alone_and_its_batch_is_sent() {
     }
     rabbit.delete_destination(&t, &consumers).await.unwrap();
 }
+
+// Broker rights (docs/security.md): each test makes a vhost of its own and the users of
+// docs/rabbitmq-permissions.sh, by running that script (the template is what is tested), and
+// removes the vhost and the users when it ends (pass or fail).
+
+/// A vhost with a dispatcher and a consumer user as docs/rabbitmq-permissions.sh makes them,
+/// for the exchange `ORDERS` and the consumer `fulfilment`; `guest` administers it.
+struct Rights {
+    vhost: String,
+    dispatcher: String,
+    consumer: String,
+    dir: std::path::PathBuf,
+    _guard: teardown_rabbitmq::Teardown,
+}
+
+fn rabbitmqctl(args: &[&str]) -> Result<(), String> {
+    let out = std::process::Command::new("rabbitmqctl")
+        .arg("-q")
+        .args(args)
+        .output()
+        .map_err(|e| format!("rabbitmqctl {args:?}: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "rabbitmqctl {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        ))
+    }
+}
+
+impl Rights {
+    /// `None` (the test is skipped) only outside CI when there is no `rabbitmqctl`.
+    fn make() -> Option<Rights> {
+        if std::process::Command::new("rabbitmqctl")
+            .arg("help")
+            .output()
+            .is_err()
+        {
+            // .ci/run runs as root next to the broker: there it must work.
+            assert!(
+                std::env::var("CI").is_err(),
+                "the broker rights tests need rabbitmqctl (run as root on the RabbitMQ node)"
+            );
+            eprintln!("skipped: no rabbitmqctl");
+            return None;
+        }
+        let n = uuid::Uuid::now_v7().as_u128() as u64 % 1_000_000_000;
+        let vhost = format!("sealpost-rights-{n}");
+        let dispatcher = format!("sealpost_dispatcher_{n}");
+        let consumer = format!("sealpost_consumer_{n}");
+        let guard = {
+            let (vhost, dispatcher, consumer) =
+                (vhost.clone(), dispatcher.clone(), consumer.clone());
+            teardown_rabbitmq::Teardown::new(
+                format!("RabbitMQ vhost {vhost} and users {dispatcher}, {consumer}"),
+                move || async move {
+                    // Users that were never made are fine; the vhost goes with what is in it.
+                    let _ = rabbitmqctl(&["delete_user", &dispatcher]);
+                    let _ = rabbitmqctl(&["delete_user", &consumer]);
+                    rabbitmqctl(&["delete_vhost", &vhost])
+                },
+            )
+        };
+        let dir = std::env::temp_dir().join(&vhost);
+        std::fs::create_dir_all(&dir).unwrap();
+        for user in [&dispatcher, &consumer] {
+            std::fs::write(dir.join(user), format!("pw-{user}\n")).unwrap();
+        }
+        let script = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../docs/rabbitmq-permissions.sh"
+        );
+        let out = std::process::Command::new("sh")
+            .arg(script)
+            .env("SEALPOST_VHOST", &vhost)
+            .env("SEALPOST_EXCHANGE", "ORDERS")
+            .env("SEALPOST_CONSUMER", "fulfilment")
+            .env("SEALPOST_DISPATCHER_USER", &dispatcher)
+            .env("SEALPOST_DISPATCHER_PASSWORD_FILE", dir.join(&dispatcher))
+            .env("SEALPOST_CONSUMER_USER", &consumer)
+            .env("SEALPOST_CONSUMER_PASSWORD_FILE", dir.join(&consumer))
+            .output()
+            .expect("sh");
+        assert!(
+            out.status.success(),
+            "docs/rabbitmq-permissions.sh failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        rabbitmqctl(&["set_permissions", "-p", &vhost, "guest", ".*", ".*", ".*"]).unwrap();
+        Some(Rights {
+            vhost,
+            dispatcher,
+            consumer,
+            dir,
+            _guard: guard,
+        })
+    }
+
+    /// The URL of `user` in the vhost, without a password (it is in the user's file).
+    fn url_of(&self, user: &str) -> String {
+        format!("amqp://{user}@127.0.0.1:5672/{}", self.vhost)
+    }
+
+    fn options_of(&self, user: &str) -> sealpost_rabbitmq::RabbitOptions {
+        sealpost_rabbitmq::RabbitOptions {
+            password_file: Some(self.dir.join(user)),
+            ..Default::default()
+        }
+    }
+
+    /// The adapter as `user` (`guest` is the administrator).
+    async fn connect(&self, user: &str) -> Rabbit {
+        let (url, options) = if user == "guest" {
+            (
+                format!("amqp://guest:guest@127.0.0.1:5672/{}", self.vhost),
+                Default::default(),
+            )
+        } else {
+            (self.url_of(user), self.options_of(user))
+        };
+        Rabbit::connect_with(&url, CLUSTER, Duration::from_secs(5), user, &options)
+            .await
+            .unwrap_or_else(|e| panic!("connect as {user}: {e}"))
+    }
+
+    /// A plain connection as `user`, independent of the adapter.
+    async fn witness(&self, user: &str) -> sealpost_rabbitmq::lapin::Connection {
+        let url = format!("amqp://{user}:pw-{user}@127.0.0.1:5672/{}", self.vhost);
+        sealpost_rabbitmq::lapin::Connection::connect(&url, Default::default())
+            .await
+            .unwrap_or_else(|e| panic!("connect as {user}: {e}"))
+    }
+
+    /// Messages ready in `queue`, as the administrator sees them.
+    async fn ready(&self, queue: &str) -> u32 {
+        use sealpost_rabbitmq::lapin::options::QueueDeclareOptions;
+        let c = sealpost_rabbitmq::lapin::Connection::connect(
+            &format!("amqp://guest:guest@127.0.0.1:5672/{}", self.vhost),
+            Default::default(),
+        )
+        .await
+        .unwrap();
+        let ch = c.create_channel().await.unwrap();
+        let q = ch
+            .queue_declare(
+                queue.into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+        let _ = c.close(200, "done".into()).await;
+        q.message_count()
+    }
+}
+
+/// Asserts that the broker refused `action` (run on a fresh channel of `conn`) with 403.
+async fn assert_refused<F, Fut, T>(
+    conn: &sealpost_rabbitmq::lapin::Connection,
+    what: &str,
+    action: F,
+) where
+    F: FnOnce(sealpost_rabbitmq::lapin::Channel) -> Fut,
+    Fut: std::future::Future<Output = Result<T, sealpost_rabbitmq::lapin::Error>>,
+{
+    let ch = conn.create_channel().await.unwrap();
+    match action(ch).await {
+        Ok(_) => panic!("{what}: allowed, expected ACCESS_REFUSED"),
+        Err(e) => assert!(
+            sealpost_rabbitmq::access_refused(&e).is_some(),
+            "{what}: expected ACCESS_REFUSED, got {e}"
+        ),
+    }
+}
+
+#[tokio::test]
+async fn rights_a_dispatcher_publishes_but_may_not_declare_delete_or_purge() {
+    use sealpost_rabbitmq::lapin::options::{
+        ExchangeDeleteOptions, QueueDeclareOptions, QueueDeleteOptions, QueuePurgeOptions,
+    };
+    let Some(rights) = Rights::make() else {
+        return;
+    };
+    let fulfilment = vec!["fulfilment".to_string()];
+    let admin = rights.connect("guest").await;
+    admin
+        .ensure_destination("ORDERS", &fulfilment)
+        .await
+        .unwrap();
+    admin
+        .ensure_destination("AUDIT", &fulfilment)
+        .await
+        .unwrap();
+    let dispatcher = rights.connect(&rights.dispatcher).await;
+
+    // It may publish to ORDERS; AUDIT is not its exchange: that one message is refused as
+    // NotPermitted, in words naming what to grant, and its neighbours are never refused.
+    let orders = destination(CLUSTER, "ORDERS", "o-1");
+    let audit = destination(CLUSTER, "AUDIT", "a-1");
+    let out = dispatcher
+        .send_batch(
+            vec![
+                request(&orders, 1, b"{}"),
+                request(&audit, 2, b"{}"),
+                request(&orders, 3, b"{}"),
+            ],
+            later(),
+        )
+        .await;
+    match &out[1] {
+        SendResult::Refused {
+            kind: RefusalKind::NotPermitted,
+            detail,
+        } => {
+            assert!(detail.contains("ACCESS_REFUSED"), "{detail}");
+            assert!(detail.contains("exchange `AUDIT`"), "{detail}");
+            assert!(detail.contains("docs/security.md"), "{detail}");
+        }
+        other => panic!("a publish without write permission: {other:?}"),
+    }
+    for o in [&out[0], &out[2]] {
+        assert!(
+            matches!(o, SendResult::Receipt(_) | SendResult::NoAnswer),
+            "a permitted neighbour is never refused: {o:?}"
+        );
+    }
+    // The refusal closed the channel; the next batch gets a new one.
+    let next = dispatcher
+        .send_batch(vec![request(&orders, 4, b"{}")], later())
+        .await;
+    assert!(matches!(next[0], SendResult::Receipt(_)), "{next:?}");
+    assert_eq!(
+        rights.ready("AUDIT.fulfilment").await,
+        0,
+        "nothing refused was stored"
+    );
+
+    // Declaring is an administrator's: a clear error naming the permission.
+    let e = dispatcher
+        .ensure_destination("ORDERS", &fulfilment)
+        .await
+        .expect_err("the dispatcher may not declare");
+    assert!(e.is_not_permitted(), "{e}");
+    let e = e.to_string();
+    assert!(e.contains("configure permission on `ORDERS`"), "{e}");
+    assert!(e.contains("docs/security.md"), "{e}");
+
+    // Purge, delete, declare: each refused by the broker, and the queue keeps its messages.
+    let before = rights.ready("ORDERS.fulfilment").await;
+    assert!(before >= 1, "the permitted publishes are in the queue");
+    let w = rights.witness(&rights.dispatcher).await;
+    assert_refused(&w, "purge", |ch| async move {
+        ch.queue_purge("ORDERS.fulfilment".into(), QueuePurgeOptions::default())
+            .await
+    })
+    .await;
+    assert_refused(&w, "delete queue", |ch| async move {
+        ch.queue_delete("ORDERS.fulfilment".into(), QueueDeleteOptions::default())
+            .await
+    })
+    .await;
+    assert_refused(&w, "delete exchange", |ch| async move {
+        ch.exchange_delete("ORDERS".into(), ExchangeDeleteOptions::default())
+            .await
+    })
+    .await;
+    assert_refused(&w, "declare queue", |ch| async move {
+        ch.queue_declare(
+            "ORDERS.rogue".into(),
+            QueueDeclareOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+    })
+    .await;
+    assert_eq!(rights.ready("ORDERS.fulfilment").await, before);
+}
+
+#[tokio::test]
+async fn rights_a_consumer_consumes_its_queue_but_may_not_publish_or_delete() {
+    use sealpost_core::subscription::{FetchLimits, Settlement, Subscription};
+    use sealpost_rabbitmq::lapin::options::{
+        ExchangeDeleteOptions, QueueDeleteOptions, QueuePurgeOptions,
+    };
+    use sealpost_rabbitmq::RabbitSubscription;
+    let Some(rights) = Rights::make() else {
+        return;
+    };
+    let admin = rights.connect("guest").await;
+    admin
+        .ensure_destination("ORDERS", &["fulfilment".into(), "billing".into()])
+        .await
+        .unwrap();
+    let dispatcher = rights.connect(&rights.dispatcher).await;
+    let orders = destination(CLUSTER, "ORDERS", "o-1");
+    let sent = vec![request(&orders, 1, b"{}"), request(&orders, 2, b"{}")];
+    for o in dispatcher.send_batch(sent.clone(), later()).await {
+        assert!(matches!(o, SendResult::Receipt(_)), "{o:?}");
+    }
+
+    // Its own queue, through Sealpost's subscription: it may not declare it, finds it
+    // declared by the administrator, consumes and acks.
+    let url = rights.url_of(&rights.consumer);
+    let options = rights.options_of(&rights.consumer);
+    let mut sub = RabbitSubscription::subscribe(&url, &options, "ORDERS", "fulfilment", 1_000)
+        .await
+        .expect("the consumer may consume its own queue");
+    let mut got = Vec::new();
+    for _ in 0..20 {
+        let limits = FetchLimits {
+            messages_max: 10,
+            bytes_max: 1 << 20,
+            wait_ms: 500,
+        };
+        got.extend(sub.fetch(limits).await.expect("fetch"));
+        if got.len() >= sent.len() {
+            break;
+        }
+    }
+    let ids: Vec<EventId> = got
+        .iter()
+        .map(|m| sub.read(m).headers.expect("Sealpost headers").event_id)
+        .collect();
+    assert_eq!(ids, sent.iter().map(|r| r.event_id).collect::<Vec<_>>());
+    sub.settle(got.into_iter().map(|m| (m, Settlement::Ack)).collect())
+        .await
+        .unwrap();
+
+    // Another consumer's queue: refused, naming the permission.
+    let e = match RabbitSubscription::subscribe(&url, &options, "ORDERS", "billing", 1_000).await {
+        Ok(_) => panic!("the consumer may not consume another consumer's queue"),
+        Err(e) => e,
+    };
+    assert!(e.is_not_permitted(), "{e}");
+    assert!(
+        e.to_string()
+            .contains("read permission on `ORDERS.billing`"),
+        "{e}"
+    );
+    // A queue nobody declared: it may not declare it, and says who must.
+    let e = match RabbitSubscription::subscribe(&url, &options, "ORDERS", "ghost", 1_000).await {
+        Ok(_) => panic!("the consumer may not declare a queue"),
+        Err(e) => e.to_string(),
+    };
+    assert!(e.contains("an administrator declares"), "{e}");
+    assert!(e.contains("`ORDERS.ghost`"), "{e}");
+
+    // It cannot forge an upstream event: Sealpost's adapter reports NotPermitted.
+    let consumer = rights.connect(&rights.consumer).await;
+    match consumer
+        .send_batch(vec![request(&orders, 9, b"{\"forged\":true}")], later())
+        .await
+        .remove(0)
+    {
+        SendResult::Refused {
+            kind: RefusalKind::NotPermitted,
+            detail,
+        } => assert!(detail.contains("exchange `ORDERS`"), "{detail}"),
+        other => panic!("a consumer's publish must be refused: {other:?}"),
+    }
+
+    // Nor delete its queue or the exchange, nor purge another consumer's queue.
+    let w = rights.witness(&rights.consumer).await;
+    assert_refused(&w, "delete own queue", |ch| async move {
+        ch.queue_delete("ORDERS.fulfilment".into(), QueueDeleteOptions::default())
+            .await
+    })
+    .await;
+    assert_refused(&w, "delete exchange", |ch| async move {
+        ch.exchange_delete("ORDERS".into(), ExchangeDeleteOptions::default())
+            .await
+    })
+    .await;
+    assert_refused(&w, "purge another queue", |ch| async move {
+        ch.queue_purge("ORDERS.billing".into(), QueuePurgeOptions::default())
+            .await
+    })
+    .await;
+    assert_eq!(
+        rights.ready("ORDERS.billing").await,
+        2,
+        "nothing forged, nothing purged"
+    );
+}

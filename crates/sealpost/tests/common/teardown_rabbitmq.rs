@@ -1,6 +1,8 @@
 //! RabbitMQ exchanges and queues a test creates, deleted when their guard drops (also when
 //! the test fails). Included by path by the tests of crates that depend on
-//! `sealpost-rabbitmq`. The tests make no vhost of their own: everything is in `/`.
+//! `sealpost-rabbitmq`. Everything is in the vhost `/`, but for the rights tests of
+//! `sealpost-rabbitmq`, which make a vhost and users of their own and remove them with a
+//! `Teardown` of their own.
 
 #![allow(dead_code, unused_imports)]
 
