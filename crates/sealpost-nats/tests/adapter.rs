@@ -757,7 +757,7 @@ async fn rights_a_dispatcher_publishes_and_looks_up_but_may_not_create_change_pu
         other => panic!("the dispatcher may publish on sp.ORDERS.>: {other:?}"),
     };
     match dispatcher.lookup(&d, r.event_id, 0).await {
-        Lookup::Copy(c) => assert_eq!(c.receipt.sequence, receipt.sequence),
+        Lookup::Copies(c) => assert_eq!(c[0].receipt.sequence, receipt.sequence),
         other => panic!("the dispatcher may look the event up: {other:?}"),
     }
     assert!(matches!(
