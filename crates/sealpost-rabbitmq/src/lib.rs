@@ -347,23 +347,7 @@ impl Rabbit {
                 what: "opening a channel".into(),
                 source,
             })?;
-        ch.exchange_declare(
-            topic.into(),
-            lapin::ExchangeKind::Topic,
-            ExchangeDeclareOptions {
-                durable: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .map_err(|source| {
-            topology_error(
-                format!("declaring exchange `{topic}`"),
-                &format!("configure permission on `{topic}`"),
-                source,
-            )
-        })?;
+        declare_exchange(&ch, topic).await?;
         for c in consumers {
             declare_queue(&ch, topic, c).await?;
         }
@@ -517,6 +501,28 @@ fn not_permitted(r: &SendRequest, e: &lapin::Error) -> Option<SendResult> {
         detail: format!(
             "RabbitMQ: {detail}: this user may not publish to exchange `{topic}`; a dispatcher's user needs write permission on it (`rabbitmqctl set_permissions`, docs/security.md): grant it, then release the event"
         ),
+    })
+}
+
+/// Declares the durable topic exchange `topic` (idempotent); a refusal names the configure
+/// permission it needs.
+pub(crate) async fn declare_exchange(ch: &Channel, topic: &str) -> Result<(), RabbitError> {
+    ch.exchange_declare(
+        topic.into(),
+        lapin::ExchangeKind::Topic,
+        ExchangeDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .map_err(|source| {
+        topology_error(
+            format!("declaring exchange `{topic}`"),
+            &format!("configure permission on `{topic}`"),
+            source,
+        )
     })
 }
 

@@ -40,8 +40,8 @@ use sealpost_core::subscription::{
 };
 
 use crate::{
-    declare_queue, delivered_count, delivery_of, open_connection, queue_name, topology_error,
-    RabbitError, RabbitOptions,
+    declare_exchange, declare_queue, delivered_count, delivery_of, open_connection, queue_name,
+    topology_error, RabbitError, RabbitOptions,
 };
 
 /// Why a subscription needs reopening.
@@ -153,25 +153,23 @@ async fn open(
 
 /// Declares the exchange `topic` and the consumer's queue, bound with `#` (idempotent).
 async fn declare(channel: &Channel, topic: &str, consumer_id: &str) -> Result<(), RabbitError> {
+    declare_exchange(channel, topic).await?;
+    declare_queue(channel, topic, consumer_id).await
+}
+
+/// The queue `name` as the broker holds it (a passive declare: creates nothing, fails if it
+/// does not exist).
+async fn passive_queue(channel: &Channel, name: &str) -> Result<lapin::Queue, lapin::Error> {
     channel
-        .exchange_declare(
-            topic.into(),
-            ExchangeKind::Topic,
-            ExchangeDeclareOptions {
-                durable: true,
+        .queue_declare(
+            name.into(),
+            QueueDeclareOptions {
+                passive: true,
                 ..Default::default()
             },
             FieldTable::default(),
         )
         .await
-        .map_err(|source| {
-            topology_error(
-                format!("declaring exchange `{topic}`"),
-                &format!("configure permission on `{topic}`"),
-                source,
-            )
-        })?;
-    declare_queue(channel, topic, consumer_id).await
 }
 
 /// Checks, by passive declares, that the exchange `topic` and the consumer's queue exist;
@@ -196,17 +194,7 @@ async fn expect_declared(
                 FieldTable::default(),
             )
             .await?;
-        channel
-            .queue_declare(
-                q.as_str().into(),
-                QueueDeclareOptions {
-                    passive: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .map(|_| ())
+        passive_queue(channel, &q).await.map(|_| ())
     };
     passive.await.map_err(|e| RabbitError::NotPermitted {
         what: format!("opening consumer `{consumer_id}` on exchange `{topic}`"),
@@ -262,17 +250,7 @@ impl RabbitSubscription {
             return Ok(false);
         }
         let q = queue_name(&self.topic, &self.consumer_id);
-        let queue = self
-            .link
-            .channel
-            .queue_declare(
-                q.as_str().into(),
-                QueueDeclareOptions {
-                    passive: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
+        let queue = passive_queue(&self.link.channel, &q)
             .await
             .map_err(|e| self.closed(e))?;
         let mut drained = queue.message_count() == 0 && queue.consumer_count() <= 1;
@@ -452,16 +430,7 @@ impl Subscription for RabbitSubscription {
     /// Messages ready in the queue (those delivered and unsettled are not counted).
     async fn lag(&mut self) -> Option<u64> {
         let q = queue_name(&self.topic, &self.consumer_id);
-        self.link
-            .channel
-            .queue_declare(
-                q.as_str().into(),
-                QueueDeclareOptions {
-                    passive: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
+        passive_queue(&self.link.channel, &q)
             .await
             .ok()
             .map(|q| u64::from(q.message_count()))

@@ -69,7 +69,7 @@ fn main() {
         s.copies_unsealed,
         s.unsealed_parked,
         s.conflicts_parked,
-        s.duplicate_acks_unsealed,
+        s.duplicate_acks_not_this_message,
         s.forgeries_reported
     );
     for (i, ts) in &report.failing {

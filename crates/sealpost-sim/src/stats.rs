@@ -418,7 +418,7 @@ pub struct TraceStats {
     pub unsealed_parked: u64,
     /// Duplicate ACKs whose stored copy the adapter found not to be the message sent
     /// (answered "already stored": the genuine message's outcome is a lookup away).
-    pub duplicate_acks_unsealed: u64,
+    pub duplicate_acks_not_this_message: u64,
     /// Verification findings ("published but missing") caused by a forged copy shadowing the
     /// genuine one at its subject: a true alarm for the operator, not a lost event.
     pub forgeries_reported: u64,
@@ -452,7 +452,7 @@ impl TraceStats {
         self.deliveries_unsealed += o.deliveries_unsealed;
         self.copies_unsealed += o.copies_unsealed;
         self.unsealed_parked += o.unsealed_parked;
-        self.duplicate_acks_unsealed += o.duplicate_acks_unsealed;
+        self.duplicate_acks_not_this_message += o.duplicate_acks_not_this_message;
         self.forgeries_reported += o.forgeries_reported;
         self.inbox_duplicates += o.inbox_duplicates;
         self.inbox_quarantined += o.inbox_quarantined;

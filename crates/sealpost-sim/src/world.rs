@@ -206,6 +206,20 @@ struct PubReq {
     signature: Option<Rc<str>>,
 }
 
+impl PubReq {
+    /// The claim the dispatcher signed for this request.
+    fn claim(&self) -> SignedClaim {
+        SignedClaim {
+            event_id: self.event_id,
+            member: self.member,
+            envelope_generation: self.envelope_generation,
+            payload_digest: self.payload_digest,
+            destination_digest: self.destination_digest,
+            envelope: wire_envelope(self.event_type),
+        }
+    }
+}
+
 /// A batch handed to the adapter model, until every message has an outcome.
 #[derive(Clone, Debug)]
 struct Batch {
@@ -1908,36 +1922,9 @@ impl World {
             .msgs
             .iter()
             .any(|m| !m.forged && m.event_id == req.event_id && m.member == req.member);
-        let (seq, duplicate) = if let Some(seq) = dedup_hit {
-            if !self.duplicate_is_this_message(s, seq, &req) {
-                // The copy the broker calls the original is not the message sent (a forger
-                // published first under its duplicate id): not a receipt of this send, whose
-                // outcome is a lookup away.
-                self.stats.duplicate_acks_unsealed += 1;
-                self.note(|| {
-                    format!(
-                        "duplicate ACK for attempt {} points at an unsealed copy",
-                        req.attempt_id
-                    )
-                });
-                self.at(
-                    answer_at,
-                    Ev::AckArrive {
-                        d,
-                        inc,
-                        batch,
-                        slot,
-                        result: Box::new(SendResult::AlreadyStored),
-                    },
-                );
-                return;
-            }
-            (seq, true)
-        } else if req.create_if_absent && held {
-            // The broker itself refuses a second copy (NATS: wrong last subject sequence).
-            self.fault(Fault::CopyRefused);
-            self.note(|| format!("broker refuses attempt {}: a copy exists", req.attempt_id));
-            self.at(
+        // The answer "a copy is already stored" to this request (a lookup away).
+        let already_stored = |w: &mut Self| {
+            w.at(
                 answer_at,
                 Ev::AckArrive {
                     d,
@@ -1946,7 +1933,29 @@ impl World {
                     slot,
                     result: Box::new(SendResult::AlreadyStored),
                 },
-            );
+            )
+        };
+        let (seq, duplicate) = if let Some(seq) = dedup_hit {
+            if !self.duplicate_is_this_message(s, seq, &req) {
+                // The copy the broker calls the original is not the message sent (a forger
+                // published first under its duplicate id): not a receipt of this send, whose
+                // outcome is a lookup away.
+                self.stats.duplicate_acks_not_this_message += 1;
+                self.note(|| {
+                    format!(
+                        "duplicate ACK for attempt {} names another message",
+                        req.attempt_id
+                    )
+                });
+                already_stored(self);
+                return;
+            }
+            (seq, true)
+        } else if req.create_if_absent && held {
+            // The broker itself refuses a second copy (NATS: wrong last subject sequence).
+            self.fault(Fault::CopyRefused);
+            self.note(|| format!("broker refuses attempt {}: a copy exists", req.attempt_id));
+            already_stored(self);
             return;
         } else {
             let first = !stream
@@ -2590,16 +2599,8 @@ impl World {
             TOPICS[st.topic as usize],
             seq,
         );
-        let claim = SignedClaim {
-            event_id: req.event_id,
-            member: req.member,
-            envelope_generation: req.envelope_generation,
-            payload_digest: req.payload_digest,
-            destination_digest: req.destination_digest,
-            envelope: wire_envelope(req.event_type),
-        };
         self.proto
-            .is_this_message(&claim, req.signature.as_deref(), &copy)
+            .is_this_message(&req.claim(), req.signature.as_deref(), &copy)
     }
 
     /// Ghost: is a genuine copy of this event among the first `COPIES_MAX` messages a lookup
