@@ -13,6 +13,7 @@
 //! delay `reconnect_backoff_ms`, every inbox verdict `decide_inbox`. The broker is reached
 //! only through the subscription port: this crate has no broker client.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -30,6 +31,7 @@ use tokio_postgres::Transaction;
 pub use tokio_util::sync::CancellationToken;
 
 use crate::inbox::{self, BatchOutcome, DeadLetter, DeadLetterKind};
+use crate::payload_key::{self, KeyState, Opened, Subject};
 use crate::pg::{PgConn, PgConnector, PgSource};
 use crate::runtime::{Config, RunError};
 use crate::signing::Keyring;
@@ -50,8 +52,18 @@ pub struct Delivery {
     /// The envelope's description (R30: type, aggregate type, id and version, occurred-at,
     /// tenant, schema digest), when the headers carry it.
     pub envelope: Option<WireEnvelope>,
-    /// The payload as sealed (its digest was checked against the headers by the inbox).
+    /// The payload as the producer wrote it: as sealed (its digest was checked against the
+    /// headers by the inbox), opened with its data subject's key when the route encrypts
+    /// (`docs/data-lifecycle.md`). Empty when [`Delivery::payload_erased`].
     pub payload: Vec<u8>,
+    /// The payload was encrypted for a data subject whose key `sealpost erase` destroyed: it
+    /// can never be read again, and `payload` is empty. The envelope's description is
+    /// intact; what the handler does with an erased event is the service's choice (most
+    /// acknowledge it and do nothing).
+    pub payload_erased: bool,
+    /// Why the encrypted payload cannot be opened (no key in the database, or altered): the
+    /// handler is not run, and the message is retried, then dead-lettered with this reason.
+    unreadable: Option<String>,
     /// The key of this consumer's external call for this event (R18):
     /// `sealpost_core::inbox::idempotency_key(event id, consumer, options.effect)`. Every
     /// redelivery derives the same key.
@@ -290,6 +302,10 @@ where
         last: None,
         outbox: None,
     };
+    let mut keys = PayloadKeys {
+        outbox: databases.outbox.clone(),
+        conn: None,
+    };
     let mut pg: Option<PgConn> = None;
     let mut db_failures = 0u32;
     let mut broker_failures = 0u32;
@@ -354,7 +370,16 @@ where
             continue;
         };
         let received: Vec<Received<'_>> = messages.iter().map(|m| subscription.read(m)).collect();
-        let settled = apply_batch(client, received, &options, &handler, &consumer_id, &label).await;
+        let settled = apply_batch(
+            client,
+            received,
+            &options,
+            &handler,
+            &consumer_id,
+            &label,
+            &mut keys,
+        )
+        .await;
         if client.is_closed() {
             pg = None;
         }
@@ -406,6 +431,38 @@ fn dead_letter_of(r: &Received<'_>, kind: DeadLetterKind, reason: String) -> Dea
     }
 }
 
+/// Where the consumer reads the data subjects' keys of encrypted payloads
+/// (`sealpost.subject_keys`): the outbox database, on a connection opened the first time an
+/// encrypted payload arrives (the inbox's own when they are one database).
+struct PayloadKeys {
+    outbox: Option<Arc<dyn PgSource>>,
+    conn: Option<PgConn>,
+}
+
+impl PayloadKeys {
+    async fn fetch(
+        &mut self,
+        inbox: &mut tokio_postgres::Client,
+        subjects: &[Subject],
+    ) -> Result<HashMap<Subject, KeyState>, String> {
+        if subjects.is_empty() {
+            return Ok(HashMap::new());
+        }
+        let Some(source) = &self.outbox else {
+            return payload_key::keys_of(&*inbox, subjects)
+                .await
+                .map_err(|e| crate::store::db_message(&e));
+        };
+        if self.conn.as_ref().is_none_or(|c| c.is_closed()) {
+            self.conn = Some(source.connect().await.map_err(|e| e.to_string())?);
+        }
+        let conn = self.conn.as_deref().expect("connected above");
+        payload_key::keys_of(conn, subjects)
+            .await
+            .map_err(|e| crate::store::db_message(&e))
+    }
+}
+
 /// Applies one fetched batch through the inbox and decides each message's settlement, in
 /// fetch order. Dead letters are committed before their `Terminate` is returned; a dead
 /// letter that cannot be written turns into a retry.
@@ -416,9 +473,20 @@ async fn apply_batch<H: Handler>(
     handler: &Arc<H>,
     consumer_id: &Arc<str>,
     label: &str,
+    keys: &mut PayloadKeys,
 ) -> Vec<Settlement> {
     let policy = options.redelivery;
     let mut settled: Vec<Option<Settlement>> = vec![None; received.len()];
+    let subjects = payload_key::subjects_of(
+        received
+            .iter()
+            .filter(|r| r.headers.is_ok())
+            .map(|r| r.payload),
+    );
+    let keys = keys.fetch(pg, &subjects).await;
+    if let Err(e) = &keys {
+        tracing::warn!(error = %e, "cannot read the keys of encrypted payloads; those messages come back after a delay");
+    }
     let mut letters: Vec<(usize, DeadLetter)> = Vec::new();
     let mut index = Vec::new();
     let mut inbox_ds = Vec::new();
@@ -433,6 +501,25 @@ async fn apply_batch<H: Handler>(
                 other => settled[i] = Some(other),
             },
             Ok(h) => {
+                let opened = match &keys {
+                    Ok(keys) => payload_key::open_with(r.payload, keys),
+                    Err(_) if payload_key::frame(r.payload).is_none() => Opened::Plain,
+                    Err(_) => {
+                        // Not the message's fault: never dead-lettered for it.
+                        settled[i] = Some(decide_settlement(
+                            Processed::Failed(Failure::Transaction),
+                            r.delivered,
+                            policy,
+                        ));
+                        continue;
+                    }
+                };
+                let (payload, payload_erased, unreadable) = match opened {
+                    Opened::Plain => (r.payload.to_vec(), false, None),
+                    Opened::Opened(p) => (p, false, None),
+                    Opened::Erased(_) => (Vec::new(), true, None),
+                    Opened::Unreadable(why) => (Vec::new(), false, Some(why)),
+                };
                 let payload_digest = Digest::of_bytes(PAYLOAD_DOMAIN, r.payload);
                 inbox_ds.push(inbox::Delivery {
                     event_id: h.event_id,
@@ -448,7 +535,9 @@ async fn apply_batch<H: Handler>(
                     event_id: h.event_id,
                     member: h.member,
                     envelope: h.envelope.clone(),
-                    payload: r.payload.to_vec(),
+                    payload,
+                    payload_erased,
+                    unreadable,
                     idempotency_key: sealpost_core::inbox::idempotency_key(
                         h.event_id,
                         consumer_id,
@@ -474,6 +563,11 @@ async fn apply_batch<H: Handler>(
                 let ds = ds.clone();
                 Box::pin(async move {
                     let chosen: Vec<&Delivery> = apply.iter().map(|&i| &ds[i]).collect();
+                    if let Some(why) = chosen.iter().find_map(|d| d.unreadable.as_deref()) {
+                        return Err(StoreError::Effect(format!(
+                            "the encrypted payload cannot be opened: {why}"
+                        )));
+                    }
                     handler
                         .handle_batch(tx, chosen)
                         .await

@@ -8,6 +8,7 @@ pub mod consumer;
 pub mod inbox;
 pub mod observe;
 pub mod ops;
+pub mod payload_key;
 pub mod pg;
 pub mod roles;
 pub mod runtime;

@@ -11,7 +11,11 @@
 use sealpost_core::envelope::{EventId, NewEvent, SealedEnvelope};
 use sqlx::Row;
 
-use crate::store::{check_input, policy_from_parts, StoreError, INSERT_ENVELOPE_SQL, POLICY_SQL};
+use crate::payload_key;
+use crate::store::{
+    check_input, keying_of, payload_subject, policy_from_parts, StoreError, INSERT_ENVELOPE_SQL,
+    POLICY_SQL,
+};
 
 /// Errors of the sqlx flavour.
 #[derive(Debug, thiserror::Error)]
@@ -50,8 +54,27 @@ pub async fn enqueue(
         &p.try_get::<String, _>(8)?,
     )?;
     let txid: i64 = p.try_get(7)?;
+    let keying = keying_of(&p.try_get::<String, _>(9)?)?;
+    let sealed = match payload_subject(keying, 0, ev)? {
+        None => None,
+        Some(subject) => {
+            let (scope, ty, id) = payload_key::subject_columns(&subject);
+            let key: Option<Vec<u8>> =
+                sqlx::query_scalar("SELECT sealpost.subject_key_for_enqueue($1, $2, $3, $4)")
+                    .bind(scope)
+                    .bind(ty)
+                    .bind(id)
+                    .bind(payload_key::fresh_key().as_slice())
+                    .fetch_one(&mut *conn)
+                    .await?;
+            let key = payload_key::key_of_bytes(&subject, key)
+                .map_err(|source| StoreError::PayloadKey { index: 0, source })?;
+            Some(payload_key::seal(&subject, &key, ev.payload))
+        }
+    };
     let ev = NewEvent {
         creating_txid: txid as u64,
+        payload: sealed.as_deref().unwrap_or(ev.payload),
         ..ev.clone()
     };
     let env = SealedEnvelope::seal(event_id, &ev, &policy, routing_key);

@@ -23,6 +23,8 @@ use sealpost_core::row::{Attempt, AttemptStatus, Claim, EventRow, Pacing, Supers
 use sealpost_core::state::{Phase, State};
 use sealpost_core::step::{self, Acceptance, ClaimInput, CoreRules, Pick, Served, StepError};
 use tokio_postgres::{GenericClient, Transaction};
+
+use crate::payload_key::{self, KeyError, Keying, Subject};
 use uuid::Uuid;
 
 /// The embedded schema migrations, in order.
@@ -36,6 +38,7 @@ pub const MIGRATIONS: &[(i32, &str)] = &[
     ),
     (5, include_str!("../migrations/0005_ordering.sql")),
     (6, include_str!("../migrations/0006_roles.sql")),
+    (7, include_str!("../migrations/0007_lifecycle.sql")),
 ];
 
 /// Statements the store has sent to PostgreSQL in this process (each query, `BEGIN` and
@@ -92,6 +95,15 @@ pub enum StoreError {
         index: usize,
         /// The field and the rule it broke.
         source: sealpost_core::wire::FieldError,
+    },
+    /// The route encrypts payloads per data subject and this event's could not be
+    /// (`payload_key.rs`); nothing was written.
+    #[error("event {index} refused at enqueue: {source}; nothing was written (the caller's transaction is still open)")]
+    PayloadKey {
+        /// Position of the event in the call (0 for `enqueue`).
+        index: usize,
+        /// Why.
+        source: crate::payload_key::KeyError,
     },
     /// A core step refused its inputs or broke its own postcondition: a bug in the store's
     /// query or in the core, never bad data from a user. The transaction was rolled back.
@@ -345,6 +357,49 @@ pub async fn set_route_ordering(
     Ok(row.get::<_, i64>(0) as u64)
 }
 
+/// Sets what a route encrypts its payloads by (`payload_key.rs`) and how long its stream or
+/// topic keeps messages (`None` leaves a setting as it is; a `max_age_ms` of `Some(None)`
+/// clears it). Neither is part of the frozen destination, so the generation stays. `false`
+/// when there is no such route.
+pub async fn set_route_lifecycle(
+    client: &impl GenericClient,
+    name: &str,
+    keying: Option<Keying>,
+    max_age_ms: Option<Option<i64>>,
+) -> Result<bool> {
+    let n = client
+        .execute(
+            "UPDATE sealpost.route_policy
+                SET payload_key = coalesce($2, payload_key),
+                    max_age_ms = CASE WHEN $3 THEN $4 ELSE max_age_ms END,
+                    updated_at = now()
+              WHERE name = $1",
+            &[
+                &name,
+                &keying.map(Keying::name),
+                &max_age_ms.is_some(),
+                &max_age_ms.flatten(),
+            ],
+        )
+        .await?;
+    Ok(n == 1)
+}
+
+/// A route's lifecycle settings: payload keying and retention (ms), if the route exists.
+pub async fn route_lifecycle(
+    client: &impl GenericClient,
+    name: &str,
+) -> Result<Option<(Keying, Option<i64>)>> {
+    let row = client
+        .query_opt(
+            "SELECT payload_key, max_age_ms FROM sealpost.route_policy WHERE name = $1",
+            &[&name],
+        )
+        .await?;
+    row.map(|r| Ok((keying_of(r.get(0))?, r.get(1))))
+        .transpose()
+}
+
 /// The database clock in milliseconds (R7: leases use it, never a worker's clock).
 pub async fn db_now_ms(client: &impl GenericClient) -> Result<u64> {
     counted(1);
@@ -369,14 +424,56 @@ pub async fn enqueue(
     routing_key: &str,
 ) -> Result<SealedEnvelope> {
     check_input(0, ev, routing_key)?;
-    let (policy, txid) = load_policy(tx, route).await?;
+    let (policy, txid, keying) = load_policy(tx, route).await?;
+    let sealed = keyed_payload(tx, keying, 0, ev, &mut HashMap::new()).await?;
     let ev = NewEvent {
         creating_txid: txid,
+        payload: sealed.as_deref().unwrap_or(ev.payload),
         ..ev.clone()
     };
     let env = SealedEnvelope::seal(event_id, &ev, &policy, routing_key);
     insert_envelope(tx, &env, 0, ev.payload).await?;
     Ok(env)
+}
+
+/// The subject a keyed route encrypts `ev`'s payload for, or `None` on a route that does not
+/// encrypt (whose payload must not look like a frame). Shared with the sqlx flavour.
+pub(crate) fn payload_subject(
+    keying: Keying,
+    index: usize,
+    ev: &NewEvent<'_>,
+) -> Result<Option<Subject>> {
+    let fail = |source| StoreError::PayloadKey { index, source };
+    if keying == Keying::None && ev.payload.starts_with(payload_key::MAGIC) {
+        return Err(fail(KeyError::LooksFramed));
+    }
+    Subject::of(keying, ev).map_err(fail)
+}
+
+/// `ev`'s payload encrypted under its subject's key when the route is keyed (the key made
+/// in the caller's transaction if the subject has none; `keys` remembers the call's keys).
+async fn keyed_payload(
+    tx: &impl GenericClient,
+    keying: Keying,
+    index: usize,
+    ev: &NewEvent<'_>,
+    keys: &mut HashMap<Subject, payload_key::Key>,
+) -> Result<Option<Vec<u8>>> {
+    let Some(subject) = payload_subject(keying, index, ev)? else {
+        return Ok(None);
+    };
+    let key = match keys.get(&subject) {
+        Some(k) => *k,
+        None => {
+            counted(1);
+            let k = payload_key::key_for_enqueue(tx, &subject)
+                .await?
+                .map_err(|source| StoreError::PayloadKey { index, source })?;
+            keys.insert(subject.clone(), k);
+            k
+        }
+    };
+    Ok(Some(payload_key::seal(&subject, &key, ev.payload)))
 }
 
 /// What `enqueue` refuses before it writes anything: a payload over [`PAYLOAD_BYTES_MAX`]
@@ -406,12 +503,24 @@ pub async fn enqueue_many(
     for (index, (_, ev, key)) in events.iter().enumerate() {
         check_input(index, ev, key)?;
     }
-    let (policy, txid) = load_policy(tx, route).await?;
+    let (policy, txid, keying) = load_policy(tx, route).await?;
+    let mut keys = HashMap::new();
+    let mut payloads: Vec<Vec<u8>> = Vec::with_capacity(events.len());
+    for (index, (_, ev, _)) in events.iter().enumerate() {
+        payloads.push(
+            match keyed_payload(tx, keying, index, ev, &mut keys).await? {
+                Some(sealed) => sealed,
+                None => ev.payload.to_vec(),
+            },
+        );
+    }
     let envs: Vec<SealedEnvelope> = events
         .iter()
-        .map(|(id, ev, key)| {
+        .zip(&payloads)
+        .map(|((id, ev, key), payload)| {
             let ev = NewEvent {
                 creating_txid: txid,
+                payload,
                 ..ev.clone()
             };
             SealedEnvelope::seal(*id, &ev, &policy, key)
@@ -422,10 +531,6 @@ pub async fn enqueue_many(
         |f: &dyn Fn(&SealedEnvelope) -> Vec<u8>| envs.iter().map(f).collect::<Vec<Vec<u8>>>();
     let ints = |f: &dyn Fn(&SealedEnvelope) -> i64| envs.iter().map(f).collect::<Vec<i64>>();
     let ids: Vec<Uuid> = envs.iter().map(|e| uuid_of(e.event_id)).collect();
-    let payloads: Vec<Vec<u8>> = events
-        .iter()
-        .map(|(_, ev, _)| ev.payload.to_vec())
-        .collect();
     // The work rows are inserted in the caller's order (`ORDER BY` the input's ordinality), so
     // their commit positions follow it: without it the join's plan decided the order, and it
     // changed once the tables' statistics had seen a large backlog.
@@ -490,7 +595,7 @@ pub async fn enqueue_many(
 /// concurrent revision until the caller's transaction ends (shared with the sqlx flavour).
 pub(crate) const POLICY_SQL: &str =
     "SELECT generation, cluster, topic, partition_algorithm, serializer, durability, required_ack,
-            txid_current(), ordering
+            txid_current(), ordering, payload_key
      FROM sealpost.route_for_enqueue($1)";
 
 /// Inserts one sealed envelope and its `PENDING` work row in one statement (shared with the
@@ -534,7 +639,12 @@ pub(crate) fn policy_from_parts(
     })
 }
 
-async fn load_policy(tx: &Transaction<'_>, route: &str) -> Result<(RoutePolicy, u64)> {
+/// The route's payload keying, from the column of [`POLICY_SQL`].
+pub(crate) fn keying_of(name: &str) -> Result<Keying> {
+    Keying::parse(name).ok_or_else(|| StoreError::Corrupt(format!("route payload_key `{name}`")))
+}
+
+async fn load_policy(tx: &Transaction<'_>, route: &str) -> Result<(RoutePolicy, u64, Keying)> {
     let p = tx
         .query_opt(POLICY_SQL, &[&route])
         .await?
@@ -550,7 +660,7 @@ async fn load_policy(tx: &Transaction<'_>, route: &str) -> Result<(RoutePolicy, 
         p.get(6),
         p.get::<_, &str>(8),
     )?;
-    Ok((policy, p.get::<_, i64>(7) as u64))
+    Ok((policy, p.get::<_, i64>(7) as u64, keying_of(p.get(9))?))
 }
 
 async fn insert_envelope(
@@ -2663,7 +2773,7 @@ pub async fn migrate_event(
             "no envelope for event {event_id} member {member}"
         )));
     };
-    let (policy, _) = load_policy(&tx, route).await?;
+    let (policy, _, _) = load_policy(&tx, route).await?;
     let key: String = tx
         .query_one(
             "SELECT dest_routing_key FROM sealpost.envelope
