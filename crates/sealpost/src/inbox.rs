@@ -580,7 +580,13 @@ impl DeadLetterKind {
     }
 }
 
-/// Records dead letters in `sealpost.inbox_quarantine`, one statement, and commits. Tell the
+/// The largest payload a dead letter keeps (R34): a larger one is recorded without it (its
+/// size in `payload_bytes`); the outbox envelope holds it until purge. Dead letters live for
+/// the audit retention, so they are kept small.
+pub const DEAD_LETTER_PAYLOAD_BYTES_MAX: usize = 64 * 1024;
+
+/// Records dead letters in `sealpost.inbox_quarantine`, one statement, and commits. A payload
+/// over [`DEAD_LETTER_PAYLOAD_BYTES_MAX`] is not kept, only its size. Tell the
 /// broker to stop redelivering a message (JetStream: `AckKind::Term`) only after this
 /// returns `Ok`; on `Err` nothing is recorded and the message must be sent back instead.
 /// A second record of the same position (a redelivery after a lost "terminate") is ignored.
@@ -613,14 +619,22 @@ pub async fn dead_letter(
         .map(|l| l.delivered.min(i32::MAX as u64) as i32)
         .collect();
     let reasons: Vec<&str> = letters.iter().map(|l| l.reason.as_str()).collect();
-    let payloads: Vec<&[u8]> = letters.iter().map(|l| l.payload.as_slice()).collect();
+    let payloads: Vec<Option<&[u8]>> = letters
+        .iter()
+        .map(|l| Some(l.payload.as_slice()).filter(|p| p.len() <= DEAD_LETTER_PAYLOAD_BYTES_MAX))
+        .collect();
+    let sizes: Vec<i32> = letters
+        .iter()
+        .map(|l| l.payload.len().min(i32::MAX as usize) as i32)
+        .collect();
     client
         .execute(
             "INSERT INTO sealpost.inbox_quarantine
-                 (consumer_id, kind, event_id, member, stream, sequence, subject, delivered, reason, payload, at_ms)
-             SELECT $1, k, e, m, s, q, j, d, r, p, (extract(epoch from clock_timestamp()) * 1000)::bigint
+                 (consumer_id, kind, event_id, member, stream, sequence, subject, delivered, reason, payload,
+                  payload_bytes, at_ms)
+             SELECT $1, k, e, m, s, q, j, d, r, p, b, (extract(epoch from clock_timestamp()) * 1000)::bigint
              FROM unnest($2::text[], $3::uuid[], $4::int2[], $5::text[], $6::int8[], $7::text[],
-                         $8::int4[], $9::text[], $10::bytea[]) AS t(k, e, m, s, q, j, d, r, p)
+                         $8::int4[], $9::text[], $10::bytea[], $11::int4[]) AS t(k, e, m, s, q, j, d, r, p, b)
              ON CONFLICT (consumer_id, stream, sequence) WHERE kind <> 'refused' DO NOTHING",
             &[
                 &consumer_id,
@@ -633,6 +647,7 @@ pub async fn dead_letter(
                 &delivered,
                 &reasons,
                 &payloads,
+                &sizes,
             ],
         )
         .await?;
