@@ -58,6 +58,17 @@ enum Cmd {
         /// partitioner) [default: the count the topic has now, asked of `kafka_brokers`].
         #[arg(long)]
         partitions: Option<u32>,
+        /// Encrypt the `--route` policies' payloads with a key per data subject (R34):
+        /// `aggregate`, `tenant`, or `none`; `sealpost erase` destroys a subject's key
+        /// (docs/data-lifecycle.md) [default: the route's setting, `none` when new].
+        #[arg(long)]
+        payload_key: Option<String>,
+        /// How long the `--route` policies' streams keep messages (seconds; `0` for no
+        /// limit). NATS: the stream is created with it, or an existing stream's limit set to
+        /// it (an administrator's right, docs/security.md). Keep it above the replay window
+        /// and the reconciler's lookup window [default: the route's setting, none when new].
+        #[arg(long)]
+        max_age_s: Option<u64>,
         /// Map a login to a Sealpost role (repeatable): `KIND=LOGIN`, KIND one of producer,
         /// dispatcher, reconciler, consumer, operator, reader; a consumer login with the
         /// consumer id it may write as, `consumer=LOGIN:CONSUMER_ID` (default: the login's
@@ -229,6 +240,17 @@ enum Cmd {
         /// Messages scanned per stream at most.
         #[arg(long, default_value_t = 1_000_000)]
         scan_max: u64,
+        /// One JSON object.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Erase a data subject (R34): destroy the key its payloads were encrypted with, so that
+    /// every copy of them (outbox, streams, topics, queues, dead letters, later backups) reads
+    /// as erased. Routes encrypt per subject with `sealpost migrate --payload-key`. Recorded
+    /// in `sealpost.subject_erasure`; cannot be undone.
+    Erase {
+        /// `TYPE/ID` for an aggregate (`order/o-42`), `tenant:ID` for a tenant.
+        subject: String,
         /// One JSON object.
         #[arg(long)]
         json: bool,
@@ -413,7 +435,29 @@ async fn run(cmd: Cmd, cfg: Settings) -> Result<i32, String> {
             partitions,
             grant,
             role_prefix,
+            payload_key,
+            max_age_s,
         } => {
+            let keying = match payload_key.as_deref() {
+                None => None,
+                Some(k) => Some(sealpost::payload_key::Keying::parse(k).ok_or_else(|| {
+                    format!("--payload-key `{k}`: expected `none`, `aggregate` or `tenant`")
+                })?),
+            };
+            let max_age_ms = match max_age_s {
+                None => None,
+                Some(0) => Some(None),
+                Some(s) if s < sealpost_nats::DUPLICATE_WINDOW.as_secs() => {
+                    return Err(format!(
+                        "--max-age-s {s}: a stream must keep messages at least its {} s duplicate window (NATS refuses less), and should keep them longer than the replay window and the reconciler's lookup window; give a larger value, or 0 for no limit",
+                        sealpost_nats::DUPLICATE_WINDOW.as_secs()
+                    ))
+                }
+                Some(s) => Some(Some(
+                    i64::try_from(s.saturating_mul(1000))
+                        .map_err(|_| format!("--max-age-s {s}: too large"))?,
+                )),
+            };
             let grants = grant
                 .iter()
                 .map(|g| sealpost::roles::parse_grant(g))
@@ -493,6 +537,35 @@ async fn run(cmd: Cmd, cfg: Settings) -> Result<i32, String> {
                         .map_err(|x| x.to_string())?
                         .ok_or_else(|| format!("route `{name}` vanished while setting its durability; run the command again"))?;
                     println!("route {name} durability {d} (generation {g})");
+                }
+                if keying.is_some() || max_age_ms.is_some() {
+                    if !store::set_route_lifecycle(&pg, name, keying, max_age_ms)
+                        .await
+                        .map_err(|x| x.to_string())?
+                    {
+                        return Err(format!("route `{name}` vanished while setting its payload key and retention; run the command again"));
+                    }
+                    let (k, age) = store::route_lifecycle(&pg, name)
+                        .await
+                        .map_err(|x| x.to_string())?
+                        .ok_or_else(|| format!("route `{name}` vanished; run the command again"))?;
+                    println!(
+                        "route {name} payload key {}, max age {}",
+                        k.name(),
+                        age.map_or("none".to_string(), |ms| format!("{} s", ms / 1000))
+                    );
+                    if let (Some(_), true) = (max_age_ms, cluster == cfg.nats.cluster) {
+                        let nats = brokers::connect_nats(&cfg).await.map_err(e)?;
+                        let d = durability.as_deref().unwrap_or("file");
+                        nats.ensure_stream_max_age(
+                            topic,
+                            d,
+                            age.map(|ms| std::time::Duration::from_millis(ms as u64)),
+                        )
+                        .await
+                        .map_err(|x| x.to_string())?;
+                        println!("stream {topic} max age set");
+                    }
                 }
             }
             println!("schema applied");
@@ -748,6 +821,27 @@ async fn run(cmd: Cmd, cfg: Settings) -> Result<i32, String> {
                 sealpost_cli::print_reconcile(&r);
             }
             Ok(i32::from(!r.findings.is_empty()))
+        }
+        Cmd::Erase { subject, json } => {
+            let subject =
+                sealpost::payload_key::Subject::parse(&subject).map_err(|x| x.to_string())?;
+            let pg = runtime::pg_connect(&cfg.database_url).await.map_err(e)?;
+            let envelopes = match sealpost::payload_key::erase(&pg, &subject).await {
+                Ok(n) => n,
+                Err(x) => return Err(explain(&pg, x.into()).await),
+            };
+            if json {
+                println!(
+                    "{}",
+                    serde_json::json!({"subject": subject.to_string(), "erased": true, "envelopes": envelopes})
+                );
+            } else {
+                println!(
+                    "erased data subject {subject}: its key is destroyed; the {envelopes} envelope(s) of it in the outbox, and every broker copy and dead letter of their encrypted payloads, now read as erased"
+                );
+                println!("payloads of this subject sent on routes without --payload-key are not covered: see docs/data-lifecycle.md");
+            }
+            Ok(0)
         }
         Cmd::Purge {
             consumer,

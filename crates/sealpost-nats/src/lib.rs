@@ -459,6 +459,54 @@ impl Nats {
         Ok(())
     }
 
+    /// [`Nats::ensure_stream_for`], then gives the stream the retention a route policy sets
+    /// (`max_age`, `None` for no limit): an existing stream with another limit is updated
+    /// (an administrator's right: `$JS.API.STREAM.UPDATE`).
+    pub async fn ensure_stream_max_age(
+        &self,
+        topic: &str,
+        durability: &str,
+        max_age: Option<Duration>,
+    ) -> Result<(), NatsError> {
+        self.ensure_stream_for(topic, durability).await?;
+        let err = |detail: String| NatsError::Stream {
+            stream: topic.to_string(),
+            detail,
+        };
+        let mut stream = self
+            .js
+            .get_stream(topic)
+            .await
+            .map_err(|e| err(e.to_string()))?;
+        let mut config = stream
+            .info()
+            .await
+            .map_err(|e| err(e.to_string()))?
+            .config
+            .clone();
+        let want = max_age.unwrap_or(Duration::ZERO);
+        if config.max_age == want {
+            return Ok(());
+        }
+        config.max_age = want;
+        if let Err(e) = self.js.update_stream(config).await {
+            let subject = format!("$JS.API.STREAM.UPDATE.{topic}");
+            if let Some(detail) = self.take_denied(&subject) {
+                return Err(NatsError::NotPermitted {
+                    action: format!("set the max age of stream `{topic}`"),
+                    hint: format!(
+                        "run it as an administrator (`nats stream edit {topic} --max-age {}s`, docs/security.md)",
+                        want.as_secs()
+                    ),
+                    subject,
+                    detail,
+                });
+            }
+            return Err(err(format!("setting its max age: {e}")));
+        }
+        Ok(())
+    }
+
     /// The server name of the stream leader of `topic`, if the stream is replicated and has
     /// a leader now.
     pub async fn stream_leader(&self, topic: &str) -> Option<String> {
