@@ -786,3 +786,79 @@ async fn migrations_share_roles_safely_and_grants_say_what_is_wrong() {
     store::status(&rd).await.unwrap();
     refused(&rd, "DELETE FROM sealpost.work").await;
 }
+
+/// Payload keys (migration 7) live in a schema no role may use: the producer reaches them
+/// only by enqueueing on a keyed route, the consumer only by reading keys, the operator only
+/// by erasing; the reader, dispatcher and reconciler never.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn payload_keys_are_reached_only_through_their_functions() {
+    use sealpost::payload_key::{self, KeyState, Keying, Subject};
+    let topic = format!("ROLESKEY{}", runtime::owner_id() % 1_000_000);
+    let route = format!("r-{topic}");
+    let env = setup("keys", &route, &topic).await;
+    let owner = runtime::pg_connect(&env.db.database_url).await.unwrap();
+    assert!(
+        store::set_route_lifecycle(&owner, &route, Some(Keying::Aggregate), None)
+            .await
+            .unwrap()
+    );
+    let read_keys =
+        "SELECT * FROM sealpost.subject_keys(ARRAY['aggregate'], ARRAY['order'], ARRAY['o-0'])";
+    let erase = "SELECT sealpost.erase_subject('aggregate', 'order', 'o-0')";
+    for k in Kind::ALL {
+        let pg = env.connect(k).await;
+        refused(&pg, "SELECT * FROM sealpost_key.subject_key").await;
+        if k != Kind::Producer {
+            refused(
+                &pg,
+                "SELECT sealpost.subject_key_for_enqueue('aggregate', 'order', 'x', '\\x00'::bytea)",
+            )
+            .await;
+        }
+        if k != Kind::Consumer {
+            refused(&pg, read_keys).await;
+        }
+        if k != Kind::Operator {
+            refused(&pg, erase).await;
+        }
+    }
+
+    // The producer's enqueue on the keyed route makes the subjects' keys.
+    let mut producer = env.connect(Kind::Producer).await;
+    enqueue(&mut producer, &route, 2).await;
+    let o0 = Subject::parse("order/o-0").unwrap();
+    let consumer = env.connect(Kind::Consumer).await;
+    let keys = payload_key::keys_of(&consumer, std::slice::from_ref(&o0))
+        .await
+        .unwrap();
+    assert!(matches!(keys.get(&o0), Some(KeyState::Live(_))), "{keys:?}");
+
+    // The operator erases with the binary; the erasure names the operator's login.
+    let out = sealpost(
+        &["erase", "order/o-0"],
+        &env.url(&env.login(Kind::Operator)),
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let keys = payload_key::keys_of(&consumer, std::slice::from_ref(&o0))
+        .await
+        .unwrap();
+    assert!(
+        matches!(keys.get(&o0), Some(KeyState::Erased { .. })),
+        "{keys:?}"
+    );
+    let by: String = owner
+        .query_one("SELECT by_login::text FROM sealpost.subject_erasure", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(by, env.login(Kind::Operator));
+    // The reader erases nothing, and the CLI says which right it lacks.
+    let out = sealpost(&["erase", "order/o-1"], &env.url(&env.login(Kind::Reader)));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("SQLSTATE 42501"), "{err}");
+}
