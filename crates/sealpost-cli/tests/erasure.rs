@@ -32,7 +32,6 @@ use sealpost_core::inbox::RedeliveryPolicy;
 use sealpost_core::port::{Broker, SendResult};
 use sealpost_core::subscription::{FetchLimits, Subscription};
 
-const ADMIN_URL: &str = "host=127.0.0.1 user=postgres dbname=postgres";
 /// The personal data the drill must make unreadable.
 const SECRET: &str = "ada.lovelace@example.org";
 
@@ -50,26 +49,15 @@ async fn fresh(
     cluster: &str,
     topic: &str,
 ) -> (Config, tokio_postgres::Client, impl Sized, KeyDir, String) {
-    let db = format!("sealpost_erasure_{tag}");
-    let guard = common::drop_database_guard(&db);
-    let admin = runtime::pg_connect(ADMIN_URL)
-        .await
-        .expect("PostgreSQL must be running");
-    admin
-        .batch_execute(&format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))
-        .await
-        .expect("drop the test database");
-    admin
-        .batch_execute(&format!("CREATE DATABASE {db}"))
-        .await
-        .expect("create the test database");
+    let db = common::fresh_database(&format!("sealpost_erasure_{tag}")).await;
+    // The test's own keys: a config whose keys are not read yet.
     let mut cfg = Config {
-        database_url: format!("host=127.0.0.1 user=postgres dbname={db}"),
+        database_url: db.database_url.clone(),
         lease_ms: 2_000,
         ack_timeout_ms: 1_000,
         ..Config::default()
     };
-    let keys = KeyDir(std::env::temp_dir().join(&db));
+    let keys = KeyDir(std::env::temp_dir().join(db.name()));
     let _ = std::fs::remove_dir_all(&keys.0);
     std::fs::create_dir_all(&keys.0).unwrap();
     let (private, _) = sealpost::signing::generate(&keys.0, "k1").unwrap();
@@ -90,7 +78,7 @@ async fn fresh(
             .await
             .unwrap()
     );
-    (cfg, pg, guard, keys, route)
+    (cfg, pg, db, keys, route)
 }
 
 fn payload_of(order: &str) -> Vec<u8> {
@@ -355,12 +343,20 @@ fn check(
     checked
 }
 
+/// Runs the `sealpost` binary against `database_url` (and the tests' NATS).
+fn sealpost(args: &[&str], database_url: Option<&str>) -> std::process::Output {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_sealpost"));
+    c.args(args)
+        .env("NATS_URL", common::nats_url())
+        .env_remove("SEALPOST_CONFIG");
+    if let Some(url) = database_url {
+        c.env("DATABASE_URL", url);
+    }
+    c.output().expect("run sealpost")
+}
+
 async fn erase_with_the_binary(cfg: &Config, subject: &str) -> String {
-    let out = Command::new(env!("CARGO_BIN_EXE_sealpost"))
-        .args(["erase", subject])
-        .env("DATABASE_URL", &cfg.database_url)
-        .output()
-        .expect("run sealpost");
+    let out = sealpost(&["erase", subject], Some(&cfg.database_url));
     let said = String::from_utf8_lossy(&out.stdout).to_string();
     assert!(
         out.status.success(),
@@ -634,10 +630,7 @@ async fn keyed_routes_refuse_what_they_cannot_key_and_plain_routes_refuse_a_fram
     assert!(e.to_string().contains("encryption frame marker"), "{e}");
     drop(tx);
     // The operator names subjects clearly, or is told how.
-    let out = Command::new(env!("CARGO_BIN_EXE_sealpost"))
-        .args(["erase", "o-42"])
-        .output()
-        .expect("run sealpost");
+    let out = sealpost(&["erase", "o-42"], None);
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
@@ -660,22 +653,20 @@ async fn a_routes_max_age_becomes_its_streams() {
             .await
             .unwrap(),
     );
+    let route_arg = format!("{route}={}/{topic}", common::NATS_CLUSTER);
     for (given, want) in [(3600u64, 3600u64), (600, 600), (0, 0)] {
-        let out = Command::new(env!("CARGO_BIN_EXE_sealpost"))
-            .args([
+        let out = sealpost(
+            &[
                 "migrate",
                 "--route",
-                &format!("{route}={}/{topic}", common::NATS_CLUSTER),
+                &route_arg,
                 "--payload-key",
                 "aggregate",
                 "--max-age-s",
                 &given.to_string(),
-            ])
-            .env("DATABASE_URL", &cfg.database_url)
-            .env("NATS_URL", common::nats_url())
-            .env_remove("SEALPOST_CONFIG")
-            .output()
-            .expect("run sealpost");
+            ],
+            Some(&cfg.database_url),
+        );
         let said = String::from_utf8_lossy(&out.stdout);
         assert!(
             out.status.success(),
@@ -693,18 +684,10 @@ async fn a_routes_max_age_becomes_its_streams() {
         );
     }
     // Less than the duplicate window is refused before anything is written.
-    let out = Command::new(env!("CARGO_BIN_EXE_sealpost"))
-        .args([
-            "migrate",
-            "--route",
-            &format!("{route}={}/{topic}", common::NATS_CLUSTER),
-            "--max-age-s",
-            "60",
-        ])
-        .env("DATABASE_URL", &cfg.database_url)
-        .env_remove("SEALPOST_CONFIG")
-        .output()
-        .expect("run sealpost");
+    let out = sealpost(
+        &["migrate", "--route", &route_arg, "--max-age-s", "60"],
+        Some(&cfg.database_url),
+    );
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert!(err.contains("duplicate window"), "{err}");

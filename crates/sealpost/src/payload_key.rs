@@ -127,8 +127,9 @@ impl Subject {
         Err(KeyError::BadSubject(s.to_string()))
     }
 
-    /// The key table's columns: scope, aggregate type ('' for a tenant), subject id.
-    fn columns(&self) -> (&'static str, &str, &str) {
+    /// The key table's columns: scope, aggregate type ('' for a tenant), subject id (shared
+    /// with the sqlx flavour).
+    pub(crate) fn columns(&self) -> (&'static str, &str, &str) {
         match self {
             Subject::Aggregate { aggregate_type, id } => ("aggregate", aggregate_type, id),
             Subject::Tenant(t) => ("tenant", "", t),
@@ -274,8 +275,8 @@ pub fn open(frame: &Frame<'_>, key: &Key) -> Option<Vec<u8>> {
         .ok()
 }
 
-/// A subject's key as the database holds it.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// A subject's key as the database holds it. Its `Debug` never shows the key.
+#[derive(Clone, PartialEq, Eq)]
 pub enum KeyState {
     /// The key.
     Live(Key),
@@ -285,6 +286,20 @@ pub enum KeyState {
         at_ms: i64,
     },
 }
+
+impl fmt::Debug for KeyState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            KeyState::Live(_) => f.write_str("Live(<key>)"),
+            KeyState::Erased { at_ms } => write!(f, "Erased {{ at_ms: {at_ms} }}"),
+        }
+    }
+}
+
+/// The subject's key, made from the fresh bytes `$4` when it has none; NULL once erased
+/// (shared with the sqlx flavour).
+pub(crate) const KEY_FOR_ENQUEUE_SQL: &str =
+    "SELECT sealpost.subject_key_for_enqueue($1, $2, $3, $4)";
 
 /// The subject's key for `enqueue`, created in the caller's transaction when it has none
 /// (`sealpost.subject_key_for_enqueue`). Fails with [`KeyError::Erased`] for an erased
@@ -296,10 +311,7 @@ pub async fn key_for_enqueue(
     let (scope, ty, id) = subject.columns();
     let fresh = fresh_key();
     let row = client
-        .query_one(
-            "SELECT sealpost.subject_key_for_enqueue($1, $2, $3, $4)",
-            &[&scope, &ty, &id, &fresh.as_slice()],
-        )
+        .query_one(KEY_FOR_ENQUEUE_SQL, &[&scope, &ty, &id, &fresh.as_slice()])
         .await?;
     Ok(key_of_bytes(subject, row.get::<_, Option<Vec<u8>>>(0)))
 }
@@ -309,11 +321,6 @@ pub(crate) fn key_of_bytes(subject: &Subject, bytes: Option<Vec<u8>>) -> Result<
     bytes
         .and_then(|b| Key::try_from(b.as_slice()).ok())
         .ok_or_else(|| KeyError::Erased(subject.to_string()))
-}
-
-/// The key columns of [`Subject`] for the SQL functions (shared with the sqlx flavour).
-pub(crate) fn subject_columns(subject: &Subject) -> (&'static str, &str, &str) {
-    subject.columns()
 }
 
 /// The keys of `subjects` (`sealpost.subject_keys`); a subject the database never keyed is
@@ -494,6 +501,7 @@ mod tests {
         keys.insert(order(), KeyState::Erased { at_ms: 1 });
         assert_eq!(open_with(&sealed, &keys), Opened::Erased(order()));
         assert_eq!(open_with(b"plain", &keys), Opened::Plain);
+        assert_eq!(format!("{:?}", KeyState::Live(k)), "Live(<key>)");
         assert_eq!(
             subjects_of([sealed.as_slice(), b"x", sealed.as_slice()]),
             vec![order()]

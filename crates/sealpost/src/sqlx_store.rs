@@ -58,15 +58,14 @@ pub async fn enqueue(
     let sealed = match payload_subject(keying, 0, ev)? {
         None => None,
         Some(subject) => {
-            let (scope, ty, id) = payload_key::subject_columns(&subject);
-            let key: Option<Vec<u8>> =
-                sqlx::query_scalar("SELECT sealpost.subject_key_for_enqueue($1, $2, $3, $4)")
-                    .bind(scope)
-                    .bind(ty)
-                    .bind(id)
-                    .bind(payload_key::fresh_key().as_slice())
-                    .fetch_one(&mut *conn)
-                    .await?;
+            let (scope, ty, id) = subject.columns();
+            let key: Option<Vec<u8>> = sqlx::query_scalar(payload_key::KEY_FOR_ENQUEUE_SQL)
+                .bind(scope)
+                .bind(ty)
+                .bind(id)
+                .bind(payload_key::fresh_key().as_slice())
+                .fetch_one(&mut *conn)
+                .await?;
             let key = payload_key::key_of_bytes(&subject, key)
                 .map_err(|source| StoreError::PayloadKey { index: 0, source })?;
             Some(payload_key::seal(&subject, &key, ev.payload))
