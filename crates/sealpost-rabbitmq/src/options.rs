@@ -185,6 +185,17 @@ impl RabbitOptions {
         if let Some(r) = rustls_error(e) {
             return self.tls_hint(r);
         }
+        if self.tls_ca_file.is_some() && closed_by_peer(e) {
+            // Under TLS 1.3 the server checks the client certificate after the client has
+            // finished its handshake: a refusal may reach us as a reset rather than an alert.
+            return match &self.tls_cert_file {
+                Some(p) => format!(
+                    "TLS: the broker closed the connection; check that it takes our client certificate {} (rabbitmq.security.tls_cert_file, signed by the CA in its ssl_options.cacertfile) and that rabbitmq-server is running",
+                    p.display()
+                ),
+                None => "TLS: the broker closed the connection; if it asks for a client certificate (ssl_options.fail_if_no_peer_cert), set rabbitmq.security.tls_cert_file and rabbitmq.security.tls_key_file, else check that rabbitmq-server is running".to_string(),
+            };
+        }
         let text = e.to_string();
         if text.contains("ACCESS_REFUSED") || text.contains("403") {
             return match &self.password_file {
@@ -228,6 +239,19 @@ impl RabbitOptions {
             }
             _ => "TLS: check rabbitmq.security.tls_ca_file, rabbitmq.security.tls_cert_file and rabbitmq.security.tls_key_file".to_string(),
         }
+    }
+}
+
+/// Whether the connection was closed under us (reset, aborted or cut short): what a TLS 1.3
+/// server's refusal of the client's certificate looks like when the client writes first.
+fn closed_by_peer(e: &lapin::Error) -> bool {
+    use std::io::ErrorKind as K;
+    match e.kind() {
+        lapin::ErrorKind::IOError(io) => matches!(
+            io.kind(),
+            K::ConnectionReset | K::ConnectionAborted | K::UnexpectedEof | K::BrokenPipe
+        ),
+        _ => false,
     }
 }
 
@@ -291,6 +315,27 @@ mod tests {
         assert!(has_password("amqp://u:p@h:5672/%2f"));
         assert!(!has_password("amqp://u@h:5672/%2f"));
         assert!(!has_password("amqps://h:5671"));
+    }
+
+    #[test]
+    fn a_tls_connection_reset_names_the_client_certificate() {
+        let reset = lapin::Error::from(std::io::Error::from(std::io::ErrorKind::ConnectionReset));
+        let tls = RabbitOptions {
+            tls_ca_file: Some("/ca.pem".into()),
+            ..Default::default()
+        };
+        let hint = tls.hint(&reset);
+        assert!(hint.contains("rabbitmq.security.tls_cert_file"), "{hint}");
+        assert!(hint.contains("fail_if_no_peer_cert"), "{hint}");
+        let with_cert = RabbitOptions {
+            tls_cert_file: Some("/client.pem".into()),
+            ..tls
+        };
+        let hint = with_cert.hint(&reset);
+        assert!(hint.contains("/client.pem"), "{hint}");
+        // Plain AMQP: a reset says nothing about certificates.
+        let hint = RabbitOptions::default().hint(&reset);
+        assert!(!hint.contains("tls_cert_file"), "{hint}");
     }
 
     #[test]
