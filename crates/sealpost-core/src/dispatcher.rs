@@ -15,7 +15,7 @@ use std::collections::VecDeque;
 
 use crate::claim::{ClaimToken, SendOutcome};
 use crate::envelope::EventId;
-use crate::port::{NeverSentReason, SendRequest, SendResult};
+use crate::port::{NeverSentReason, RefusalKind, SendRequest, SendResult};
 use crate::receipt::Receipt;
 
 /// Limits and timings of one dispatcher.
@@ -584,6 +584,10 @@ impl DispatcherMachine {
 /// Detail of an outcome report for a create-if-absent refusal.
 pub const ALREADY_STORED: &str =
     "already stored at the broker (create-if-absent refused a second copy); look it up";
+/// Start of an outcome report's detail for a send the broker refused for lack of permission
+/// (never poison: the event waits for the grant).
+pub const NOT_PERMITTED: &str =
+    "not permitted by the broker (a grant is missing; the event waits, it is not poison)";
 /// Detail of an outcome report for a send that missed its deadline.
 pub const DEADLINE_PASSED: &str = "deadline passed before the message could leave";
 
@@ -618,6 +622,14 @@ fn classify(result: SendResult) -> Classified {
                 }
             },
         ),
+        // A permission refusal is the deployment's fault, not the event's: nothing was
+        // stored, and the same send will pass once the grant is fixed. It is never counted
+        // toward the poison limit (a wrong ACL must not quarantine every event of a route);
+        // the event waits under the never-sent backoff, and the report says what to grant.
+        SendResult::Refused {
+            kind: RefusalKind::NotPermitted,
+            detail,
+        } => Classified::Report(SendOutcome::NeverSent, format!("{NOT_PERMITTED}: {detail}")),
         SendResult::Refused { kind, detail } => {
             Classified::Report(SendOutcome::Rejected, format!("{kind:?}: {detail}"))
         }
@@ -766,6 +778,31 @@ mod tests {
         assert_eq!(send_deadline_ms(1_000, 50_000, 60_000, 4_000), 7_000);
         // A margin larger than the lease leaves no time at all: never later than the start.
         assert_eq!(send_deadline_ms(1_000, 50_000, 60_000, 20_000), 1_000);
+    }
+
+    #[test]
+    fn a_permission_refusal_is_never_sent_not_poison_and_other_refusals_are_rejections() {
+        let cfg = DispatcherConfig::default();
+        let mut m = DispatcherMachine::new(cfg, 0);
+        m.poll_action(0);
+        m.handle_claimed(5, claimed(2, 0, 100, cfg.lease_ms));
+        let refused = |kind| SendResult::Refused {
+            kind,
+            detail: "detail from the broker".into(),
+        };
+        let Some(DispatchAction::Submit(s)) = m.handle_sent(
+            6,
+            vec![
+                refused(RefusalKind::NotPermitted),
+                refused(RefusalKind::PayloadTooLarge),
+            ],
+        ) else {
+            panic!("a submission")
+        };
+        assert_eq!(s.reports[0].outcome, SendOutcome::NeverSent);
+        assert!(s.reports[0].detail.starts_with(NOT_PERMITTED));
+        assert!(s.reports[0].detail.ends_with("detail from the broker"));
+        assert_eq!(s.reports[1].outcome, SendOutcome::Rejected);
     }
 
     #[test]

@@ -178,7 +178,9 @@ pub enum NeverSentReason {
 pub enum RefusalKind {
     /// The payload is over the broker's size limit.
     PayloadTooLarge,
-    /// The producer has no permission to publish there.
+    /// The producer has no permission to publish there. Nothing was stored, and the fault is
+    /// the deployment's, not the message's: the dispatcher reports it as never sent (the
+    /// event waits under backoff for the grant) and never counts it toward quarantine.
     NotPermitted,
     /// Any other definite, repeatable "no" (an unroutable message, a rejected schema).
     Rejected,

@@ -907,7 +907,7 @@ fn failure(e: &KafkaError, left: bool) -> SendResult {
         }
         Some(C::TopicAuthorizationFailed | C::ClusterAuthorizationFailed) => SendResult::Refused {
             kind: RefusalKind::NotPermitted,
-            detail: format!("Kafka: {e} (grant WRITE on the topic, then release the event)"),
+            detail: format!("Kafka: {e} (grant WRITE on the topic; the event is sent once it is granted)"),
         },
         Some(C::UnknownTopicOrPartition | C::UnknownTopic | C::UnknownPartition) => {
             SendResult::NeverSent(NeverSentReason::NoSuchDestination(format!(

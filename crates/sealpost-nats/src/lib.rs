@@ -651,7 +651,7 @@ impl Nats {
             return SendResult::Refused {
                 kind: RefusalKind::NotPermitted,
                 detail: format!(
-                    "NATS: {detail}: this user may not publish on `sp.{}.>`; a dispatcher's user needs publish on `sp.>` (docs/security.md): grant it, then release the event",
+                    "NATS: {detail}: this user may not publish on `sp.{}.>`; a dispatcher's user needs publish on `sp.>` (docs/security.md): grant it; the event is sent once it is granted",
                     r.destination.topic
                 ),
             };

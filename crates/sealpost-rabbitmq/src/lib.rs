@@ -499,7 +499,7 @@ fn not_permitted(r: &SendRequest, e: &lapin::Error) -> Option<SendResult> {
     (refused_exchange(&detail)? == topic).then(|| SendResult::Refused {
         kind: RefusalKind::NotPermitted,
         detail: format!(
-            "RabbitMQ: {detail}: this user may not publish to exchange `{topic}`; a dispatcher's user needs write permission on it (`rabbitmqctl set_permissions`, docs/security.md): grant it, then release the event"
+            "RabbitMQ: {detail}: this user may not publish to exchange `{topic}`; a dispatcher's user needs write permission on it (`rabbitmqctl set_permissions`, docs/security.md): grant it; the event is sent once it is granted"
         ),
     })
 }
