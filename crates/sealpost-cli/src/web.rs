@@ -45,6 +45,7 @@ use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
 use sealpost::pg::{PgConn, PgConnector, PgSource};
 use sealpost::runtime::Config;
+use sealpost::secret;
 use sealpost::store::{self, StoreError};
 use sealpost_core::envelope::EventId;
 use sealpost_core::state::State;
@@ -139,6 +140,16 @@ pub struct ServeArgs {
         value_delimiter = ','
     )]
     pub allow_hosts: Vec<String>,
+    /// Login for the page's reads and its sampler: a PostgreSQL URL or `key=value` DSN
+    /// (TLS settings as in DATABASE_URL) of a login mapped to the `reader` role (`sealpost
+    /// migrate --grant reader=LOGIN`). Unset: the reads use DATABASE_URL too. Releases always
+    /// run as DATABASE_URL, which then needs only the `operator` role. Give it in the
+    /// environment, never with a password on the command line.
+    #[arg(long, env = "SEALPOST_READER_DATABASE_URL", hide_env_values = true)]
+    pub reader_database_url: Option<String>,
+    /// File holding the password of --reader-database-url (one trailing newline ignored).
+    #[arg(long, env = "SEALPOST_READER_DATABASE_PASSWORD_FILE")]
+    pub reader_database_password_file: Option<PathBuf>,
     /// Database connections the page's reads may use at once (read-only sessions).
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=16))]
     pub db_connections: u32,
@@ -358,6 +369,29 @@ impl ServeArgs {
         Ok(creds)
     }
 
+    /// The reads' login ([`ServeArgs::reader_database_url`]) with the password from its file,
+    /// if one is given.
+    pub fn reader_url(&self) -> Result<Option<String>, String> {
+        let Some(url) = self.reader_database_url.as_deref() else {
+            if self.reader_database_password_file.is_some() {
+                return Err("--reader-database-password-file is set but --reader-database-url (SEALPOST_READER_DATABASE_URL) is not; set both or neither".into());
+            }
+            return Ok(None);
+        };
+        let url = url.trim();
+        if url.is_empty() {
+            return Err("SEALPOST_READER_DATABASE_URL is empty; give the reader login's connection string, or unset it".into());
+        }
+        Ok(Some(match &self.reader_database_password_file {
+            Some(path) => {
+                let password = secret::read_secret_file("--reader-database-password-file", path)
+                    .map_err(|e| e.to_string())?;
+                secret::with_password(url, &password)
+            }
+            None => url.to_string(),
+        }))
+    }
+
     /// The `Host` values the page answers to: the bound address, `localhost:PORT` (and
     /// `[::1]:PORT` on IPv6 loopback), and every `--allow-host`, lower-cased.
     pub fn allowed_hosts(&self, bound: SocketAddr) -> Vec<String> {
@@ -502,7 +536,7 @@ struct App {
     reads: Pool,
     /// Releases, one at a time, on a session of their own.
     writes: Pool,
-    /// The sampler's connection source.
+    /// The sampler's connection source (the reads' login).
     source: Arc<dyn PgSource>,
     history: Mutex<History>,
 }
@@ -612,18 +646,31 @@ impl App {
 pub async fn serve(cfg: &Config, args: ServeArgs) -> Result<(), String> {
     let credentials = args.credentials()?;
     let source: Arc<dyn PgSource> = Arc::new(PgConnector::from_config(cfg));
+    let read_source: Arc<dyn PgSource> = match args.reader_url()? {
+        Some(url) => Arc::new(PgConnector::new(url)),
+        None => {
+            tracing::warn!("the page's reads run as DATABASE_URL's login; give a login of the reader role in SEALPOST_READER_DATABASE_URL (docs/operations.md, \"Roles and logins\")");
+            source.clone()
+        }
+    };
     let timeout = format!("SET statement_timeout = {}", args.statement_timeout_ms);
     let reads = Pool::new(
-        source.clone(),
+        read_source.clone(),
         args.db_connections as usize,
         format!("{timeout}; SET default_transaction_read_only = on"),
         "reads",
     );
     let writes = Pool::new(source.clone(), 1, timeout, "releases");
-    // Fail early, with the cause (redacted): unreachable, refused, not migrated.
+    // Fail early, with the cause (redacted): unreachable, refused, not migrated, a reader
+    // login without the reader role.
     {
-        let pg = source.connect().await.map_err(|e| e.to_string())?;
-        store::status(&*pg).await.map_err(|e| e.to_string())?;
+        let pg = read_source
+            .connect()
+            .await
+            .map_err(|e| format!("the page's reads ({}): {e}", read_source.describe()))?;
+        store::status(&*pg)
+            .await
+            .map_err(|e| format!("the page's reads ({}): {e}", read_source.describe()))?;
     }
     let listener = tokio::net::TcpListener::bind(args.http)
         .await
@@ -644,7 +691,7 @@ pub async fn serve(cfg: &Config, args: ServeArgs) -> Result<(), String> {
         statement_timeout_ms: args.statement_timeout_ms,
         reads,
         writes,
-        source,
+        source: read_source,
         history: Mutex::new(History::default()),
     });
     if !addr.ip().is_loopback() {

@@ -862,3 +862,130 @@ async fn payload_keys_are_reached_only_through_their_functions() {
     assert!(!out.status.success());
     assert!(err.contains("SQLSTATE 42501"), "{err}");
 }
+
+/// The login names with a connection to the test's database, among the test's logins.
+async fn logins_connected(env: &Env) -> Vec<String> {
+    let admin = runtime::pg_connect(common::ADMIN_URL).await.unwrap();
+    admin
+        .query(
+            "SELECT DISTINCT usename::text FROM pg_stat_activity \
+             WHERE datname = $1 AND usename::text LIKE $2 ORDER BY 1",
+            &[&env.db.name(), &format!("sprl{}\\_%", env.tag)],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
+}
+
+/// `GET path` on the page with `token`: (status, body).
+async fn page_get(port: u16, path: &str, token: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    let req = format!(
+        "GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nAuthorization: Bearer {token}\r\nConnection: close\r\n\r\n"
+    );
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut out = Vec::new();
+    tokio::time::timeout(Duration::from_secs(30), s.read_to_end(&mut out))
+        .await
+        .expect("an answer within 30 s")
+        .unwrap();
+    let text = String::from_utf8_lossy(&out).into_owned();
+    let status = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or_else(|| panic!("not an HTTP answer: {text:?}"));
+    let body = text.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+    (status, body.to_string())
+}
+
+/// `sealpost serve` with DATABASE_URL the operator's login and SEALPOST_READER_DATABASE_URL
+/// `reads`, on a free port.
+fn page(env: &Env, reads: &str) -> (u16, std::process::Child) {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let child = Command::new(env!("CARGO_BIN_EXE_sealpost"))
+        .args([
+            "serve",
+            "--http",
+            &format!("127.0.0.1:{port}"),
+            "--sample-ms",
+            "200",
+        ])
+        .env("DATABASE_URL", env.url(&env.login(Kind::Operator)))
+        .env("SEALPOST_READER_DATABASE_URL", env.url(reads))
+        .env("SEALPOST_READ_TOKEN", "roles-page-read-token-5Fq9")
+        .env("SEALPOST_OPERATOR_TOKEN", "roles-page-operator-token-8Lw3")
+        .env_remove("SEALPOST_CONFIG")
+        .env_remove("SEALPOST_ROLE_PREFIX")
+        .env_remove("SEALPOST_READER_DATABASE_PASSWORD_FILE")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("start sealpost serve");
+    (port, child)
+}
+
+/// The status page reads (its handlers and its sampler) as the reader's login given in
+/// SEALPOST_READER_DATABASE_URL, and keeps DATABASE_URL (the operator's) for releases; a
+/// reads login without the reader role is refused at start, naming the login and the grant.
+#[tokio::test]
+async fn the_page_reads_as_the_reader_login_and_refuses_a_login_without_the_role() {
+    let topic = format!("ROLESPAGE{}", runtime::owner_id() % 1_000_000);
+    let route = format!("r-{topic}");
+    let env = setup("page", &route, &topic).await;
+    let mut producer = env.connect(Kind::Producer).await;
+    enqueue(&mut producer, &route, 2).await;
+    drop(producer);
+
+    let (port, child) = page(&env, &env.login(Kind::Reader));
+    struct Killed(std::process::Child);
+    impl Drop for Killed {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let mut child = Killed(child);
+    wait_for("the page to listen", Duration::from_secs(30), async || {
+        if let Ok(Some(status)) = child.0.try_wait() {
+            let mut err = String::new();
+            use std::io::Read;
+            let _ = child.0.stderr.take().unwrap().read_to_string(&mut err);
+            panic!("sealpost serve exited ({status}): {err}");
+        }
+        tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .is_ok()
+    })
+    .await;
+    let (status, body) = page_get(port, "/api/status", "roles-page-read-token-5Fq9").await;
+    assert_eq!(status, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["states"]["PENDING"], 2, "{body}");
+    let reader = env.login(Kind::Reader);
+    wait_for(
+        "the sampler's and the reads' sessions",
+        Duration::from_secs(10),
+        async || logins_connected(&env).await == vec![reader.clone()],
+    )
+    .await;
+    drop(child);
+
+    // A login without the reader role: refused before the page listens, with the cause.
+    let (_, child) = page(&env, &env.login(Kind::Producer));
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("the page's reads"), "{err}");
+    assert!(err.contains("SQLSTATE 42501"), "{err}");
+    assert!(err.contains(&env.login(Kind::Producer)), "{err}");
+}
