@@ -15,7 +15,7 @@ use std::collections::VecDeque;
 
 use crate::claim::{ClaimToken, SendOutcome};
 use crate::envelope::EventId;
-use crate::port::{NeverSentReason, RefusalKind, SendRequest, SendResult};
+use crate::port::{Capabilities, NeverSentReason, RefusalKind, SendRequest, SendResult};
 use crate::receipt::Receipt;
 
 /// Limits and timings of one dispatcher.
@@ -60,6 +60,24 @@ impl Default for DispatcherConfig {
             submit_tries_max: 5,
             rescan_every_ms: 1_000,
         }
+    }
+}
+
+impl DispatcherConfig {
+    /// Whether a message can ever leave under this lease at a broker with `caps`: the send
+    /// window (the lease less [`DispatcherConfig::send_margin_ms`]) must be longer than the
+    /// adapter's [`Capabilities::handover_margin_ms`] ([`crate::port::may_leave`]), else
+    /// every send ends "deadline passed" and every row stays `PENDING` for good. `Err` says
+    /// what to change.
+    pub fn fits(&self, caps: &Capabilities) -> Result<(), String> {
+        let window = self.lease_ms.saturating_sub(self.send_margin_ms);
+        if window > caps.handover_margin_ms {
+            return Ok(());
+        }
+        Err(format!(
+            "lease_ms ({}) less ack_timeout_ms ({}) leaves {window} ms to send, but this broker's adapter hands a message over only while more than {} ms of it are left, so nothing would ever leave; raise lease_ms (or lower ack_timeout_ms) so that lease_ms - ack_timeout_ms > {}",
+            self.lease_ms, self.send_margin_ms, caps.handover_margin_ms, caps.handover_margin_ms
+        ))
     }
 }
 
@@ -778,6 +796,32 @@ mod tests {
         assert_eq!(send_deadline_ms(1_000, 50_000, 60_000, 4_000), 7_000);
         // A margin larger than the lease leaves no time at all: never later than the start.
         assert_eq!(send_deadline_ms(1_000, 50_000, 60_000, 20_000), 1_000);
+    }
+
+    #[test]
+    fn a_lease_too_short_for_the_brokers_handover_margin_is_refused() {
+        let caps = |margin| Capabilities {
+            lookup_by_event_id: false,
+            duplicate_window_ms: None,
+            create_if_absent: false,
+            per_key_ordering: false,
+            handover_margin_ms: margin,
+            lookup_scan: None,
+        };
+        let cfg = DispatcherConfig {
+            lease_ms: 2_000,
+            send_margin_ms: 1_000,
+            ..DispatcherConfig::default()
+        };
+        assert!(cfg.fits(&caps(0)).is_ok());
+        assert!(cfg.fits(&caps(999)).is_ok());
+        let e = cfg.fits(&caps(1_500)).unwrap_err();
+        assert!(
+            e.contains("leaves 1000 ms") && e.contains("raise lease_ms"),
+            "{e}"
+        );
+        assert!(cfg.fits(&caps(1_000)).is_err(), "exactly the margin: never");
+        assert!(DispatcherConfig::default().fits(&caps(1_500)).is_ok());
     }
 
     #[test]

@@ -678,6 +678,9 @@ pub async fn dispatcher<B: Broker>(
             "dispatcher sends unsigned messages: anyone who may publish to the destination can forge an event; set signing_key_file (docs/operations.md, \"Signed envelopes\")"
         ),
     }
+    cfg.dispatcher_config()
+        .fits(&broker.capabilities())
+        .map_err(|e| RunError::Config(format!("cluster `{}`: {e}", broker.cluster())))?;
     let mut pg = Some(db.connect().await?);
     let owner = owner_id();
     let cluster = broker.cluster().to_string();
