@@ -1,0 +1,122 @@
+//! Seed 000's process chaos for the drills of `kafka.rs` and `rabbitmq.rs` (included by
+//! path): for a while, at random, a dispatcher process is killed with SIGKILL and started
+//! again (two faults in three) or frozen with SIGSTOP for 1 to 8 s, a fault every 0.2 to 1 s.
+//! The choices come from a seed the caller prints, so a failing run can be replayed.
+
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
+
+/// What a drill lends the chaos: its processes, a way to start another dispatcher, and the
+/// count of unknown outcomes.
+pub trait Target {
+    /// The process at index `i`.
+    fn child(&mut self, i: usize) -> &mut Child;
+    /// Starts a dispatcher like the ones under chaos; its index.
+    fn respawn(&mut self) -> usize;
+    /// A count from the drill's database.
+    async fn count(&self, sql: &str) -> i64;
+}
+
+/// Rows whose outcome is unknown.
+pub const UNKNOWN_SQL: &str =
+    "SELECT count(*) FROM sealpost.work WHERE state IN ('DISPATCH_UNKNOWN', 'RECONCILING')";
+
+/// Waits until every one of `n` events is `PUBLISHED` and each of `consumers` applied each
+/// (the demo's effect table, `demo_fulfilment`); panics with the figures after `limit`.
+/// Returns how long it took.
+pub async fn converge<T: Target>(t: &T, n: i64, consumers: &[String], limit: Duration) -> Duration {
+    let start = Instant::now();
+    loop {
+        let mut figures = vec![(
+            "published".to_string(),
+            t.count("SELECT count(*) FROM sealpost.outbox WHERE state = 'PUBLISHED'")
+                .await,
+        )];
+        for c in consumers {
+            figures.push((
+                format!("applied by {c}"),
+                t.count(&format!(
+                    "SELECT count(DISTINCT event_id) FROM demo_fulfilment WHERE consumer_id = '{c}'"
+                ))
+                .await,
+            ));
+        }
+        if figures.iter().all(|(_, got)| *got == n) {
+            return start.elapsed();
+        }
+        assert!(
+            start.elapsed() < limit,
+            "not converged {limit:?} after the faults: {figures:?} of {n}, {} unknown",
+            t.count(UNKNOWN_SQL).await
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+/// What the chaos did.
+#[derive(Debug, Default)]
+pub struct Report {
+    pub kills: u32,
+    pub freezes: u32,
+    /// The most unknown outcomes seen at once.
+    pub peak_unknown: i64,
+}
+
+fn signal(sig: &str, pid: u32) {
+    let _ = Command::new("kill").args([sig, &pid.to_string()]).status();
+}
+
+/// Runs the chaos over the dispatchers at `victims` (indexes into the target's processes,
+/// replaced as they are killed and started again) for `duration`, then thaws every frozen one.
+pub async fn run<T: Target>(
+    t: &mut T,
+    victims: &mut [usize],
+    seed: u64,
+    duration: Duration,
+) -> Report {
+    let mut state = seed | 1;
+    let mut next = move |bound: u64| {
+        // xorshift64
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state % bound
+    };
+    let end = Instant::now() + duration;
+    let mut frozen: Vec<(usize, Instant)> = Vec::new();
+    let mut r = Report::default();
+    while Instant::now() < end {
+        tokio::time::sleep(Duration::from_millis(200 + next(800))).await;
+        r.peak_unknown = r.peak_unknown.max(t.count(UNKNOWN_SQL).await);
+        let now = Instant::now();
+        let mut still = Vec::new();
+        for (i, until) in frozen {
+            if until <= now {
+                signal("-CONT", t.child(i).id());
+            } else {
+                still.push((i, until));
+            }
+        }
+        frozen = still;
+        let slot = next(victims.len() as u64) as usize;
+        let i = victims[slot];
+        if frozen.iter().any(|&(f, _)| f == i) {
+            continue;
+        }
+        if next(3) != 0 {
+            let c = t.child(i);
+            let _ = c.kill();
+            let _ = c.wait();
+            victims[slot] = t.respawn();
+            r.kills += 1;
+        } else {
+            signal("-STOP", t.child(i).id());
+            frozen.push((i, now + Duration::from_millis(1_000 + next(7_000))));
+            r.freezes += 1;
+        }
+    }
+    for (i, _) in frozen {
+        signal("-CONT", t.child(i).id());
+    }
+    r
+}
