@@ -184,7 +184,10 @@ async fn a_missing_publish_grant_quarantines_nothing_and_the_events_leave_once_g
             }
             break;
         }
-        assert!(Instant::now() < deadline, "not refused as expected: {now:?}");
+        assert!(
+            Instant::now() < deadline,
+            "not refused as expected: {now:?}"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert_eq!(

@@ -120,3 +120,29 @@ pub async fn run<T: Target>(
     }
     r
 }
+
+/// After the chaos: prints what it did, waits (at most 2 minutes) until every one of `n`
+/// events is published and applied by each of `consumers`, and asserts that no unknown is
+/// left and nothing was quarantined.
+pub async fn converged_after<T: Target>(t: &T, r: &Report, n: i64, consumers: &[String]) {
+    eprintln!(
+        "faults over: {r:?}; {} of {n} published, {} unknown",
+        t.count("SELECT count(*) FROM sealpost.outbox WHERE state = 'PUBLISHED'")
+            .await,
+        t.count(UNKNOWN_SQL).await
+    );
+    let took = converge(t, n, consumers, Duration::from_secs(120)).await;
+    eprintln!(
+        "converged {:.1} s after the faults stopped",
+        took.as_secs_f64()
+    );
+    assert_eq!(
+        t.count(
+            "SELECT count(*) FROM sealpost.work WHERE state IN ('DISPATCH_UNKNOWN', 'RECONCILING', 'QUARANTINED')"
+        )
+        .await,
+        0,
+        "no unknown left, nothing quarantined"
+    );
+    assert_eq!(t.count("SELECT count(*) FROM sealpost.quarantine").await, 0);
+}
