@@ -88,11 +88,15 @@ pub enum Mutant {
     /// send without reading the copy at N (`signature::is_this_message`): a forger who
     /// published first under the event's duplicate id gets its copy adopted.
     TrustDuplicateAck,
+    /// A broker's permission refusal is counted as poison (`RefusalKind::NotPermitted`
+    /// handed to the dispatcher as an ordinary refusal): a grant missing for a while
+    /// quarantines the deliverable events it refused.
+    PermissionRefusalIsPoison,
 }
 
 impl Mutant {
     /// Every mutant, in `--list-mutants` order.
-    pub const ALL: [Mutant; 24] = [
+    pub const ALL: [Mutant; 25] = [
         Mutant::AcceptWithoutDigestCheck,
         Mutant::RetryToOtherDestination,
         Mutant::AcceptUnregisteredAttempt,
@@ -117,6 +121,7 @@ impl Mutant {
         Mutant::AdoptUnsignedCopy,
         Mutant::ConsumerSkipsSignature,
         Mutant::TrustDuplicateAck,
+        Mutant::PermissionRefusalIsPoison,
     ];
 
     /// The CLI name.
@@ -146,6 +151,7 @@ impl Mutant {
             Mutant::AdoptUnsignedCopy => "adopt-unsigned-copy",
             Mutant::ConsumerSkipsSignature => "consumer-skips-signature",
             Mutant::TrustDuplicateAck => "trust-duplicate-ack",
+            Mutant::PermissionRefusalIsPoison => "permission-refusal-is-poison",
         }
     }
 
@@ -481,6 +487,16 @@ impl Protocol {
     /// Does the adapter report a broker's permanent refusal as a refusal?
     pub fn reports_refusals(&self) -> bool {
         !self.is(Mutant::RefusalAsNoAnswer)
+    }
+
+    /// How the broker's permission refusal reaches the dispatcher machine: as it is (the
+    /// machine's `classify` makes it "never sent"), or, with the mutant, as poison.
+    pub fn permission_refusal(&self) -> sealpost_core::port::RefusalKind {
+        if self.is(Mutant::PermissionRefusalIsPoison) {
+            sealpost_core::port::RefusalKind::Rejected
+        } else {
+            sealpost_core::port::RefusalKind::NotPermitted
+        }
     }
 
     /// The reconciler's decision on a lookup.

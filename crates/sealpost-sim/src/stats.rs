@@ -157,6 +157,10 @@ pub enum Fault {
     StallBeforeSend,
     /// A destination stream deleted for a while (its sends come back "never sent").
     StreamDeleted,
+    /// The dispatchers' publish grant on a stream revoked for a while: the broker refuses
+    /// every publish there as not permitted, storing nothing (a deployment's fault, never
+    /// the event's: nothing may be quarantined for it).
+    GrantRevoked,
     /// A create-if-absent broker refused a second copy.
     CopyRefused,
     /// A send refused at its deadline (it would have left after the lease).
@@ -193,7 +197,7 @@ pub enum Fault {
 
 impl Fault {
     /// Every fault, in report order.
-    pub const ALL: [Fault; 34] = [
+    pub const ALL: [Fault; 35] = [
         Fault::CrashBeforeCommit,
         Fault::CrashAfterCommit,
         Fault::AckLate,
@@ -218,6 +222,7 @@ impl Fault {
         Fault::PoisonRejected,
         Fault::StallBeforeSend,
         Fault::StreamDeleted,
+        Fault::GrantRevoked,
         Fault::CopyRefused,
         Fault::DeadlineRefused,
         Fault::Unencodable,
@@ -259,6 +264,7 @@ impl Fault {
             Fault::ScanCutShort => "bulk lookup scan cut short at its bound",
             Fault::StallBeforeSend => "dispatcher stalled between claim and send",
             Fault::StreamDeleted => "destination stream deleted",
+            Fault::GrantRevoked => "publish grant revoked (refused as not permitted)",
             Fault::CopyRefused => "second copy refused (create-if-absent)",
             Fault::DeadlineRefused => "send refused at its deadline",
             Fault::Unencodable => "message the adapter cannot encode",

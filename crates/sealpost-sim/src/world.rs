@@ -302,6 +302,11 @@ enum Ev {
         stream: u8,
         until: u64,
     },
+    /// The publish grant on `stream` revoked until `until`.
+    GrantRevoked {
+        stream: u8,
+        until: u64,
+    },
     PauseDispatcher {
         d: u8,
         until: u64,
@@ -514,6 +519,8 @@ pub struct World {
     streams: Vec<Stream>,
     broker_down_until: [u64; 2],
     stream_deleted_until: Vec<u64>,
+    /// Until when the dispatchers may not publish to each stream (a revoked grant).
+    grant_revoked_until: Vec<u64>,
     dispatchers: Vec<Dispatcher>,
     reconciler: Reconciler,
     consumers: Vec<Consumer>,
@@ -738,6 +745,7 @@ impl World {
             snapshot: None,
             snapshot_at_ms: 0,
             stream_deleted_until: vec![0; streams.len()],
+            grant_revoked_until: vec![0; streams.len()],
             streams,
             broker_down_until: [0; 2],
             dispatchers,
@@ -839,6 +847,12 @@ impl World {
             let t = range(&mut self.rng, 0, end);
             let until = t + range(&mut self.rng, 1_000, STREAM_DELETED_MAX_MS);
             self.at(t, Ev::StreamDeleted { stream, until });
+        }
+        if chance(&mut self.rng, 200) {
+            let stream = (self.rng.next_u32() as usize % self.streams.len()) as u8;
+            let t = range(&mut self.rng, 0, end);
+            let until = t + range(&mut self.rng, 1_000, STREAM_DELETED_MAX_MS);
+            self.at(t, Ev::GrantRevoked { stream, until });
         }
         if chance(&mut self.rng, 350) {
             let cluster = (self.rng.next_u32() % 2) as u8;
@@ -1007,6 +1021,12 @@ impl World {
                     self.note(|| format!("stream {stream} deleted until {until}"));
                 }
             }
+            Ev::GrantRevoked { stream, until } => {
+                if self.faults_on {
+                    self.grant_revoked_until[stream as usize] = until;
+                    self.note(|| format!("publish grant on stream {stream} revoked until {until}"));
+                }
+            }
             Ev::PauseDispatcher { d, until } => {
                 if self.faults_on {
                     self.fault(Fault::DispatcherPaused);
@@ -1035,6 +1055,7 @@ impl World {
                 self.faults_on = false;
                 self.broker_down_until = [0; 2];
                 self.stream_deleted_until.iter_mut().for_each(|u| *u = 0);
+                self.grant_revoked_until.iter_mut().for_each(|u| *u = 0);
                 for d in &mut self.dispatchers {
                     d.paused_until = 0;
                 }
@@ -1841,6 +1862,16 @@ impl World {
             if self.refusals.len() <= r {
                 self.refusals.resize(r + 1, (0, false));
             }
+            if self.refusals[r].0 == 0 {
+                // Poison is what the broker or the adapter refused for the message itself;
+                // a row never so refused is deliverable (a revoked grant refuses anything).
+                self.violation(Violation::Liveness, || {
+                    format!(
+                        "row {r} quarantined as poison, but nothing refused the message itself: {}",
+                        rep.detail
+                    )
+                });
+            }
             self.refusals[r].1 = true;
         }
         if rep.outcome == SendOutcome::NeverSent
@@ -1868,6 +1899,25 @@ impl World {
         }
         let (d, inc, batch, slot) = (req.d, req.inc, req.batch, req.slot);
         let answer_at = self.now + range(&mut self.rng, 1, 40);
+        if self.grant_revoked_until[s] > self.now {
+            // The broker refuses the publish for lack of permission: nothing stored.
+            self.fault(Fault::GrantRevoked);
+            let result = SendResult::Refused {
+                kind: self.proto.permission_refusal(),
+                detail: "Permissions Violation for Publish".into(),
+            };
+            self.at(
+                answer_at,
+                Ev::AckArrive {
+                    d,
+                    inc,
+                    batch,
+                    slot,
+                    result: Box::new(result),
+                },
+            );
+            return;
+        }
         let fact = self.db.row_fact.get(req.row as usize).copied();
         let poison = fact.is_some_and(|f| self.facts[f as usize].poison) && self.faults_on;
         if poison {

@@ -96,6 +96,7 @@ fn expected_class(m: Mutant) -> Option<Violation> {
         Mutant::AdoptUnsignedCopy => Some(Violation::ForgedCopyAdopted),
         Mutant::ConsumerSkipsSignature => Some(Violation::ForgeryApplied),
         Mutant::TrustDuplicateAck => Some(Violation::ForgedCopyAdopted),
+        Mutant::PermissionRefusalIsPoison => Some(Violation::Liveness),
     }
 }
 
