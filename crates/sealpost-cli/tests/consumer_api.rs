@@ -667,13 +667,11 @@ async fn kafka(mode: u8) {
     let (url, mut pg, _db) = fresh_db(&format!("kafka_{tag}_{}", mode)).await;
     let topic = format!("sp-api-{tag}-{}", mode);
     let route = format!("r-{topic}");
-    let mut kcfg = sealpost_kafka::KafkaConfig::new(
+    let kcfg = teardown_kafka::config(
         &common::kafka_brokers(),
         common::KAFKA_CLUSTER,
-        Duration::from_secs(5),
+        &common::kafka_client_properties(),
     );
-    kcfg.client_properties =
-        sealpost_kafka::parse_properties(&common::kafka_client_properties()).unwrap();
     let kafka = sealpost_kafka::Kafka::connect(kcfg.clone())
         .await
         .expect("a Kafka-protocol broker must listen on 127.0.0.1:9092 (.ci/run starts tansu)");

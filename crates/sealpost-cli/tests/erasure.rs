@@ -543,13 +543,11 @@ async fn kafka_erase_leaves_no_readable_payload_of_the_subject() {
     let topic = format!("sp-erase-{tag}");
     let (cfg, mut pg, _db, _keys, route) =
         fresh(&format!("kafka_{tag}"), common::KAFKA_CLUSTER, &topic).await;
-    let mut kcfg = sealpost_kafka::KafkaConfig::new(
+    let kcfg = teardown_kafka::config(
         &common::kafka_brokers(),
         common::KAFKA_CLUSTER,
-        Duration::from_secs(5),
+        &common::kafka_client_properties(),
     );
-    kcfg.client_properties =
-        sealpost_kafka::parse_properties(&common::kafka_client_properties()).unwrap();
     let kafka = sealpost_kafka::Kafka::connect(kcfg.clone())
         .await
         .expect("a Kafka-protocol broker must listen on 127.0.0.1:9092 (.ci/run starts tansu)");

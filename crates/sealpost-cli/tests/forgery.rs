@@ -739,13 +739,11 @@ async fn kafka_look_alike_messages_are_quarantined_and_every_genuine_event_appli
     let (cfg, mut pg, _db, _keys) = fresh(&format!("kafka_{tag}")).await;
     let topic = format!("sp-forge-{tag}");
     let route = format!("r-{topic}");
-    let mut kcfg = sealpost_kafka::KafkaConfig::new(
+    let kcfg = teardown_kafka::config(
         &common::kafka_brokers(),
         common::KAFKA_CLUSTER,
-        Duration::from_secs(5),
+        &common::kafka_client_properties(),
     );
-    kcfg.client_properties =
-        sealpost_kafka::parse_properties(&common::kafka_client_properties()).unwrap();
     let kafka = sealpost_kafka::Kafka::connect(kcfg.clone())
         .await
         .expect("a Kafka-protocol broker must listen on 127.0.0.1:9092 (.ci/run starts tansu)");

@@ -399,13 +399,11 @@ async fn an_unencodable_row_is_quarantined_alone_on_rabbitmq() {
 async fn an_unencodable_row_is_quarantined_alone_on_kafka() {
     let (cfg, mut pg) = fresh("kafka").await;
     let topic = format!("sp-test-hostile-{}", runtime::owner_id() % 1_000_000_000);
-    let mut kcfg = sealpost_kafka::KafkaConfig::new(
+    let kcfg = teardown_kafka::config(
         &common::kafka_brokers(),
         common::KAFKA_CLUSTER,
-        Duration::from_secs(5),
+        &common::kafka_client_properties(),
     );
-    kcfg.client_properties =
-        sealpost_kafka::parse_properties(&common::kafka_client_properties()).unwrap();
     let _topic = teardown_kafka::topic(&kcfg, &topic);
     let kafka = sealpost_kafka::Kafka::connect(kcfg)
         .await

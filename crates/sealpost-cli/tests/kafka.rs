@@ -23,7 +23,7 @@ use sealpost_core::envelope::{EventId, EventOrdering, NewEvent, PartitionAlgorit
 use sealpost_kafka::rdkafka::consumer::{BaseConsumer, Consumer};
 use sealpost_kafka::rdkafka::message::{Headers, Message};
 use sealpost_kafka::rdkafka::{ClientConfig, Offset, TopicPartitionList};
-use sealpost_kafka::{Kafka, KafkaConfig};
+use sealpost_kafka::Kafka;
 
 const PARTITIONS: u32 = 4;
 
@@ -64,13 +64,11 @@ async fn drill(tag: &str, consumers: &[&str], ordering: EventOrdering) -> Drill 
     store::migrate(&pg).await.expect("migrate");
     sealpost_cli::demo::prepare(&pg).await.unwrap();
     let topic = format!("sp-drill-{tag}-{r}");
-    let mut kcfg = KafkaConfig::new(
+    let kcfg = teardown_kafka::config(
         &common::kafka_brokers(),
         common::KAFKA_CLUSTER,
-        Duration::from_secs(5),
+        &common::kafka_client_properties(),
     );
-    kcfg.client_properties =
-        sealpost_kafka::parse_properties(&common::kafka_client_properties()).unwrap();
     let topic_guard = teardown_kafka::topic(&kcfg, &topic);
     let kafka = Kafka::connect(kcfg)
         .await

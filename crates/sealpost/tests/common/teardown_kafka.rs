@@ -13,6 +13,16 @@ pub use teardown::Teardown;
 
 use sealpost_kafka::{Kafka, KafkaConfig};
 
+/// A Kafka adapter config for `brokers` as `cluster`, with the librdkafka `properties`
+/// (`key=value,...`, as `KAFKA_CLIENT_PROPERTIES` gives them) and a 5 s ack timeout: callers
+/// pass `common::kafka_brokers()`, `common::KAFKA_CLUSTER`, `common::kafka_client_properties()`.
+pub fn config(brokers: &str, cluster: &str, properties: &str) -> KafkaConfig {
+    let mut cfg = KafkaConfig::new(brokers, cluster, std::time::Duration::from_secs(5));
+    cfg.client_properties = sealpost_kafka::parse_properties(properties)
+        .expect("KAFKA_CLIENT_PROPERTIES must be key=value pairs separated by commas");
+    cfg
+}
+
 /// Deletes `topic` from the cluster `cfg` reaches when dropped; a topic already gone is fine.
 pub fn topic(cfg: &KafkaConfig, topic: &str) -> Teardown {
     let cfg = cfg.clone();
