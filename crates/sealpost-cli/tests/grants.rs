@@ -179,7 +179,7 @@ async fn a_missing_publish_grant_quarantines_nothing_and_the_events_leave_once_g
             |(_, _, _, e): &(String, i32, i32, Option<String>)| e.as_deref().is_some_and(refused);
         if now.iter().all(|(_, _, never_sent, _)| *never_sent >= 1)
             && now.iter().any(|(_, _, never_sent, _)| *never_sent >= 3)
-            && now.iter().any(|r| words(r))
+            && now.iter().any(words)
         {
             for (state, _, _, last_error) in &now {
                 assert_ne!(state, "PUBLISHED");
