@@ -403,12 +403,13 @@ async fn four_dispatcher_processes_over_50k_events_with_connections_closed_mid_r
 /// Seed 000's chaos (issue 25), as `kafka.rs` runs it on Kafka: one steady dispatcher with the
 /// reconciler and three more dispatcher processes that are, at random for 30 s (a fault every
 /// 0.2 to 1 s), killed with SIGKILL and started again (two faults in three) or frozen with
-/// SIGSTOP for up to 8 s (past their 3 s lease), over 20,000 events with two consumers. After
-/// the faults stop it converges within 2 minutes: every event `PUBLISHED`, each consumer
-/// applied each event once, no unknown left, nothing quarantined. RabbitMQ cannot be asked,
-/// so every unknown outcome is sent again to the same exchange (R14); the copies that makes
-/// are printed with the figures, and the inboxes apply each event once. The random choices
-/// come from a seed printed at the start.
+/// SIGSTOP for up to 8 s (past their 3 s lease), over 20,000 events with two consumers, while
+/// producers commit 100 more at each fault. After the faults stop it converges within
+/// 2 minutes: every event `PUBLISHED`, each consumer applied each event once, no unknown
+/// left, nothing quarantined. RabbitMQ cannot be asked, so every unknown outcome is sent
+/// again to the same exchange (R14); the copies that makes are printed with the figures, and
+/// the inboxes apply each event once. The random choices come from a seed printed at the
+/// start.
 #[tokio::test]
 async fn killed_and_frozen_dispatchers_converge_within_two_minutes_after_the_faults() {
     let n = 20_000;
@@ -429,10 +430,11 @@ async fn killed_and_frozen_dispatchers_converge_within_two_minutes_after_the_fau
     let mut target = ChaosTarget { d: &mut d, cfg };
     let r = chaos::run(&mut target, &mut victims, seed, Duration::from_secs(30)).await;
     let consumers = d.consumers.clone();
-    chaos::converged_after(&ChaosTarget { d: &mut d, cfg }, &r, n as i64, &consumers).await;
-    d.assert_published_and_applied_once(n as i64).await;
+    let all =
+        chaos::converged_after(&ChaosTarget { d: &mut d, cfg }, &r, n as i64, &consumers).await;
+    d.assert_published_and_applied_once(all).await;
     eprintln!(
-        "attempts {} for {n} events; second copies recorded {}",
+        "attempts {} for {all} events; second copies recorded {}",
         d.count("SELECT count(*) FROM sealpost.attempts").await,
         d.count("SELECT count(*) FROM sealpost.receipts WHERE kind = 'second_copy'")
             .await
@@ -460,5 +462,9 @@ impl chaos::Target for ChaosTarget<'_> {
 
     async fn count(&self, sql: &str) -> i64 {
         self.d.count(sql).await
+    }
+
+    fn pg(&mut self) -> &mut tokio_postgres::Client {
+        &mut self.d.pg
     }
 }

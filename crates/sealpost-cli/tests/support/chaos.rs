@@ -1,7 +1,9 @@
 //! Seed 000's process chaos for the drills of `kafka.rs` and `rabbitmq.rs` (included by
 //! path): for a while, at random, a dispatcher process is killed with SIGKILL and started
 //! again (two faults in three) or frozen with SIGSTOP for 1 to 8 s, a fault every 0.2 to 1 s.
-//! The choices come from a seed the caller prints, so a failing run can be replayed.
+//! Producers keep committing orders all the while (100 at each fault), so the drill also
+//! measures the tail after the faults stop, not only a backlog drained during them. The
+//! choices come from a seed the caller prints, so a failing run can be replayed.
 
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
@@ -15,6 +17,22 @@ pub trait Target {
     fn respawn(&mut self) -> usize;
     /// A count from the drill's database.
     async fn count(&self, sql: &str) -> i64;
+    /// The drill's database, where the producers commit.
+    fn pg(&mut self) -> &mut tokio_postgres::Client;
+}
+
+/// Orders committed at each fault while the chaos runs.
+pub const PRODUCED_PER_FAULT: usize = 100;
+
+/// Commits `n` orders on route `orders` (aggregates `p-<first>`..), as a service would.
+async fn produce(pg: &mut tokio_postgres::Client, first: usize, n: usize) {
+    let keys: Vec<String> = (first..first + n).map(|k| format!("p-{k}")).collect();
+    let events = sealpost_cli::demo::order_batch(&keys, br#"{"order_id":"p","total_cents":1}"#);
+    let tx = pg.transaction().await.unwrap();
+    sealpost::store::enqueue_many(&tx, "orders", &events)
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
 }
 
 /// Rows whose outcome is unknown.
@@ -58,6 +76,8 @@ pub async fn converge<T: Target>(t: &T, n: i64, consumers: &[String], limit: Dur
 pub struct Report {
     pub kills: u32,
     pub freezes: u32,
+    /// Orders the producers committed during the chaos.
+    pub produced: usize,
     /// The most unknown outcomes seen at once.
     pub peak_unknown: i64,
 }
@@ -87,6 +107,8 @@ pub async fn run<T: Target>(
     let mut r = Report::default();
     while Instant::now() < end {
         tokio::time::sleep(Duration::from_millis(200 + next(800))).await;
+        produce(t.pg(), r.produced, PRODUCED_PER_FAULT).await;
+        r.produced += PRODUCED_PER_FAULT;
         r.peak_unknown = r.peak_unknown.max(t.count(UNKNOWN_SQL).await);
         let now = Instant::now();
         let mut still = Vec::new();
@@ -121,10 +143,12 @@ pub async fn run<T: Target>(
     r
 }
 
-/// After the chaos: prints what it did, waits (at most 2 minutes) until every one of `n`
-/// events is published and applied by each of `consumers`, and asserts that no unknown is
-/// left and nothing was quarantined.
-pub async fn converged_after<T: Target>(t: &T, r: &Report, n: i64, consumers: &[String]) {
+/// After the chaos: prints what it did, waits (at most 2 minutes) until every one of the
+/// `n` events committed before it and the ones its producers committed is published and
+/// applied by each of `consumers`, and asserts that no unknown is left and nothing was
+/// quarantined. Returns the number of events in all.
+pub async fn converged_after<T: Target>(t: &T, r: &Report, n: i64, consumers: &[String]) -> i64 {
+    let n = n + r.produced as i64;
     eprintln!(
         "faults over: {r:?}; {} of {n} published, {} unknown",
         t.count("SELECT count(*) FROM sealpost.outbox WHERE state = 'PUBLISHED'")
@@ -145,4 +169,5 @@ pub async fn converged_after<T: Target>(t: &T, r: &Report, n: i64, consumers: &[
         "no unknown left, nothing quarantined"
     );
     assert_eq!(t.count("SELECT count(*) FROM sealpost.quarantine").await, 0);
+    n
 }
