@@ -32,6 +32,7 @@ mod teardown_kafka;
 #[path = "../../sealpost/tests/common/teardown_rabbitmq.rs"]
 mod teardown_rabbitmq;
 
+use common::{count, wait_for};
 use std::collections::BTreeSet;
 use std::process::Command;
 use std::sync::Arc;
@@ -42,7 +43,7 @@ use sealpost::consumer::{self, CancellationToken, Databases, Delivery, HandlerEr
 use sealpost::runtime::{self, Config, Counters};
 use sealpost::store;
 use sealpost_core::envelope::EventId;
-use sealpost_core::port::{Broker, SendResult};
+use sealpost_core::port::Broker;
 use sealpost_core::subscription::Subscription;
 
 /// Events in all; half are published before the dump.
@@ -54,18 +55,6 @@ struct Drill {
     inbox: common::TestDb,
     cfg: Config,
     route: String,
-}
-
-async fn count(pg: &tokio_postgres::Client, sql: &str) -> i64 {
-    pg.query_one(sql, &[]).await.unwrap().get(0)
-}
-
-async fn wait_for(what: &str, limit: Duration, mut f: impl AsyncFnMut() -> bool) {
-    let deadline = Instant::now() + limit;
-    while !f().await {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
 }
 
 async fn setup(tag: &str, cluster: &str, topic: &str) -> Drill {
@@ -129,21 +118,7 @@ async fn enqueue_and_publish<B: Broker>(
     let tx = pg.transaction().await.unwrap();
     store::enqueue_many(&tx, &d.route, &events).await.unwrap();
     tx.commit().await.unwrap();
-    let claimed = store::claim_batch(&mut pg, 77, published, 10_000)
-        .await
-        .unwrap();
-    assert_eq!(claimed.outgoing.len(), published);
-    let batch = claimed.outgoing.iter().map(|o| o.send_request()).collect();
-    let receipts: Vec<_> = broker
-        .send_batch(batch, Instant::now() + Duration::from_secs(30))
-        .await
-        .into_iter()
-        .map(|r| match r {
-            SendResult::Receipt(r) => r,
-            other => panic!("a receipt, got {other:?}"),
-        })
-        .collect();
-    store::accept_receipts(&mut pg, &receipts).await.unwrap();
+    common::publish_claimed(&mut pg, broker, published, None).await;
     events.iter().map(|e| e.0).collect()
 }
 

@@ -14,6 +14,7 @@
 //! real `sealpost purge --consumer C` then purges every row, and SIGINT stops it cleanly.
 //! Each test has its own database and destination.
 
+use common::wait_for;
 use std::time::{Duration, Instant};
 
 #[path = "../../sealpost/tests/common/mod.rs"]
@@ -133,14 +134,6 @@ async fn publish<B: Broker>(
         receipts.extend(sent);
     }
     receipts
-}
-
-async fn wait_for(what: &str, limit: Duration, mut f: impl AsyncFnMut() -> bool) {
-    let deadline = Instant::now() + limit;
-    while !f().await {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
 }
 
 /// Runs the library consumer over `sub` until every published row can be purged with the

@@ -11,6 +11,7 @@ mod common;
 #[path = "../../sealpost/tests/common/teardown_nats.rs"]
 mod teardown_nats;
 
+use common::count;
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -95,10 +96,6 @@ async fn publish(cfg: &Config, nats: &Nats, topic: &str, keys: &[String]) {
     for t in tasks {
         t.await.unwrap().unwrap();
     }
-}
-
-async fn count(pg: &tokio_postgres::Client, sql: &str) -> i64 {
-    pg.query_one(sql, &[]).await.unwrap().get(0)
 }
 
 async fn wait_for(what: &str, limit: Duration, mut f: impl AsyncFnMut() -> bool) {

@@ -9,6 +9,7 @@
 //! dead-letters one; an `audit` consumer that never settles reads the broker's copies as the
 //! broker delivers them; the binary erases; every copy is opened again with the database's keys.
 
+use common::{count, wait_for};
 use std::collections::HashMap;
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -29,26 +30,24 @@ use sealpost::runtime::{self, Config};
 use sealpost::store::{self, StoreError};
 use sealpost_core::envelope::{EventId, NewEvent};
 use sealpost_core::inbox::RedeliveryPolicy;
-use sealpost_core::port::{Broker, SendResult};
+use sealpost_core::port::Broker;
 use sealpost_core::subscription::{FetchLimits, Subscription};
 
 /// The personal data the drill must make unreadable.
 const SECRET: &str = "ada.lovelace@example.org";
-
-struct KeyDir(std::path::PathBuf);
-
-impl Drop for KeyDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 /// A fresh database with the schema, a route keyed per aggregate, and a signing config.
 async fn fresh(
     tag: &str,
     cluster: &str,
     topic: &str,
-) -> (Config, tokio_postgres::Client, impl Sized, KeyDir, String) {
+) -> (
+    Config,
+    tokio_postgres::Client,
+    impl Sized,
+    common::KeyDir,
+    String,
+) {
     let db = common::fresh_database(&format!("sealpost_erasure_{tag}")).await;
     // The test's own keys: a config whose keys are not read yet.
     let mut cfg = Config {
@@ -57,13 +56,7 @@ async fn fresh(
         ack_timeout_ms: 1_000,
         ..Config::default()
     };
-    let keys = KeyDir(std::env::temp_dir().join(db.name()));
-    let _ = std::fs::remove_dir_all(&keys.0);
-    std::fs::create_dir_all(&keys.0).unwrap();
-    let (private, _) = sealpost::signing::generate(&keys.0, "k1").unwrap();
-    cfg.signing_key_file = private.display().to_string();
-    cfg.verify_keys_dir = keys.0.display().to_string();
-    cfg.load_keys().expect("the keys just written");
+    let keys = common::signing_keys(&mut cfg, db.name());
     let pg = runtime::pg_connect(&cfg.database_url).await.unwrap();
     store::migrate(&pg).await.expect("migrate");
     pg.batch_execute(
@@ -123,28 +116,8 @@ async fn publish<B: Broker>(
     let tx = pg.transaction().await.unwrap();
     store::enqueue_many(&tx, route, &events).await.unwrap();
     tx.commit().await.unwrap();
-    let signer = cfg.keys.signer.clone().expect("a signing key");
-    let claimed = store::claim_batch(pg, 77, 3, 10_000).await.unwrap();
-    assert_eq!(claimed.outgoing.len(), 3);
-    let batch: Vec<_> = claimed
-        .outgoing
-        .iter()
-        .map(|o| {
-            let mut r = o.send_request();
-            signer.sign_request(&mut r);
-            r
-        })
-        .collect();
-    let receipts: Vec<_> = broker
-        .send_batch(batch, Instant::now() + Duration::from_secs(30))
-        .await
-        .into_iter()
-        .map(|r| match r {
-            SendResult::Receipt(r) => r,
-            other => panic!("{other:?}"),
-        })
-        .collect();
-    store::accept_receipts(pg, &receipts).await.unwrap();
+    let signer = cfg.keys.signer.as_deref().expect("a signing key");
+    common::publish_claimed(pg, broker, 3, Some(signer)).await;
     ids
 }
 
@@ -177,18 +150,6 @@ fn handler(
             .await?;
             Ok(())
         })
-    }
-}
-
-async fn count(pg: &tokio_postgres::Client, sql: &str) -> i64 {
-    pg.query_one(sql, &[]).await.unwrap().get(0)
-}
-
-async fn wait_for(what: &str, limit: Duration, mut f: impl AsyncFnMut() -> bool) {
-    let deadline = Instant::now() + limit;
-    while !f().await {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
 
@@ -567,6 +528,16 @@ async fn kafka_erase_leaves_no_readable_payload_of_the_subject() {
     .await;
 }
 
+/// Enqueues `ev` on `route` in a transaction of its own and expects a refusal whose words
+/// contain `needle`; nothing is committed.
+async fn refused(pg: &mut tokio_postgres::Client, route: &str, ev: &NewEvent<'_>, needle: &str) {
+    let tx = pg.transaction().await.unwrap();
+    let e = store::enqueue(&tx, route, sealpost_cli::demo::mint_event_id(), ev, "o-1")
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains(needle), "{e}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keyed_routes_refuse_what_they_cannot_key_and_plain_routes_refuse_a_frame() {
     let tag = runtime::owner_id() % 1_000_000;
@@ -574,40 +545,18 @@ async fn keyed_routes_refuse_what_they_cannot_key_and_plain_routes_refuse_a_fram
     let (_cfg, mut pg, _db, _keys, route) =
         fresh(&format!("refuse_{tag}"), common::NATS_CLUSTER, &topic).await;
     let p = b"{}".to_vec();
-    let tx = pg.transaction().await.unwrap();
     let mut slashed = new_event("o-1", &p);
     slashed.aggregate_type = "shop/order";
-    let e = store::enqueue(
-        &tx,
-        &route,
-        sealpost_cli::demo::mint_event_id(),
-        &slashed,
-        "o-1",
-    )
-    .await
-    .unwrap_err();
-    assert!(e.to_string().contains("contains `/`"), "{e}");
-    drop(tx);
+    refused(&mut pg, &route, &slashed, "contains `/`").await;
     // A tenant-keyed route needs a tenant.
     assert!(
         store::set_route_lifecycle(&pg, &route, Some(Keying::Tenant), None)
             .await
             .unwrap()
     );
-    let tx = pg.transaction().await.unwrap();
     let mut no_tenant = new_event("o-1", &p);
     no_tenant.tenant = "";
-    let e = store::enqueue(
-        &tx,
-        &route,
-        sealpost_cli::demo::mint_event_id(),
-        &no_tenant,
-        "o-1",
-    )
-    .await
-    .unwrap_err();
-    assert!(e.to_string().contains("has no tenant"), "{e}");
-    drop(tx);
+    refused(&mut pg, &route, &no_tenant, "has no tenant").await;
     // A route that does not encrypt refuses a payload that looks like a frame.
     assert!(
         store::set_route_lifecycle(&pg, &route, Some(Keying::None), None)
@@ -615,18 +564,13 @@ async fn keyed_routes_refuse_what_they_cannot_key_and_plain_routes_refuse_a_fram
             .unwrap()
     );
     let framed = payload_key::seal(&o42(), &payload_key::fresh_key(), b"x");
-    let tx = pg.transaction().await.unwrap();
-    let e = store::enqueue(
-        &tx,
+    refused(
+        &mut pg,
         &route,
-        sealpost_cli::demo::mint_event_id(),
         &new_event("o-1", &framed),
-        "o-1",
+        "encryption frame marker",
     )
-    .await
-    .unwrap_err();
-    assert!(e.to_string().contains("encryption frame marker"), "{e}");
-    drop(tx);
+    .await;
     // The operator names subjects clearly, or is told how.
     let out = sealpost(&["erase", "o-42"], None);
     assert!(!out.status.success());

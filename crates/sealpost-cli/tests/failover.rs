@@ -20,6 +20,7 @@
 #[path = "../../sealpost/tests/common/mod.rs"]
 mod common;
 
+use common::count;
 use std::collections::{HashMap, HashSet};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -226,10 +227,6 @@ impl Drop for Dispatchers {
             let _ = c.wait();
         }
     }
-}
-
-async fn count(pg: &tokio_postgres::Client, sql: &str) -> i64 {
-    pg.query_one(sql, &[]).await.unwrap().get(0)
 }
 
 /// Now on the database clock (what `published_at_ms` and `attempt_started_ms` use).

@@ -14,8 +14,9 @@
 //!   then refuses the genuine one) is never adopted by the reconciler: the row ends
 //!   `QUARANTINED` with `UnsealedCopy` for an operator, not `PUBLISHED`.
 
+use common::wait_for;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 #[path = "../../sealpost/tests/common/mod.rs"]
 mod common;
@@ -38,19 +39,10 @@ use sealpost_nats::async_nats::HeaderMap;
 
 const ADMIN_URL: &str = "host=127.0.0.1 user=postgres dbname=postgres";
 
-/// A directory of the test's keys, removed when dropped.
-struct KeyDir(std::path::PathBuf);
-
-impl Drop for KeyDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 /// A fresh database `sealpost_forgery_<tag>` with the schema and the handler's table, its
 /// guard, and a config whose dispatchers sign with a new key `k1` and whose readers require
 /// signatures.
-async fn fresh(tag: &str) -> (Config, tokio_postgres::Client, impl Sized, KeyDir) {
+async fn fresh(tag: &str) -> (Config, tokio_postgres::Client, impl Sized, common::KeyDir) {
     let db = format!("sealpost_forgery_{tag}");
     let guard = common::drop_database_guard(&db);
     let admin = runtime::pg_connect(ADMIN_URL)
@@ -71,13 +63,7 @@ async fn fresh(tag: &str) -> (Config, tokio_postgres::Client, impl Sized, KeyDir
         reconcile_every_ms: 200,
         ..Config::default()
     };
-    let keys = KeyDir(std::env::temp_dir().join(&db));
-    let _ = std::fs::remove_dir_all(&keys.0);
-    std::fs::create_dir_all(&keys.0).unwrap();
-    let (private, _) = sealpost::signing::generate(&keys.0, "k1").unwrap();
-    cfg.signing_key_file = private.display().to_string();
-    cfg.verify_keys_dir = keys.0.display().to_string();
-    cfg.load_keys().expect("the keys just written");
+    let keys = common::signing_keys(&mut cfg, &db);
     assert_eq!(cfg.keys.keyring.policy(), SignaturePolicy::Require);
     let pg = runtime::pg_connect(&cfg.database_url).await.unwrap();
     store::migrate(&pg).await.expect("migrate");
@@ -87,14 +73,6 @@ async fn fresh(tag: &str) -> (Config, tokio_postgres::Client, impl Sized, KeyDir
     .await
     .unwrap();
     (cfg, pg, guard, keys)
-}
-
-async fn wait_for(what: &str, limit: Duration, mut f: impl AsyncFnMut() -> bool) {
-    let deadline = Instant::now() + limit;
-    while !f().await {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
 }
 
 async fn state_of(pg: &tokio_postgres::Client, id: EventId) -> String {
@@ -481,36 +459,16 @@ async fn publish_signed<B: sealpost_core::port::Broker>(
     route: &str,
     n: usize,
 ) -> (Vec<EventId>, sealpost_core::port::SendRequest) {
-    use sealpost_core::port::SendResult;
     let (keys, payload) = enqueue_orders(n);
     let events = sealpost_cli::demo::order_batch(&keys, &payload);
     let ids: Vec<EventId> = events.iter().map(|e| e.0).collect();
     let tx = pg.transaction().await.unwrap();
     store::enqueue_many(&tx, route, &events).await.unwrap();
     tx.commit().await.unwrap();
-    let signer = cfg.keys.signer.clone().expect("a signing key");
-    let claimed = store::claim_batch(pg, 77, n, 10_000).await.unwrap();
-    assert_eq!(claimed.outgoing.len(), n);
-    let batch: Vec<_> = claimed
-        .outgoing
-        .iter()
-        .map(|o| {
-            let mut r = o.send_request();
-            signer.sign_request(&mut r);
-            r
-        })
-        .collect();
-    let genuine = batch[0].clone();
-    let receipts: Vec<_> = broker
-        .send_batch(batch, Instant::now() + Duration::from_secs(30))
+    let signer = cfg.keys.signer.as_deref().expect("a signing key");
+    let genuine = common::publish_claimed(pg, broker, n, Some(signer))
         .await
-        .into_iter()
-        .map(|r| match r {
-            SendResult::Receipt(r) => r,
-            other => panic!("{other:?}"),
-        })
-        .collect();
-    store::accept_receipts(pg, &receipts).await.unwrap();
+        .remove(0);
     (ids, genuine)
 }
 

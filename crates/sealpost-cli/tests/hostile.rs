@@ -21,6 +21,7 @@ mod teardown_nats;
 #[path = "../../sealpost/tests/common/teardown_rabbitmq.rs"]
 mod teardown_rabbitmq;
 
+use common::count;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -60,10 +61,6 @@ async fn fresh(tag: &str) -> (common::TestDb, tokio_postgres::Client) {
     let pg = runtime::pg_connect(&cfg.database_url).await.unwrap();
     store::migrate(&pg).await.expect("migrate");
     (cfg, pg)
-}
-
-async fn count(pg: &tokio_postgres::Client, sql: &str) -> i64 {
-    pg.query_one(sql, &[]).await.unwrap().get(0)
 }
 
 /// The hostile strings of the measurement, as (field, value, the rule `enqueue` names). The

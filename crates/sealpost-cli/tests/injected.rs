@@ -10,9 +10,10 @@
 //!
 //! Each test has its own database and stream.
 
+use common::wait_for;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 #[path = "../../sealpost/tests/common/mod.rs"]
 mod common;
@@ -51,14 +52,6 @@ async fn enqueue(pg: &mut tokio_postgres::Client, from: usize, n: usize) {
 async fn published(pg: &tokio_postgres::Client) -> i64 {
     let s = store::status(pg).await.unwrap();
     s.states.get("PUBLISHED").copied().unwrap_or(0)
-}
-
-async fn wait_for(what: &str, limit: Duration, mut f: impl AsyncFnMut() -> bool) {
-    let deadline = Instant::now() + limit;
-    while !f().await {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
 }
 
 fn record<'a>(

@@ -10,11 +10,12 @@ mod common;
 #[path = "../../sealpost/tests/common/teardown_nats.rs"]
 mod teardown_nats;
 
+use common::wait_for;
 use std::collections::BTreeSet;
 use std::process::Command;
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use sealpost::runtime::CancellationToken;
 use sealpost::runtime::{self, Config, Counters};
@@ -74,14 +75,6 @@ async fn effects(pg: &tokio_postgres::Client, consumer: &str) -> (i64, i64) {
         .await
         .unwrap();
     (r.get(0), r.get(1))
-}
-
-async fn wait_for(what: &str, limit: Duration, mut f: impl AsyncFnMut() -> bool) {
-    let deadline = Instant::now() + limit;
-    while !f().await {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
 }
 
 /// A fresh database `sealpost_ret_<tag>` with the schema and the demo tables: its URL, a

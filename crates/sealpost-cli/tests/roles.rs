@@ -13,10 +13,11 @@ mod common;
 #[path = "../../sealpost/tests/common/teardown_nats.rs"]
 mod teardown_nats;
 
+use common::wait_for;
 use std::process::Command;
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::teardown::Teardown;
 use sealpost::roles::Kind;
@@ -198,14 +199,6 @@ async fn enqueue(pg: &mut tokio_postgres::Client, route: &str, n: usize) -> Vec<
     store::enqueue_many(&tx, route, &events).await.unwrap();
     tx.commit().await.unwrap();
     events.iter().map(|e| e.0).collect()
-}
-
-async fn wait_for(what: &str, limit: Duration, mut f: impl AsyncFnMut() -> bool) {
-    let deadline = Instant::now() + limit;
-    while !f().await {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
 }
 
 /// Every role through a whole life: enqueue as the producer, publish through NATS as the

@@ -130,3 +130,84 @@ pub async fn fresh_database(name: &str) -> TestDb {
         drop,
     }
 }
+
+/// Polls `f` every 200 ms until it holds; fails the test naming `what` after `limit`.
+pub async fn wait_for(what: &str, limit: std::time::Duration, mut f: impl AsyncFnMut() -> bool) {
+    let deadline = std::time::Instant::now() + limit;
+    while !f().await {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out waiting for {what}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+}
+
+/// The single `int8` a counting query answers.
+pub async fn count(pg: &tokio_postgres::Client, sql: &str) -> i64 {
+    pg.query_one(sql, &[]).await.unwrap().get(0)
+}
+
+/// Publishes `n` claimable rows as a dispatcher does (claim, sign when a `signer` is given,
+/// send, accept); every answer must be a receipt. Returns the requests as they were sent.
+pub async fn publish_claimed<B: sealpost_core::port::Broker>(
+    pg: &mut tokio_postgres::Client,
+    broker: &B,
+    n: usize,
+    signer: Option<&sealpost::signing::Signer>,
+) -> Vec<sealpost_core::port::SendRequest> {
+    let claimed = sealpost::store::claim_batch(pg, 77, n, 10_000)
+        .await
+        .unwrap();
+    assert_eq!(claimed.outgoing.len(), n, "rows claimed");
+    let batch: Vec<_> = claimed
+        .outgoing
+        .iter()
+        .map(|o| {
+            let mut r = o.send_request();
+            if let Some(s) = signer {
+                s.sign_request(&mut r);
+            }
+            r
+        })
+        .collect();
+    let receipts: Vec<_> = broker
+        .send_batch(
+            batch.clone(),
+            std::time::Instant::now() + std::time::Duration::from_secs(30),
+        )
+        .await
+        .into_iter()
+        .map(|r| match r {
+            sealpost_core::port::SendResult::Receipt(r) => r,
+            other => panic!("a receipt, got {other:?}"),
+        })
+        .collect();
+    sealpost::store::accept_receipts(pg, &receipts)
+        .await
+        .unwrap();
+    batch
+}
+
+/// A directory of a test's signing keys, removed when dropped.
+pub struct KeyDir(pub std::path::PathBuf);
+
+impl Drop for KeyDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Makes a new Ed25519 key `k1` in a directory `name` of the temp dir and points `cfg` at
+/// it: its dispatchers sign with it, its readers verify with it (and so require
+/// signatures). The keys are loaded into `cfg`.
+pub fn signing_keys(cfg: &mut Config, name: &str) -> KeyDir {
+    let keys = KeyDir(std::env::temp_dir().join(name));
+    let _ = std::fs::remove_dir_all(&keys.0);
+    std::fs::create_dir_all(&keys.0).unwrap();
+    let (private, _) = sealpost::signing::generate(&keys.0, "k1").unwrap();
+    cfg.signing_key_file = private.display().to_string();
+    cfg.verify_keys_dir = keys.0.display().to_string();
+    cfg.load_keys().expect("the keys just written");
+    keys
+}
