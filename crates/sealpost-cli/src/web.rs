@@ -146,7 +146,7 @@ pub struct ServeArgs {
     /// run as DATABASE_URL, which then needs only the `operator` role. Give it in the
     /// environment, never with a password on the command line.
     #[arg(long, env = "SEALPOST_READER_DATABASE_URL", hide_env_values = true)]
-    pub reader_database_url: Option<String>,
+    pub reader_database_url: Option<Dsn>,
     /// File holding the password of --reader-database-url (one trailing newline ignored).
     #[arg(long, env = "SEALPOST_READER_DATABASE_PASSWORD_FILE")]
     pub reader_database_password_file: Option<PathBuf>,
@@ -162,6 +162,24 @@ pub struct ServeArgs {
     /// How much history the chart keeps (s).
     #[arg(long, default_value_t = 600, value_parser = clap::value_parser!(u64).range(10..=86_400))]
     pub history_s: u64,
+}
+
+/// A connection string given on the command line or in the environment; its `Debug` is
+/// redacted (`secret::redact_dsn`), so a password in it never reaches a log line.
+#[derive(Clone)]
+pub struct Dsn(pub String);
+
+impl std::fmt::Debug for Dsn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&secret::redact_dsn(&self.0))
+    }
+}
+
+impl std::str::FromStr for Dsn {
+    type Err = std::convert::Infallible;
+    fn from_str(s: &str) -> Result<Dsn, Self::Err> {
+        Ok(Dsn(s.to_string()))
+    }
 }
 
 /// The value of a refused flag, never kept (so never printed by `Debug`).
@@ -372,7 +390,7 @@ impl ServeArgs {
     /// The reads' login ([`ServeArgs::reader_database_url`]) with the password from its file,
     /// if one is given.
     pub fn reader_url(&self) -> Result<Option<String>, String> {
-        let Some(url) = self.reader_database_url.as_deref() else {
+        let Some(Dsn(url)) = &self.reader_database_url else {
             if self.reader_database_password_file.is_some() {
                 return Err("--reader-database-password-file is set but --reader-database-url (SEALPOST_READER_DATABASE_URL) is not; set both or neither".into());
             }
@@ -1122,6 +1140,16 @@ mod tests {
             role: Role::Reader,
             name: "reader".into(),
         }
+    }
+
+    #[test]
+    fn a_reader_login_is_never_shown_with_its_password() {
+        let d: Dsn = "host=db user=status_page password=hunter2-secret dbname=app"
+            .parse()
+            .unwrap();
+        let shown = format!("{d:?}");
+        assert!(!shown.contains("hunter2-secret"), "{shown}");
+        assert!(shown.contains("user=status_page"), "{shown}");
     }
 
     #[test]
