@@ -244,6 +244,23 @@ pub async fn claim_batch_held(
 /// How long a held row is kept after its lease ended (its answer may still come late).
 const HELD_AFTER_LEASE_MS: u64 = 60_000;
 
+column_list! {
+    /// What the claim selects after the [`RowCol`] columns: the payload, the attempt id it
+    /// draws, the database clock, the commit position, its own transaction id (the guard of
+    /// the held rows), the commit time, the "earlier version unresolved" probe and the
+    /// sealed envelope's wire description ([`wire_envelope`] reads it from
+    /// [`ClaimCol::Envelope`] on).
+    ClaimCol from ROW_COLS_LEN;
+    Payload => "e.payload",
+    AttemptId => "nextval('sealpost.attempt_id_seq')",
+    NowMs => NOW_MS_SQL,
+    Position => "w.committed_seq",
+    Xid => "(SELECT pg_current_xact_id()::xid::text::bigint)",
+    CreatedAtMs => "w.created_at_ms",
+    EarlierUnresolved => earlier_unresolved_sql(),
+    Envelope => WIRE_ENVELOPE_COLS,
+}
+
 async fn claim_in(
     client: &mut tokio_postgres::Client,
     owner: u64,
@@ -281,12 +298,7 @@ async fn claim_in(
                AND (w.state <> 'PENDING' OR w.not_before_ms <= {NOW_MS_SQL})
              ORDER BY w.dest_cluster, w.committed_seq LIMIT $1 FOR UPDATE OF w SKIP LOCKED"
         ),
-        &format!(
-            ", e.payload, nextval('sealpost.attempt_id_seq'), {NOW_MS_SQL}, w.committed_seq,
-               (SELECT pg_current_xact_id()::xid::text::bigint), w.created_at_ms,
-               {}, {WIRE_ENVELOPE_COLS}",
-            earlier_unresolved_sql()
-        ),
+        &format!(", {}", ClaimCol::select()),
         "",
     );
     counted(3);
@@ -300,22 +312,28 @@ async fn claim_in(
     // The batch in claim order: the order of the pick (cluster, then commit position).
     let mut found = found;
     found.sort_by(|a, b| {
-        (a.get::<_, &str>(4), a.get::<_, i64>(ROW_COLS_LEN + 3))
-            .cmp(&(b.get::<_, &str>(4), b.get::<_, i64>(ROW_COLS_LEN + 3)))
+        (
+            a.get::<_, &str>(4),
+            a.get::<_, i64>(ClaimCol::Position.at()),
+        )
+            .cmp(&(
+                b.get::<_, &str>(4),
+                b.get::<_, i64>(ClaimCol::Position.at()),
+            ))
     });
     let now_ms = match found.first() {
-        Some(r) => r.get::<_, i64>(ROW_COLS_LEN + 2) as u64,
+        Some(r) => r.get::<_, i64>(ClaimCol::NowMs.at()) as u64,
         None => db_now_ms(&tx).await?,
     };
     let served: Vec<String> = cluster.map(str::to_string).into_iter().collect();
     let mut payloads = Vec::with_capacity(found.len());
     let mut picked = Vec::with_capacity(found.len());
     for r in &found {
-        payloads.push(r.get::<_, Vec<u8>>(ROW_COLS_LEN));
+        payloads.push(r.get::<_, Vec<u8>>(ClaimCol::Payload.at()));
         picked.push(Pick {
-            position: r.get::<_, i64>(ROW_COLS_LEN + 3) as u64,
-            earlier_unresolved: r.get::<_, bool>(ROW_COLS_LEN + 6),
-            attempt_id: r.get::<_, i64>(ROW_COLS_LEN + 1) as u64,
+            position: r.get::<_, i64>(ClaimCol::Position.at()) as u64,
+            earlier_unresolved: r.get::<_, bool>(ClaimCol::EarlierUnresolved.at()),
+            attempt_id: r.get::<_, i64>(ClaimCol::AttemptId.at()) as u64,
         });
     }
     let before = finish_load(&tx, &found).await?;
@@ -352,7 +370,7 @@ async fn claim_in(
             destination_digest: sent.begin.destination_digest,
             payload: std::mem::take(&mut payloads[i]),
             lease_until_ms: sent.lease_until_ms,
-            envelope: wire_envelope(&found[i], ROW_COLS_LEN + 7)?,
+            envelope: wire_envelope(&found[i], ClaimCol::Envelope.at())?,
         });
     }
     persist_guarded(
@@ -368,7 +386,7 @@ async fn claim_in(
         // The rows this claim wrote now carry its transaction id as their `xmin`.
         let xid = found
             .first()
-            .map_or(0, |r| r.get::<_, i64>(ROW_COLS_LEN + 4));
+            .map_or(0, |r| r.get::<_, i64>(ClaimCol::Xid.at()));
         held.clock = Some((now_ms, claim_local_start));
         held.rows.retain(|_, h| {
             h.row
@@ -388,7 +406,7 @@ async fn claim_in(
                     HeldRow {
                         row,
                         xmin: xid,
-                        created_at_ms: r.get::<_, i64>(ROW_COLS_LEN + 5).max(0) as u64,
+                        created_at_ms: r.get::<_, i64>(ClaimCol::CreatedAtMs.at()).max(0) as u64,
                         accepted: None,
                     },
                 );

@@ -9,20 +9,80 @@ pub(super) const DISPATCHABLE: i16 = Phase::Dispatchable.code();
 pub(super) const UNKNOWN: i16 = Phase::Unknown.code();
 const SETTLED: i16 = Phase::Settled.code();
 
-/// The columns every decision reads: the work row and its current sealed generation.
-const ROW_COLS: &str =
-    "w.event_id, w.member, w.envelope_generation, e.payload_digest, e.dest_cluster, e.dest_topic,
-    e.dest_routing_key, e.dest_partition_alg, e.dest_policy_generation, e.dest_serializer,
-    e.dest_durability, e.dest_required_ack, e.destination_digest, w.state, w.claim_owner,
-    w.claim_generation, w.lease_until_ms, w.attempt_generation, w.rejections, w.unknown_since_ms,
-    w.published_at_ms, w.primary_attempt_id, w.primary_cluster, w.primary_stream,
-    w.primary_partition, w.primary_sequence, w.superseded_generations, w.superseded_digests,
-    w.not_before_ms, w.never_sent, w.next_lookup_at_ms, w.lookups, w.attempt_id, w.attempt_agen,
-    w.attempt_claim_generation, w.attempt_owner, w.attempt_envelope_generation, w.attempt_status,
-    w.attempt_started_ms, w.attempts_archived, e.dest_ordering";
+/// A list of selected columns as an enum: the variants are the columns in select order, so a
+/// column's index in the row ([`at`](RowCol::at)) and its place in the select list
+/// ([`select`](RowCol::select)) come from the one list and cannot drift apart.
+macro_rules! column_list {
+    ($(#[$m:meta])* $name:ident from $base:expr; $($var:ident => $sql:expr),* $(,)?) => {
+        $(#[$m])*
+        #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+        pub(super) enum $name { $($var),* }
+        impl $name {
+            /// Every column, in select order.
+            #[allow(dead_code)]
+            pub(super) const ALL: &'static [$name] = &[$($name::$var),*];
+            /// The column's index in a selected row.
+            pub(super) const fn at(self) -> usize {
+                $base + self as usize
+            }
+            /// The select list, in order.
+            pub(super) fn select() -> String {
+                [$(String::from($sql)),*].join(", ")
+            }
+        }
+    };
+}
+pub(super) use column_list;
 
-/// Number of columns in [`ROW_COLS`]; extra selected columns start here.
-pub(super) const ROW_COLS_LEN: usize = 41;
+column_list! {
+    /// The columns every decision reads: the work row and its current sealed generation
+    /// ([`parse_row`] turns them into the core's [`EventRow`]).
+    RowCol from 0;
+    EventId => "w.event_id",
+    Member => "w.member",
+    EnvelopeGeneration => "w.envelope_generation",
+    PayloadDigest => "e.payload_digest",
+    DestCluster => "e.dest_cluster",
+    DestTopic => "e.dest_topic",
+    DestRoutingKey => "e.dest_routing_key",
+    DestPartitionAlg => "e.dest_partition_alg",
+    DestPolicyGeneration => "e.dest_policy_generation",
+    DestSerializer => "e.dest_serializer",
+    DestDurability => "e.dest_durability",
+    DestRequiredAck => "e.dest_required_ack",
+    DestinationDigest => "e.destination_digest",
+    State => "w.state",
+    ClaimOwner => "w.claim_owner",
+    ClaimGeneration => "w.claim_generation",
+    LeaseUntilMs => "w.lease_until_ms",
+    AttemptGeneration => "w.attempt_generation",
+    Rejections => "w.rejections",
+    UnknownSinceMs => "w.unknown_since_ms",
+    PublishedAtMs => "w.published_at_ms",
+    PrimaryAttemptId => "w.primary_attempt_id",
+    PrimaryCluster => "w.primary_cluster",
+    PrimaryStream => "w.primary_stream",
+    PrimaryPartition => "w.primary_partition",
+    PrimarySequence => "w.primary_sequence",
+    SupersededGenerations => "w.superseded_generations",
+    SupersededDigests => "w.superseded_digests",
+    NotBeforeMs => "w.not_before_ms",
+    NeverSent => "w.never_sent",
+    NextLookupAtMs => "w.next_lookup_at_ms",
+    Lookups => "w.lookups",
+    AttemptId => "w.attempt_id",
+    AttemptAgen => "w.attempt_agen",
+    AttemptClaimGeneration => "w.attempt_claim_generation",
+    AttemptOwner => "w.attempt_owner",
+    AttemptEnvelopeGeneration => "w.attempt_envelope_generation",
+    AttemptStatus => "w.attempt_status",
+    AttemptStartedMs => "w.attempt_started_ms",
+    AttemptsArchived => "w.attempts_archived",
+    DestOrdering => "e.dest_ordering",
+}
+
+/// Number of columns in [`RowCol`]; extra selected columns start here.
+pub(super) const ROW_COLS_LEN: usize = RowCol::ALL.len();
 
 /// Selects (and locks, if `pick` says `FOR UPDATE`) work rows with `pick` (a
 /// `FROM sealpost.work w ...` clause with its own order and limit), then joins their sealed envelopes: the rows are chosen
@@ -36,9 +96,10 @@ pub(super) fn locked_rows_sql(pick: &str, extra_cols: &str, order: &str) -> Stri
     } else {
         format!(" ORDER BY {order}")
     };
+    let row_cols = RowCol::select();
     format!(
         "WITH w AS (SELECT w.* {pick})
-         SELECT {ROW_COLS}{extra_cols} FROM w JOIN sealpost.envelope e
+         SELECT {row_cols}{extra_cols} FROM w JOIN sealpost.envelope e
            ON e.event_id = w.event_id AND e.member = w.member
           AND e.envelope_generation = w.envelope_generation{order_by}"
     )
@@ -104,55 +165,73 @@ pub(super) struct Loaded {
 }
 
 pub(super) fn parse_row(r: &tokio_postgres::Row) -> Result<Loaded> {
-    let alg: String = r.get(7);
+    use RowCol as C;
+    let alg: String = r.get(C::DestPartitionAlg.at());
     let destination = Destination {
-        cluster: r.get(4),
-        topic: r.get(5),
-        routing_key: r.get(6),
+        cluster: r.get(C::DestCluster.at()),
+        topic: r.get(C::DestTopic.at()),
+        routing_key: r.get(C::DestRoutingKey.at()),
         partition_algorithm: PartitionAlgorithm::parse(&alg)
             .ok_or_else(|| StoreError::Corrupt(format!("partition algorithm `{alg}`")))?,
-        route_policy_generation: r.get::<_, i64>(8) as u64,
-        serializer: r.get(9),
-        durability: r.get(10),
-        required_ack: r.get(11),
+        route_policy_generation: r.get::<_, i64>(C::DestPolicyGeneration.at()) as u64,
+        serializer: r.get(C::DestSerializer.at()),
+        durability: r.get(C::DestDurability.at()),
+        required_ack: r.get(C::DestRequiredAck.at()),
         ordering: {
-            let o: &str = r.get(40);
+            let o: &str = r.get(C::DestOrdering.at());
             EventOrdering::parse(o)
                 .ok_or_else(|| StoreError::Corrupt(format!("destination ordering `{o}`")))?
         },
     };
-    let state_s: String = r.get(13);
+    let state_s: String = r.get(C::State.at());
     let state =
         State::parse(&state_s).ok_or_else(|| StoreError::Corrupt(format!("state `{state_s}`")))?;
-    let event_id = event_of(r.get(0));
-    let member = r.get::<_, i16>(1) as u16;
-    let payload_digest = digest_of(r.get(3))?;
-    let destination_digest = digest_of(r.get(12))?;
-    let envelope_generation = r.get::<_, i32>(2) as u32;
-    let claim = match (r.get::<_, Option<i64>>(14), r.get::<_, Option<i64>>(16)) {
+    let event_id = event_of(r.get(C::EventId.at()));
+    let member = r.get::<_, i16>(C::Member.at()) as u16;
+    let payload_digest = digest_of(r.get(C::PayloadDigest.at()))?;
+    let destination_digest = digest_of(r.get(C::DestinationDigest.at()))?;
+    let envelope_generation = r.get::<_, i32>(C::EnvelopeGeneration.at()) as u32;
+    let claim = match (
+        r.get::<_, Option<i64>>(C::ClaimOwner.at()),
+        r.get::<_, Option<i64>>(C::LeaseUntilMs.at()),
+    ) {
         (Some(owner), Some(lease)) => Some(Claim {
             owner: owner as u64,
-            generation: r.get::<_, i64>(15) as u64,
+            generation: r.get::<_, i64>(C::ClaimGeneration.at()) as u64,
             lease_until_ms: lease as u64,
         }),
         _ => None,
     };
-    let primary = r.get::<_, Option<i64>>(25).map(|seq| Receipt {
-        event_id,
-        member,
-        envelope_generation,
-        attempt_id: r.get::<_, Option<i64>>(21).unwrap_or(0) as u64,
-        payload_digest,
-        destination_digest,
-        cluster: r.get::<_, Option<String>>(22).unwrap_or_default(),
-        stream: r.get::<_, Option<String>>(23).unwrap_or_default(),
-        partition: r.get::<_, Option<i32>>(24).map(|p| p as u32),
-        sequence: seq as u64,
-        broker_duplicate: false,
-        source: ReceiptSource::Ack,
-    });
-    let gens: Vec<i32> = r.get::<_, Option<Vec<i32>>>(26).unwrap_or_default();
-    let digs: Vec<Vec<u8>> = r.get::<_, Option<Vec<Vec<u8>>>>(27).unwrap_or_default();
+    let primary = r
+        .get::<_, Option<i64>>(C::PrimarySequence.at())
+        .map(|seq| Receipt {
+            event_id,
+            member,
+            envelope_generation,
+            attempt_id: r
+                .get::<_, Option<i64>>(C::PrimaryAttemptId.at())
+                .unwrap_or(0) as u64,
+            payload_digest,
+            destination_digest,
+            cluster: r
+                .get::<_, Option<String>>(C::PrimaryCluster.at())
+                .unwrap_or_default(),
+            stream: r
+                .get::<_, Option<String>>(C::PrimaryStream.at())
+                .unwrap_or_default(),
+            partition: r
+                .get::<_, Option<i32>>(C::PrimaryPartition.at())
+                .map(|p| p as u32),
+            sequence: seq as u64,
+            broker_duplicate: false,
+            source: ReceiptSource::Ack,
+        });
+    let gens: Vec<i32> = r
+        .get::<_, Option<Vec<i32>>>(C::SupersededGenerations.at())
+        .unwrap_or_default();
+    let digs: Vec<Vec<u8>> = r
+        .get::<_, Option<Vec<Vec<u8>>>>(C::SupersededDigests.at())
+        .unwrap_or_default();
     let superseded = gens
         .iter()
         .zip(&digs)
@@ -164,10 +243,10 @@ pub(super) fn parse_row(r: &tokio_postgres::Row) -> Result<Loaded> {
         })
         .collect::<Result<Vec<_>>>()?;
     let mut attempts = Vec::new();
-    if let Some(id) = r.get::<_, Option<i64>>(32) {
+    if let Some(id) = r.get::<_, Option<i64>>(C::AttemptId.at()) {
         // The inline attempt's destination is the one of its envelope generation: the
         // current one, or a superseded one (R15).
-        let egen = r.get::<_, i32>(36) as u32;
+        let egen = r.get::<_, i32>(C::AttemptEnvelopeGeneration.at()) as u32;
         let destination_digest = if egen == envelope_generation {
             destination_digest
         } else {
@@ -181,16 +260,16 @@ pub(super) fn parse_row(r: &tokio_postgres::Row) -> Result<Loaded> {
                     ))
                 })?
         };
-        let status: String = r.get(37);
+        let status: String = r.get(C::AttemptStatus.at());
         attempts.push(Attempt {
             id: id as u64,
-            attempt_generation: r.get::<_, i32>(33) as u32,
-            claim_generation: r.get::<_, i64>(34) as u64,
-            owner: r.get::<_, i64>(35) as u64,
+            attempt_generation: r.get::<_, i32>(C::AttemptAgen.at()) as u32,
+            claim_generation: r.get::<_, i64>(C::AttemptClaimGeneration.at()) as u64,
+            owner: r.get::<_, i64>(C::AttemptOwner.at()) as u64,
             envelope_generation: egen,
             destination_digest,
             status: parse_status(&status)?,
-            started_at_ms: r.get::<_, i64>(38) as u64,
+            started_at_ms: r.get::<_, i64>(C::AttemptStartedMs.at()) as u64,
         });
     }
     Ok(Loaded {
@@ -203,22 +282,26 @@ pub(super) fn parse_row(r: &tokio_postgres::Row) -> Result<Loaded> {
             destination_digest,
             state,
             claim,
-            claim_generation: r.get::<_, i64>(15) as u64,
-            attempt_generation: r.get::<_, i32>(17) as u32,
+            claim_generation: r.get::<_, i64>(C::ClaimGeneration.at()) as u64,
+            attempt_generation: r.get::<_, i32>(C::AttemptGeneration.at()) as u32,
             attempts,
             primary,
-            rejections: r.get::<_, i32>(18) as u32,
-            unknown_since_ms: r.get::<_, Option<i64>>(19).map(|v| v as u64),
-            published_at_ms: r.get::<_, Option<i64>>(20).map(|v| v as u64),
+            rejections: r.get::<_, i32>(C::Rejections.at()) as u32,
+            unknown_since_ms: r
+                .get::<_, Option<i64>>(C::UnknownSinceMs.at())
+                .map(|v| v as u64),
+            published_at_ms: r
+                .get::<_, Option<i64>>(C::PublishedAtMs.at())
+                .map(|v| v as u64),
             superseded,
             pacing: Pacing {
-                not_before_ms: r.get::<_, i64>(28) as u64,
-                never_sent: r.get::<_, i32>(29) as u32,
-                next_lookup_at_ms: r.get::<_, i64>(30) as u64,
-                lookups: r.get::<_, i32>(31) as u32,
+                not_before_ms: r.get::<_, i64>(C::NotBeforeMs.at()) as u64,
+                never_sent: r.get::<_, i32>(C::NeverSent.at()) as u32,
+                next_lookup_at_ms: r.get::<_, i64>(C::NextLookupAtMs.at()) as u64,
+                lookups: r.get::<_, i32>(C::Lookups.at()) as u32,
             },
         },
-        archived: r.get(39),
+        archived: r.get(C::AttemptsArchived.at()),
     })
 }
 
@@ -324,6 +407,7 @@ pub(super) async fn lock_rows_created(
     let found = tx.query(q.as_str(), &[&ids, &members]).await?;
     let created = found
         .iter()
+        // `w.created_at_ms`, the one column after the row's.
         .map(|r| r.get::<_, i64>(ROW_COLS_LEN).max(0) as u64)
         .collect();
     Ok((finish_load(tx, &found).await?, created))
@@ -483,6 +567,233 @@ impl Prepared {
     }
 }
 
+/// A work-row column the core may change, and how to read its value from a row.
+pub(super) struct WorkColumn {
+    name: &'static str,
+    value: Getter,
+}
+
+/// A column's SQL type and its value for a row (`None` writes `NULL`).
+#[derive(Clone, Copy)]
+enum Getter {
+    Int2(fn(&EventRow) -> Option<i16>),
+    Int4(fn(&EventRow) -> Option<i32>),
+    Int8(fn(&EventRow) -> Option<i64>),
+    Text(fn(&EventRow) -> Option<String>),
+}
+
+/// One column's values over the rows of a write.
+enum Values {
+    Int2(Vec<Option<i16>>),
+    Int4(Vec<Option<i32>>),
+    Int8(Vec<Option<i64>>),
+    Text(Vec<Option<String>>),
+}
+
+impl Getter {
+    fn sql_type(self) -> &'static str {
+        match self {
+            Getter::Int2(_) => "int2",
+            Getter::Int4(_) => "int4",
+            Getter::Int8(_) => "int8",
+            Getter::Text(_) => "text",
+        }
+    }
+
+    fn of(self, rows: &[&EventRow]) -> Values {
+        match self {
+            Getter::Int2(f) => Values::Int2(rows.iter().map(|r| f(r)).collect()),
+            Getter::Int4(f) => Values::Int4(rows.iter().map(|r| f(r)).collect()),
+            Getter::Int8(f) => Values::Int8(rows.iter().map(|r| f(r)).collect()),
+            Getter::Text(f) => Values::Text(rows.iter().map(|r| f(r)).collect()),
+        }
+    }
+}
+
+impl Values {
+    fn bind(&self) -> Bind<'_> {
+        match self {
+            Values::Int2(v) => bind(v),
+            Values::Int4(v) => bind(v),
+            Values::Int8(v) => bind(v),
+            Values::Text(v) => bind(v),
+        }
+    }
+}
+
+/// A group of work-row columns written together: when some row's `changed(before, after)`
+/// holds (or `always`, for any changed row), the batch writes every column of the group.
+pub(super) struct ColumnGroup {
+    always: bool,
+    changed: fn(&EventRow, &EventRow) -> bool,
+    columns: &'static [WorkColumn],
+}
+
+const fn col(name: &'static str, value: Getter) -> WorkColumn {
+    WorkColumn { name, value }
+}
+
+/// Every work-row column a step may change, by group: the one description [`persist`]
+/// writes from. A changed row is one for which some group's `changed` holds; the history of
+/// earlier attempts (`sealpost.attempt`) is written apart.
+pub(super) static WRITTEN: &[ColumnGroup] = &[
+    ColumnGroup {
+        always: true,
+        changed: |b, a| b.state != a.state,
+        columns: &[
+            col(
+                "state",
+                Getter::Text(|r| Some(r.state.as_str().to_string())),
+            ),
+            col("phase", Getter::Int2(|r| Some(r.state.phase().code()))),
+        ],
+    },
+    ColumnGroup {
+        always: false,
+        changed: |b, a| b.claim != a.claim || b.claim_generation != a.claim_generation,
+        columns: &[
+            col(
+                "claim_owner",
+                Getter::Int8(|r| r.claim.as_ref().map(|c| c.owner as i64)),
+            ),
+            col(
+                "claim_generation",
+                Getter::Int8(|r| Some(r.claim_generation as i64)),
+            ),
+            col(
+                "lease_until_ms",
+                Getter::Int8(|r| r.claim.as_ref().map(|c| c.lease_until_ms as i64)),
+            ),
+        ],
+    },
+    ColumnGroup {
+        always: false,
+        changed: |b, a| b.attempt_generation != a.attempt_generation,
+        columns: &[col(
+            "attempt_generation",
+            Getter::Int4(|r| Some(r.attempt_generation as i32)),
+        )],
+    },
+    ColumnGroup {
+        always: false,
+        changed: |b, a| b.rejections != a.rejections,
+        columns: &[col(
+            "rejections",
+            Getter::Int4(|r| Some(r.rejections as i32)),
+        )],
+    },
+    ColumnGroup {
+        always: false,
+        changed: |b, a| b.unknown_since_ms != a.unknown_since_ms,
+        columns: &[col(
+            "unknown_since_ms",
+            Getter::Int8(|r| r.unknown_since_ms.map(|v| v as i64)),
+        )],
+    },
+    ColumnGroup {
+        always: false,
+        changed: |b, a| b.published_at_ms != a.published_at_ms,
+        columns: &[col(
+            "published_at_ms",
+            Getter::Int8(|r| r.published_at_ms.map(|v| v as i64)),
+        )],
+    },
+    ColumnGroup {
+        always: false,
+        changed: |b, a| b.primary != a.primary,
+        columns: &[
+            col(
+                "primary_attempt_id",
+                Getter::Int8(|r| r.primary.as_ref().map(|p| p.attempt_id as i64)),
+            ),
+            col(
+                "primary_cluster",
+                Getter::Text(|r| r.primary.as_ref().map(|p| p.cluster.clone())),
+            ),
+            col(
+                "primary_stream",
+                Getter::Text(|r| r.primary.as_ref().map(|p| p.stream.clone())),
+            ),
+            col(
+                "primary_partition",
+                Getter::Int4(|r| {
+                    r.primary
+                        .as_ref()
+                        .and_then(|p| p.partition.map(|x| x as i32))
+                }),
+            ),
+            col(
+                "primary_sequence",
+                Getter::Int8(|r| r.primary.as_ref().map(|p| p.sequence as i64)),
+            ),
+        ],
+    },
+    ColumnGroup {
+        always: false,
+        changed: |b, a| b.pacing != a.pacing,
+        columns: &[
+            col(
+                "not_before_ms",
+                Getter::Int8(|r| Some(r.pacing.not_before_ms as i64)),
+            ),
+            col(
+                "never_sent",
+                Getter::Int4(|r| Some(r.pacing.never_sent as i32)),
+            ),
+            col(
+                "next_lookup_at_ms",
+                Getter::Int8(|r| Some(r.pacing.next_lookup_at_ms as i64)),
+            ),
+            col("lookups", Getter::Int4(|r| Some(r.pacing.lookups as i32))),
+        ],
+    },
+    // The inline (latest) attempt: a claim writes all of it, an acceptance its status only.
+    ColumnGroup {
+        always: false,
+        changed: |b, a| {
+            inline_identity(b) != inline_identity(a) || b.attempts.len() != a.attempts.len()
+        },
+        columns: &[
+            col(
+                "attempt_id",
+                Getter::Int8(|r| r.attempts.last().map(|x| x.id as i64)),
+            ),
+            col(
+                "attempt_agen",
+                Getter::Int4(|r| r.attempts.last().map(|x| x.attempt_generation as i32)),
+            ),
+            col(
+                "attempt_claim_generation",
+                Getter::Int8(|r| r.attempts.last().map(|x| x.claim_generation as i64)),
+            ),
+            col(
+                "attempt_owner",
+                Getter::Int8(|r| r.attempts.last().map(|x| x.owner as i64)),
+            ),
+            col(
+                "attempt_envelope_generation",
+                Getter::Int4(|r| r.attempts.last().map(|x| x.envelope_generation as i32)),
+            ),
+            col(
+                "attempt_started_ms",
+                Getter::Int8(|r| r.attempts.last().map(|x| x.started_at_ms as i64)),
+            ),
+            col(
+                "attempts_archived",
+                Getter::Int4(|r| Some(r.attempts.len().saturating_sub(1) as i32)),
+            ),
+        ],
+    },
+    ColumnGroup {
+        always: false,
+        changed: |b, a| b.attempts.last() != a.attempts.last(),
+        columns: &[col(
+            "attempt_status",
+            Getter::Text(|r| r.attempts.last().map(|x| status_str(x.status).to_string())),
+        )],
+    },
+];
+
 /// [`persist`], and with `guard` (each row's `xmin` as the caller last wrote it, parallel to
 /// `before`) a compare-and-set: a row is written only if no one has written it since, and
 /// the keys of the rows written are returned. A guarded write changes the work row only
@@ -497,32 +808,7 @@ pub(super) async fn persist_guarded(
     let mut u_xmin: Vec<i64> = Vec::new();
     let mut u_id = Vec::new();
     let mut u_member = Vec::new();
-    let mut u_state = Vec::new();
-    let mut u_phase: Vec<i16> = Vec::new();
-    let mut u_owner: Vec<Option<i64>> = Vec::new();
-    let mut u_cgen = Vec::new();
-    let mut u_lease: Vec<Option<i64>> = Vec::new();
-    let mut u_agen = Vec::new();
-    let mut u_rej = Vec::new();
-    let mut u_unknown: Vec<Option<i64>> = Vec::new();
-    let mut u_pub: Vec<Option<i64>> = Vec::new();
-    let mut u_pattempt: Vec<Option<i64>> = Vec::new();
-    let mut u_pcluster: Vec<Option<String>> = Vec::new();
-    let mut u_pstream: Vec<Option<String>> = Vec::new();
-    let mut u_ppart: Vec<Option<i32>> = Vec::new();
-    let mut u_pseq: Vec<Option<i64>> = Vec::new();
-    let mut u_nb: Vec<i64> = Vec::new();
-    let mut u_ns: Vec<i32> = Vec::new();
-    let mut u_nl: Vec<i64> = Vec::new();
-    let mut u_lk: Vec<i32> = Vec::new();
-    let mut i_id: Vec<Option<i64>> = Vec::new();
-    let mut i_agen: Vec<Option<i32>> = Vec::new();
-    let mut i_cgen: Vec<Option<i64>> = Vec::new();
-    let mut i_owner: Vec<Option<i64>> = Vec::new();
-    let mut i_egen: Vec<Option<i32>> = Vec::new();
-    let mut i_status: Vec<Option<String>> = Vec::new();
-    let mut i_started: Vec<Option<i64>> = Vec::new();
-    let mut i_archived: Vec<i32> = Vec::new();
+    let mut changed_rows: Vec<&EventRow> = Vec::new();
     let mut a_id = Vec::new();
     let mut a_event = Vec::new();
     let mut a_member = Vec::new();
@@ -535,57 +821,26 @@ pub(super) async fn persist_guarded(
     let mut a_started = Vec::new();
     let mut s_id = Vec::new();
     let mut s_status = Vec::new();
+    // The column groups some row of this batch changed: only those are sent and written (a
+    // claim writes the state, the claim and the inline attempt; an acceptance the state, the
+    // slot and the attempt's status).
+    let mut groups = vec![false; WRITTEN.len()];
     for (k, (b, a)) in before.iter().zip(after).enumerate() {
         debug_assert_eq!((b.event_id, b.member), (a.event_id, a.member));
-        let inline_b = b.attempts.last();
-        let inline_a = a.attempts.last();
-        let row_changed = b.state != a.state
-            || b.claim != a.claim
-            || b.claim_generation != a.claim_generation
-            || b.attempt_generation != a.attempt_generation
-            || b.rejections != a.rejections
-            || b.unknown_since_ms != a.unknown_since_ms
-            || b.published_at_ms != a.published_at_ms
-            || b.primary != a.primary
-            || b.pacing != a.pacing
-            || inline_b != inline_a
-            || b.attempts.len() != a.attempts.len();
+        let mut row_changed = false;
+        for (g, group) in WRITTEN.iter().enumerate() {
+            if (group.changed)(b, a) {
+                groups[g] = true;
+                row_changed = true;
+            }
+        }
         if row_changed {
             if let Some(g) = guard {
                 u_xmin.push(g[k]);
             }
             u_id.push(uuid_of(a.event_id));
             u_member.push(a.member as i16);
-            u_state.push(a.state.as_str().to_string());
-            u_phase.push(a.state.phase().code());
-            u_owner.push(a.claim.as_ref().map(|c| c.owner as i64));
-            u_cgen.push(a.claim_generation as i64);
-            u_lease.push(a.claim.as_ref().map(|c| c.lease_until_ms as i64));
-            u_agen.push(a.attempt_generation as i32);
-            u_rej.push(a.rejections as i32);
-            u_unknown.push(a.unknown_since_ms.map(|v| v as i64));
-            u_pub.push(a.published_at_ms.map(|v| v as i64));
-            u_pattempt.push(a.primary.as_ref().map(|p| p.attempt_id as i64));
-            u_pcluster.push(a.primary.as_ref().map(|p| p.cluster.clone()));
-            u_pstream.push(a.primary.as_ref().map(|p| p.stream.clone()));
-            u_ppart.push(
-                a.primary
-                    .as_ref()
-                    .and_then(|p| p.partition.map(|x| x as i32)),
-            );
-            u_pseq.push(a.primary.as_ref().map(|p| p.sequence as i64));
-            u_nb.push(a.pacing.not_before_ms as i64);
-            u_ns.push(a.pacing.never_sent as i32);
-            u_nl.push(a.pacing.next_lookup_at_ms as i64);
-            u_lk.push(a.pacing.lookups as i32);
-            i_id.push(inline_a.map(|x| x.id as i64));
-            i_agen.push(inline_a.map(|x| x.attempt_generation as i32));
-            i_cgen.push(inline_a.map(|x| x.claim_generation as i64));
-            i_owner.push(inline_a.map(|x| x.owner as i64));
-            i_egen.push(inline_a.map(|x| x.envelope_generation as i32));
-            i_status.push(inline_a.map(|x| status_str(x.status).to_string()));
-            i_started.push(inline_a.map(|x| x.started_at_ms as i64));
-            i_archived.push(a.attempts.len().saturating_sub(1) as i32);
+            changed_rows.push(a);
         }
         // Every attempt but the latest is history, kept in sealpost.attempt.
         let hist_b = &b.attempts[..b.attempts.len().saturating_sub(1)];
@@ -614,61 +869,18 @@ pub(super) async fn persist_guarded(
     }
     let mut written = Vec::new();
     if !u_id.is_empty() {
-        // Only the column groups some row of this batch changed are sent and written: a
-        // claim writes the state, the claim and the inline attempt; an acceptance the state,
-        // the slot and the attempt's status.
-        let changed = |f: &dyn Fn(&EventRow, &EventRow) -> bool| {
-            before.iter().zip(after).any(|(b, a)| f(b, a))
-        };
-        let mut cols: Vec<(&'static str, &'static str, Bind<'_>)> = vec![
-            ("state", "text", bind(&u_state)),
-            ("phase", "int2", bind(&u_phase)),
-        ];
-        if changed(&|b, a| b.claim != a.claim || b.claim_generation != a.claim_generation) {
-            cols.push(("claim_owner", "int8", bind(&u_owner)));
-            cols.push(("claim_generation", "int8", bind(&u_cgen)));
-            cols.push(("lease_until_ms", "int8", bind(&u_lease)));
-        }
-        if changed(&|b, a| b.attempt_generation != a.attempt_generation) {
-            cols.push(("attempt_generation", "int4", bind(&u_agen)));
-        }
-        if changed(&|b, a| b.rejections != a.rejections) {
-            cols.push(("rejections", "int4", bind(&u_rej)));
-        }
-        if changed(&|b, a| b.unknown_since_ms != a.unknown_since_ms) {
-            cols.push(("unknown_since_ms", "int8", bind(&u_unknown)));
-        }
-        if changed(&|b, a| b.published_at_ms != a.published_at_ms) {
-            cols.push(("published_at_ms", "int8", bind(&u_pub)));
-        }
-        if changed(&|b, a| b.primary != a.primary) {
-            cols.push(("primary_attempt_id", "int8", bind(&u_pattempt)));
-            cols.push(("primary_cluster", "text", bind(&u_pcluster)));
-            cols.push(("primary_stream", "text", bind(&u_pstream)));
-            cols.push(("primary_partition", "int4", bind(&u_ppart)));
-            cols.push(("primary_sequence", "int8", bind(&u_pseq)));
-        }
-        if changed(&|b, a| b.pacing != a.pacing) {
-            cols.push(("not_before_ms", "int8", bind(&u_nb)));
-            cols.push(("never_sent", "int4", bind(&u_ns)));
-            cols.push(("next_lookup_at_ms", "int8", bind(&u_nl)));
-            cols.push(("lookups", "int4", bind(&u_lk)));
-        }
-        // The inline attempt: an acceptance changes its status only, a claim all of it.
-        if changed(&|b, a| {
-            inline_identity(b) != inline_identity(a) || b.attempts.len() != a.attempts.len()
-        }) {
-            cols.push(("attempt_id", "int8", bind(&i_id)));
-            cols.push(("attempt_agen", "int4", bind(&i_agen)));
-            cols.push(("attempt_claim_generation", "int8", bind(&i_cgen)));
-            cols.push(("attempt_owner", "int8", bind(&i_owner)));
-            cols.push(("attempt_envelope_generation", "int4", bind(&i_egen)));
-            cols.push(("attempt_started_ms", "int8", bind(&i_started)));
-            cols.push(("attempts_archived", "int4", bind(&i_archived)));
-        }
-        if changed(&|b, a| b.attempts.last() != a.attempts.last()) {
-            cols.push(("attempt_status", "text", bind(&i_status)));
-        }
+        let columns: Vec<&WorkColumn> = WRITTEN
+            .iter()
+            .zip(&groups)
+            .filter(|(g, changed)| g.always || **changed)
+            .flat_map(|(g, _)| g.columns)
+            .collect();
+        let values: Vec<Values> = columns.iter().map(|c| c.value.of(&changed_rows)).collect();
+        let cols: Vec<(&str, &str, Bind<'_>)> = columns
+            .iter()
+            .zip(&values)
+            .map(|(c, v)| (c.name, c.value.sql_type(), v.bind()))
+            .collect();
         let xmin_then = guard.map(|_| bind(&u_xmin));
         let q = update_sql(&cols, xmin_then);
         let mut params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = vec![&u_id, &u_member];
@@ -757,6 +969,25 @@ mod tests {
         let q = update_sql(&cols, Some(bind(&two)));
         assert!(q.contains("$4::int8[]) AS u(id, m, xmin_then)"), "{q}");
         assert!(q.contains("AND w.xmin = u.xmin_then::text::xid"), "{q}");
+    }
+
+    #[test]
+    fn every_written_column_is_read_back_except_the_phase_derived_from_the_state() {
+        let read = RowCol::select();
+        let mut names = Vec::new();
+        for c in WRITTEN.iter().flat_map(|g| g.columns) {
+            assert!(!names.contains(&c.name), "{} written twice", c.name);
+            names.push(c.name);
+            if c.name != "phase" {
+                assert!(
+                    read.contains(&format!("w.{}", c.name)),
+                    "{} is not read",
+                    c.name
+                );
+            }
+        }
+        assert_eq!(RowCol::ALL.len(), read.split(", ").count());
+        assert_eq!(RowCol::DestOrdering.at(), ROW_COLS_LEN - 1);
     }
 
     #[test]
