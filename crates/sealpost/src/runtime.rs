@@ -787,7 +787,7 @@ pub async fn dispatcher<B: Broker>(
                     }
                     Err(e) => {
                         tracing::warn!(error = %e, "claim failed; the machine retries after its backoff");
-                        drop_if_closed(&mut pg);
+                        after_store_error(&e, &mut pg);
                         m.handle_claim_failed(ms_since(epoch));
                     }
                 }
@@ -867,7 +867,7 @@ pub async fn dispatcher<B: Broker>(
                         // A connection that broke during the transaction is dropped; whether
                         // the commit reached the database is not known, so it counts as a try
                         // (the acceptance point makes a repeat harmless).
-                        drop_if_closed(&mut pg);
+                        after_store_error(&e, &mut pg);
                         m.handle_submitted(ms_since(epoch), false);
                     }
                 }
@@ -906,14 +906,20 @@ async fn connected<'a>(
     pg.as_deref_mut()
 }
 
-/// Drops the connection if it is closed (the next transaction takes a new one); whether it
-/// was.
-fn drop_if_closed(pg: &mut Option<PgConn>) -> bool {
-    if pg.as_ref().is_some_and(|c| c.is_closed()) {
+/// What a loop does after a store call failed, by the error's [`store::ErrorKind`] (the
+/// machine retries the step either way):
+/// * the connection is lost: drop it, the next transaction takes a new one;
+/// * a retryable conflict or a time limit: nothing more (the caller logged a warning);
+/// * a missing privilege, a broken invariant, a schema problem: an `ALERT` line that says an
+///   operator must act, since retrying alone will not help.
+fn after_store_error(e: &store::StoreError, pg: &mut Option<PgConn>) {
+    let kind = e.kind();
+    if kind == store::ErrorKind::ConnectionLost || pg.as_ref().is_some_and(|c| c.is_closed()) {
         *pg = None;
-        return true;
     }
-    false
+    if !kind.is_transient() && kind != store::ErrorKind::Other {
+        tracing::error!(?kind, error = %e, "ALERT: a store transaction keeps failing until an operator acts (grant the privilege, migrate the schema, or report the invariant); the loop retries with backoff");
+    }
 }
 
 /// The send task's answers, one per request: a task that panicked or returned the wrong
@@ -994,7 +1000,7 @@ pub async fn reconciler<B: Broker>(
                         Ok(items) => m.handle_claimed(ms_since(epoch), items),
                         Err(e) => {
                             tracing::warn!(error = %e, "reconcile claim failed; the machine retries after its backoff");
-                            drop_if_closed(&mut pg);
+                            after_store_error(&e, &mut pg);
                             m.handle_claim_failed(ms_since(epoch));
                         }
                     }
@@ -1035,7 +1041,7 @@ pub async fn reconciler<B: Broker>(
                         Err(e) => {
                             // The row's reconciler lease runs out and a later scan takes it.
                             tracing::warn!(event_id = %item.event_id, error = %e, "reconcile failed");
-                            drop_if_closed(&mut pg);
+                            after_store_error(&e, &mut pg);
                         }
                     }
                     m.handle_finished(ms_since(epoch));
@@ -1049,7 +1055,7 @@ pub async fn reconciler<B: Broker>(
                         Ok((n, s)) => (n.max(0) as u64, (s * 1000.0) as u64),
                         Err(e) => {
                             tracing::warn!(error = %e, "unknown-age check failed");
-                            drop_if_closed(&mut pg);
+                            after_store_error(&e, &mut pg);
                             (0, 0)
                         }
                     };
@@ -1075,7 +1081,7 @@ pub async fn reconciler<B: Broker>(
                             Ok(v) => v,
                             Err(e) => {
                                 tracing::warn!(error = %e, "verification batch failed");
-                                drop_if_closed(&mut pg);
+                                after_store_error(&e, &mut pg);
                                 Vec::new()
                             }
                         },
@@ -1100,7 +1106,7 @@ pub async fn reconciler<B: Broker>(
                         Some(client) => {
                             if let Err(e) = store::record_missing(client, &item).await {
                                 tracing::warn!(error = %e, "could not record the finding");
-                                drop_if_closed(&mut pg);
+                                after_store_error(&e, &mut pg);
                             }
                         }
                         None => {

@@ -176,6 +176,109 @@ impl From<tokio_postgres::Error> for StoreError {
     }
 }
 
+/// What a [`StoreError`] means for the caller: whether to retry, reconnect, or stop and
+/// tell an operator. The shells branch on this, not on the error's words.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// The database aborted the transaction because of a concurrent one (serialization
+    /// failure 40001, deadlock 40P01, lock not available 55P03): run it again.
+    Retryable,
+    /// A time limit ended the statement or the session (query canceled 57014, idle in
+    /// transaction 25P03, a consumer effect past its limit): run it again, later or with a
+    /// higher limit; the connection may still be usable.
+    Timeout,
+    /// The connection is gone (closed, an I/O error, SQLSTATE class 08, the server shutting
+    /// down 57P01–57P03): drop it and connect again; whether a commit in flight reached the
+    /// database is not known.
+    ConnectionLost,
+    /// The login lacks a privilege (42501): an operator grants it; retrying alone does not help.
+    Permission,
+    /// A core step refused its inputs or broke its postcondition: a bug; nothing was written.
+    Invariant,
+    /// The caller's input was refused (a route, a payload, a producer string, an event id or
+    /// state): fix the input.
+    Input,
+    /// A stored row does not parse, or the schema is missing or could not be migrated: an
+    /// operator looks at the database.
+    Schema,
+    /// A consumer's handler failed; its writes were rolled back and the message is retried.
+    Effect,
+    /// Any other database error.
+    Other,
+}
+
+impl ErrorKind {
+    /// Whether the same call may succeed later without anyone changing anything.
+    pub fn is_transient(self) -> bool {
+        matches!(
+            self,
+            ErrorKind::Retryable
+                | ErrorKind::Timeout
+                | ErrorKind::ConnectionLost
+                | ErrorKind::Effect
+        )
+    }
+}
+
+/// The kind of a database error, from its SQLSTATE or, for client-side errors, from the
+/// state of the connection.
+pub fn db_error_kind(e: &tokio_postgres::Error) -> ErrorKind {
+    use tokio_postgres::error::SqlState;
+    let Some(d) = e.as_db_error() else {
+        // No SQLSTATE: the client failed (I/O, a closed connection, a protocol error).
+        return if e.is_closed()
+            || std::error::Error::source(e).is_some_and(|s| s.is::<std::io::Error>())
+        {
+            ErrorKind::ConnectionLost
+        } else {
+            ErrorKind::Other
+        };
+    };
+    let code = d.code();
+    if *code == SqlState::T_R_SERIALIZATION_FAILURE
+        || *code == SqlState::T_R_DEADLOCK_DETECTED
+        || *code == SqlState::LOCK_NOT_AVAILABLE
+    {
+        ErrorKind::Retryable
+    } else if *code == SqlState::QUERY_CANCELED
+        || *code == SqlState::IDLE_IN_TRANSACTION_SESSION_TIMEOUT
+    {
+        ErrorKind::Timeout
+    } else if code.code().starts_with("08")
+        || *code == SqlState::ADMIN_SHUTDOWN
+        || *code == SqlState::CRASH_SHUTDOWN
+        || *code == SqlState::CANNOT_CONNECT_NOW
+    {
+        ErrorKind::ConnectionLost
+    } else if *code == SqlState::INSUFFICIENT_PRIVILEGE {
+        ErrorKind::Permission
+    } else {
+        ErrorKind::Other
+    }
+}
+
+impl StoreError {
+    /// What this error means for the caller ([`ErrorKind`]).
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            StoreError::Db(e) => db_error_kind(e),
+            StoreError::Permission { .. } => ErrorKind::Permission,
+            StoreError::Invariant(_) => ErrorKind::Invariant,
+            StoreError::NoRoutePolicy(_)
+            | StoreError::PayloadTooLarge { .. }
+            | StoreError::InvalidInput { .. }
+            | StoreError::PayloadKey { .. }
+            | StoreError::UnknownEvent(_)
+            | StoreError::NotQuarantined { .. } => ErrorKind::Input,
+            StoreError::Corrupt(_) | StoreError::Migration(..) | StoreError::NotMigrated => {
+                ErrorKind::Schema
+            }
+            StoreError::EffectTimeout(_) => ErrorKind::Timeout,
+            StoreError::Effect(_) => ErrorKind::Effect,
+        }
+    }
+}
+
 /// The database's own words: message, SQLSTATE, detail and hint when the server sent them,
 /// else the client error and its cause (tokio-postgres alone prints only "db error").
 pub fn db_message(e: &tokio_postgres::Error) -> String {
