@@ -77,6 +77,9 @@ pub struct BenchArgs {
 /// `null` in JSON.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct BenchReport {
+    /// The NATS server's version, as it announced itself: the figures differ between
+    /// versions (`.ci/run` runs the bench on 2.9 and on 2.15).
+    pub nats_server_version: String,
     /// Backlog size of the drain phase (and of the naive relay's drain).
     pub events: u64,
     /// `PUBLISHED` rows already in the outbox during both Sealpost phases (`--retained`).
@@ -1185,6 +1188,7 @@ async fn phases(
     ));
 
     Ok(BenchReport {
+        nats_server_version: nats.client.server_info().version,
         events: args.events,
         retained: args.retained,
         payload_bytes: args.payload_bytes,

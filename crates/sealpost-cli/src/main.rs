@@ -706,8 +706,9 @@ async fn run(cmd: Cmd, cfg: Settings) -> Result<i32, String> {
                 println!("{}", serde_json::to_string(&r).map_err(|x| x.to_string())?);
             } else {
                 println!(
-                    "events {}  retained {}  dispatchers {}  sealpost {:.0}/s  naive {:.0}/s  ratio {:.3}",
-                    r.events, r.retained, r.dispatchers, r.sealpost_events_per_s, r.naive_events_per_s, r.ratio
+                    "NATS {}  events {}  retained {}  dispatchers {}  sealpost {:.0}/s  naive {:.0}/s  ratio {:.3}",
+                    r.nats_server_version, r.events, r.retained, r.dispatchers, r.sealpost_events_per_s,
+                    r.naive_events_per_s, r.ratio
                 );
                 println!(
                     "WAL bytes/event sealpost {:.0} naive {:.0}  statements/event sealpost {:.2} naive {:.2}  naive failed publishes {}",
