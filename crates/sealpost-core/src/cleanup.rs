@@ -49,6 +49,15 @@ pub enum PurgeRefusal {
         /// The restore point.
         restore_point_ms: u64,
     },
+    /// Created at or after the oldest transaction a CDC publisher has not confirmed to its
+    /// slot (R20, R32): cleanup never runs ahead of the CDC position.
+    #[error("created at {created_at_ms}, not before the CDC publisher's hold {hold_from_ms}: its slot has not confirmed it")]
+    CdcPosition {
+        /// When the row was created.
+        created_at_ms: u64,
+        /// The oldest unconfirmed commit, less the margin for long transactions.
+        hold_from_ms: u64,
+    },
     /// A required consumer has not passed the event's position.
     #[error("required consumer #{consumer} has not passed position {position} (watermark {watermark:?})")]
     ConsumerBehind {
@@ -129,6 +138,25 @@ pub fn decide_retention(
             RetentionDecision::Retain
         }
         Err(r) => RetentionDecision::Keep(r),
+    }
+}
+
+/// Holds a purge back while a CDC publisher has not confirmed the row's transaction
+/// (`hold_from_ms`: the lowest hold of `sealpost.cdc_progress`, `None` without a CDC
+/// publisher): a row created at or after the hold stays, whatever else allowed its purge.
+pub fn hold_for_cdc(
+    decision: RetentionDecision,
+    created_at_ms: u64,
+    hold_from_ms: Option<u64>,
+) -> RetentionDecision {
+    match (decision, hold_from_ms) {
+        (RetentionDecision::Purge, Some(hold_from_ms)) if created_at_ms >= hold_from_ms => {
+            RetentionDecision::Keep(PurgeRefusal::CdcPosition {
+                created_at_ms,
+                hold_from_ms,
+            })
+        }
+        (d, _) => d,
     }
 }
 

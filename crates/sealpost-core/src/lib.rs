@@ -6,6 +6,7 @@
 //! `decide_*` functions here and persist what it returns. One decision, one place: the
 //! simulator proves exactly the code that production runs.
 
+pub mod cdc;
 pub mod claim;
 pub mod cleanup;
 pub mod delivery_set;
