@@ -1,6 +1,6 @@
 //! Where the dispatcher's database time goes, without a broker: fills a fresh database
 //! (`sealpost_cycle`, dropped and recreated) with N pending events, then drains it on one
-//! connection as a dispatcher does (`claim_batch_held` of 1,000, then `submit_held` of one
+//! connection as a dispatcher does (`claim` with a `Held` of 1,000, then `submit_held` of one
 //! ACK receipt per row, made as the broker would make it) and prints wall time per event of
 //! the claim and the acceptance, and the CPU time per event of the PostgreSQL backend and of
 //! this process (read from `/proc`, so on Linux with the server on this machine).
@@ -85,8 +85,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let (mut claim_s, mut accept_s, mut events, mut sequence) = (0f64, 0f64, 0usize, 0u64);
     loop {
         let t = Instant::now();
-        let batch =
-            store::claim_batch_held(&mut pg, 1, Some("cycle"), 0, 1_000, 60_000, &mut held).await?;
+        let batch = store::claim(
+            &mut pg,
+            &store::ClaimRequest::new(1, 1_000, 60_000).cluster(Some("cycle")),
+            Some(&mut held),
+        )
+        .await?;
         claim_s += t.elapsed().as_secs_f64();
         if batch.outgoing.is_empty() {
             break;

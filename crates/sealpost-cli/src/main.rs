@@ -94,6 +94,30 @@ enum Cmd {
         #[command(flatten)]
         metrics: sealpost_cli::metrics::MetricsArgs,
     },
+    /// Run the CDC publisher (R32) until Ctrl-C: the database log (a logical replication
+    /// slot; the server needs wal_level = logical) names the committed events, the same claim,
+    /// send and acceptance point publish them. Creates the publication and the slot on first
+    /// start. Polling dispatchers may run beside it.
+    Cdc {
+        /// Do not run a reconciler in this process.
+        #[arg(long)]
+        no_reconciler: bool,
+        /// Broker: `nats`, `rabbitmq` or `kafka` [default: config key `broker`, `nats`].
+        #[arg(long)]
+        broker: Option<String>,
+        /// Create the publication and the slot, print the position and exit.
+        #[arg(long, conflicts_with = "drop")]
+        setup: bool,
+        /// Drop the slot, the publication and the progress row (a publisher that will not
+        /// run again must not hold the server's log), then exit.
+        #[arg(long)]
+        drop: bool,
+        /// Cluster whose slot `--setup` and `--drop` act on [default: the broker's].
+        #[arg(long)]
+        cluster: Option<String>,
+        #[command(flatten)]
+        metrics: sealpost_cli::metrics::MetricsArgs,
+    },
     /// Run the example fulfilment consumer (inbox + effect in one transaction) until Ctrl-C.
     Consume {
         /// Consumer id (also the durable JetStream consumer name).
@@ -345,6 +369,34 @@ async fn explain(pg: &tokio_postgres::Client, x: store::StoreError) -> String {
 }
 
 /// The NATS adapter for the configured cluster (the error says what to check).
+/// The CDC publisher and, with `with_reconciler`, a reconciler, over one broker.
+fn cdc_tasks<B: sealpost_core::port::Broker>(
+    cfg: &Settings,
+    db: &Arc<dyn sealpost::pg::PgSource>,
+    broker: Arc<B>,
+    with_reconciler: bool,
+    stop: &CancellationToken,
+    counters: &Arc<Counters>,
+) -> Vec<tokio::task::JoinHandle<Result<(), runtime::RunError>>> {
+    let mut tasks = vec![tokio::spawn(sealpost::cdc::publisher(
+        (**cfg).clone(),
+        db.clone(),
+        broker.clone(),
+        stop.clone(),
+        counters.clone(),
+    ))];
+    if with_reconciler {
+        tasks.push(tokio::spawn(runtime::reconciler(
+            (**cfg).clone(),
+            db.clone(),
+            broker,
+            stop.clone(),
+            counters.clone(),
+        )));
+    }
+    tasks
+}
+
 async fn connect_nats(cfg: &Settings) -> Result<Nats, String> {
     sealpost_cli::brokers::connect_nats(cfg)
         .await
@@ -609,6 +661,85 @@ async fn run(cmd: Cmd, cfg: Settings) -> Result<i32, String> {
                     &sealpost_cli::config::pg_source(&cfg),
                     &Arc::new(brokers::connect_kafka(&cfg, "dispatch").await.map_err(e)?),
                     dispatchers,
+                    !no_reconciler,
+                    &stop,
+                    &counters,
+                ),
+            };
+            let s2 = stop.clone();
+            tokio::spawn(async move {
+                let _ = tokio::signal::ctrl_c().await;
+                tracing::warn!("shutting down: finishing the batches in flight");
+                s2.cancel();
+            });
+            for t in tasks {
+                t.await.map_err(|x| x.to_string())?.map_err(e)?;
+            }
+            Ok(0)
+        }
+        Cmd::Cdc {
+            no_reconciler,
+            broker,
+            setup,
+            drop,
+            cluster,
+            metrics,
+        } => {
+            let kind = BrokerKind::choose(broker.as_deref(), &cfg)?;
+            if setup || drop {
+                let cluster = match cluster {
+                    Some(c) => c,
+                    None => kind.cluster(&cfg).to_string(),
+                };
+                let names = cfg.cdc.names(&cluster);
+                let mut pg = runtime::pg_connect(&cfg.database_url).await.map_err(e)?;
+                if drop {
+                    sealpost::cdc::drop_slot(&mut pg, &names)
+                        .await
+                        .map_err(|x| x.to_string())?;
+                    println!(
+                        "dropped slot {} and publication {}",
+                        names.slot, names.publication
+                    );
+                } else {
+                    let start = sealpost::cdc::setup(&mut pg, &names, &cluster)
+                        .await
+                        .map_err(|x| x.to_string())?;
+                    println!(
+                        "slot {} (publication {}) at {}{}",
+                        names.slot,
+                        names.publication,
+                        sealpost_core::cdc::lsn_text(start.confirmed_lsn),
+                        if start.created { ", created now" } else { "" }
+                    );
+                }
+                return Ok(0);
+            }
+            sealpost_cli::metrics::start(&cfg, &metrics, true)?;
+            let stop = CancellationToken::new();
+            let counters = Arc::new(Counters::default());
+            let db = sealpost_cli::config::pg_source(&cfg);
+            let tasks = match kind {
+                BrokerKind::Nats => cdc_tasks(
+                    &cfg,
+                    &db,
+                    Arc::new(connect_nats(&cfg).await?),
+                    !no_reconciler,
+                    &stop,
+                    &counters,
+                ),
+                BrokerKind::Rabbitmq => cdc_tasks(
+                    &cfg,
+                    &db,
+                    Arc::new(brokers::connect_rabbitmq(&cfg, "cdc").await.map_err(e)?),
+                    !no_reconciler,
+                    &stop,
+                    &counters,
+                ),
+                BrokerKind::Kafka => cdc_tasks(
+                    &cfg,
+                    &db,
+                    Arc::new(brokers::connect_kafka(&cfg, "cdc").await.map_err(e)?),
                     !no_reconciler,
                     &stop,
                     &counters,

@@ -165,6 +165,7 @@ pub fn purge_reason_label(reason: &str) -> &'static str {
         "inside the replay window" => "replay_window",
         "a required consumer has not consumed it" => "consumer_behind",
         "not published" => "not_published",
+        "its CDC slot has not confirmed it" => "cdc_position",
         _ => observe::OTHER,
     }
 }
@@ -174,7 +175,12 @@ pub fn purge_reason_label(reason: &str) -> &'static str {
 pub fn record_purge(r: &crate::ops::PurgeReport) {
     gauge!(observe::PURGE_ELIGIBLE).set(r.purged as f64);
     let mut held = std::collections::BTreeMap::<&'static str, u64>::new();
-    for l in ["replay_window", "consumer_behind", "not_published"] {
+    for l in [
+        "replay_window",
+        "consumer_behind",
+        "not_published",
+        "cdc_position",
+    ] {
         held.insert(l, 0);
     }
     for (why, n) in &r.kept {
@@ -276,6 +282,13 @@ mod tests {
                 "consumer_behind",
             ),
             (PurgeRefusal::NotPublished(State::Pending), "not_published"),
+            (
+                PurgeRefusal::CdcPosition {
+                    created_at_ms: 2,
+                    hold_from_ms: 1,
+                },
+                "cdc_position",
+            ),
         ] {
             assert_eq!(purge_reason_label(&crate::ops::reason_key(&refusal)), label);
         }

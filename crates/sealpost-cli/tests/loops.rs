@@ -231,9 +231,13 @@ async fn a_send_stalled_past_its_lease_never_leaves_and_the_broker_holds_one_cop
         Some(DispatchAction::Claim { .. })
     ));
     let started = ms();
-    let batch = store::claim_batch_for(&mut pg, 1, Some(common::NATS_CLUSTER), 10, cfg.lease_ms)
-        .await
-        .unwrap();
+    let batch = store::claim(
+        &mut pg,
+        &store::ClaimRequest::new(1, 10, cfg.lease_ms).cluster(Some(common::NATS_CLUSTER)),
+        None,
+    )
+    .await
+    .unwrap();
     let Some(DispatchAction::Send {
         batch: a_batch,
         deadline_ms,
@@ -543,7 +547,7 @@ async fn receipts_and_reports_commit_together_or_not_at_all() {
     assert_eq!(state_of(&pg, ids[1]).await, "DISPATCH_UNKNOWN");
 }
 
-/// The guarded acceptance (`claim_batch_held` + `submit_held`): an ordinary ACK for a row
+/// The guarded acceptance (`claim` with a `Held` + `submit_held`): an ordinary ACK for a row
 /// the dispatcher holds as its claim wrote it is accepted by one guarded write; a row someone
 /// wrote since takes the locked path and gets the verdict that path gives; and when the
 /// locked part fails, the retried submission reports the guarded verdicts again without
@@ -560,14 +564,10 @@ async fn guarded_acceptance_falls_back_when_the_row_changed_and_never_accepts_tw
         .unwrap();
     let ids = enqueue(&mut pg, "orders", b"{}", 3).await;
     let mut held = store::Held::default();
-    let b = store::claim_batch_held(
+    let b = store::claim(
         &mut pg,
-        1,
-        Some(common::NATS_CLUSTER),
-        0,
-        10,
-        10_000,
-        &mut held,
+        &store::ClaimRequest::new(1, 10, 10_000).cluster(Some(common::NATS_CLUSTER)),
+        Some(&mut held),
     )
     .await
     .unwrap();
@@ -685,9 +685,13 @@ async fn prepared_statements_are_dropped_with_their_connection() {
     let ids = enqueue(&mut pg, "orders", b"{}", 4).await;
     let cluster = common::NATS_CLUSTER;
     let mut held = store::Held::default();
-    let first = store::claim_batch_held(&mut pg, 1, Some(cluster), 0, 2, 10_000, &mut held)
-        .await
-        .unwrap();
+    let first = store::claim(
+        &mut pg,
+        &store::ClaimRequest::new(1, 2, 10_000).cluster(Some(cluster)),
+        Some(&mut held),
+    )
+    .await
+    .unwrap();
     assert_eq!(first.outgoing.len(), 2);
     let sending = async |pg: &tokio_postgres::Client| -> i64 {
         pg.query_one(
@@ -700,17 +704,25 @@ async fn prepared_statements_are_dropped_with_their_connection() {
     };
     // The connection is replaced behind `held`'s back.
     let mut pg = runtime::pg_connect(&cfg.database_url).await.unwrap();
-    let err = store::claim_batch_held(&mut pg, 1, Some(cluster), 0, 2, 10_000, &mut held)
-        .await
-        .unwrap_err();
+    let err = store::claim(
+        &mut pg,
+        &store::ClaimRequest::new(1, 2, 10_000).cluster(Some(cluster)),
+        Some(&mut held),
+    )
+    .await
+    .unwrap_err();
     assert!(
         err.to_string().contains("prepared statement"),
         "the database's own words: {err}"
     );
     assert_eq!(sending(&pg).await, 2, "the failed claim claimed nothing");
-    let second = store::claim_batch_held(&mut pg, 1, Some(cluster), 0, 2, 10_000, &mut held)
-        .await
-        .unwrap();
+    let second = store::claim(
+        &mut pg,
+        &store::ClaimRequest::new(1, 2, 10_000).cluster(Some(cluster)),
+        Some(&mut held),
+    )
+    .await
+    .unwrap();
     assert_eq!(second.outgoing.len(), 2);
     assert_eq!(sending(&pg).await, 4);
     let submission = async |b: &store::ClaimBatch| -> Submission {

@@ -202,9 +202,13 @@ async fn dispatch_metrics_match_status_and_the_published_events() {
     // One row claimed with a 1 s lease and never sent: the dispatcher's scan finds it
     // expired in SENDING and moves it to DISPATCH_UNKNOWN, where it stays (no reconciler).
     enqueue(&mut pg, "orders", b"{}", 1).await;
-    let claimed = store::claim_batch_for(&mut pg, 1, Some(&cluster), 1, 1_000)
-        .await
-        .unwrap();
+    let claimed = store::claim(
+        &mut pg,
+        &store::ClaimRequest::new(1, 1, 1_000).cluster(Some(&cluster)),
+        None,
+    )
+    .await
+    .unwrap();
     assert_eq!(claimed.outgoing.len(), 1);
     let published_n = 300usize;
     enqueue(&mut pg, "orders", b"{\"order_id\":\"o\"}", published_n).await;

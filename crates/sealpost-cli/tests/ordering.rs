@@ -266,9 +266,13 @@ async fn a_failed_then_unknown_earlier_event_holds_back_the_later_one() {
         detail: "test".into(),
     };
     // First claim: version 1 only; version 2 waits.
-    let b = store::claim_batch_for(&mut pg, 1, cluster, 10, 10_000)
-        .await
-        .unwrap();
+    let b = store::claim(
+        &mut pg,
+        &store::ClaimRequest::new(1, 10, 10_000).cluster(cluster),
+        None,
+    )
+    .await
+    .unwrap();
     assert_eq!(b.outgoing.len(), 1);
     assert_eq!(b.outgoing[0].event_id, v1);
     assert_eq!(b.ordering_waits, 1);
@@ -281,16 +285,24 @@ async fn a_failed_then_unknown_earlier_event_holds_back_the_later_one() {
     .await
     .unwrap();
     assert_eq!(state_of(&pg, v1).await, "PENDING");
-    let b2 = store::claim_batch_for(&mut pg, 2, cluster, 10, 10_000)
-        .await
-        .unwrap();
+    let b2 = store::claim(
+        &mut pg,
+        &store::ClaimRequest::new(2, 10, 10_000).cluster(cluster),
+        None,
+    )
+    .await
+    .unwrap();
     assert!(b2.outgoing.is_empty(), "version 2 must not overtake");
     assert_eq!(b2.ordering_waits, 1);
     // After the backoff version 1 is claimed again; its answer is lost: unknown.
     tokio::time::sleep(Duration::from_millis(1_100)).await;
-    let b3 = store::claim_batch_for(&mut pg, 2, cluster, 10, 10_000)
-        .await
-        .unwrap();
+    let b3 = store::claim(
+        &mut pg,
+        &store::ClaimRequest::new(2, 10, 10_000).cluster(cluster),
+        None,
+    )
+    .await
+    .unwrap();
     assert_eq!(b3.outgoing.len(), 1);
     assert_eq!(b3.outgoing[0].event_id, v1);
     store::report_outcomes(
@@ -301,9 +313,13 @@ async fn a_failed_then_unknown_earlier_event_holds_back_the_later_one() {
     .await
     .unwrap();
     assert_eq!(state_of(&pg, v1).await, "DISPATCH_UNKNOWN");
-    let b4 = store::claim_batch_for(&mut pg, 1, cluster, 10, 10_000)
-        .await
-        .unwrap();
+    let b4 = store::claim(
+        &mut pg,
+        &store::ClaimRequest::new(1, 10, 10_000).cluster(cluster),
+        None,
+    )
+    .await
+    .unwrap();
     assert!(
         b4.outgoing.is_empty(),
         "an unknown earlier event holds back the later one"

@@ -4,6 +4,7 @@
 //! adapter ([`sealpost_core::port::Broker`], e.g. `sealpost-nats`). It knows no broker
 //! client and no command line: the `sealpost` binary is the `sealpost-cli` crate.
 
+pub mod cdc;
 pub mod consumer;
 pub mod inbox;
 pub mod observe;

@@ -62,6 +62,14 @@ pub const UNKNOWN_ALERTS: &str = "sealpost_unknown_alerts_total";
 pub const ROWS: &str = "sealpost_rows";
 /// Age of the oldest `PENDING` row (gauge, seconds), from [`store::status`].
 pub const OLDEST_PENDING_AGE: &str = "sealpost_oldest_pending_age_seconds";
+/// Rows the CDC publisher offered to claims (counter; label `claimed` = `sent` | `not_sent`).
+pub const CDC_OFFERED: &str = "sealpost_cdc_offered_rows_total";
+/// Rows the CDC publisher's window holds unsettled (gauge).
+pub const CDC_WINDOW_ROWS: &str = "sealpost_cdc_window_rows";
+/// Bytes the CDC publisher's window holds (gauge).
+pub const CDC_WINDOW_BYTES: &str = "sealpost_cdc_window_bytes";
+/// Log bytes between what the CDC publisher received and what it confirmed (gauge).
+pub const CDC_UNCONFIRMED_BYTES: &str = "sealpost_cdc_unconfirmed_bytes";
 /// Rows in `DISPATCH_UNKNOWN` or `RECONCILING` (gauge), from [`store::status`].
 pub const UNKNOWN_ROWS: &str = "sealpost_unknown_rows";
 /// Age of the oldest unknown row (gauge, seconds), from [`store::status`].
@@ -77,7 +85,7 @@ pub const STATUS_SAMPLES: &str = "sealpost_status_samples_total";
 /// Rows a purge would remove now (gauge), from `sealpost purge --dry-run`'s decision.
 pub const PURGE_ELIGIBLE: &str = "sealpost_purge_eligible_rows";
 /// Published rows a purge keeps (gauge; label `reason` = `replay_window` |
-/// `consumer_behind` | `not_published`).
+/// `consumer_behind` | `not_published` | `cdc_position`).
 pub const PURGE_HELD: &str = "sealpost_purge_held_rows";
 /// Purge backlog samples taken (counter; label `result`).
 pub const PURGE_SAMPLES: &str = "sealpost_purge_samples_total";
@@ -210,6 +218,19 @@ pub fn record_claim(rows: usize, expired_to_unknown: usize, took: Duration) {
     if expired_to_unknown > 0 {
         counter!(EXPIRED_TO_UNKNOWN).increment(expired_to_unknown as u64);
     }
+}
+
+/// Records one claim of rows the CDC publisher's log named.
+pub fn record_cdc_claim(offered: usize, sent: usize) {
+    counter!(CDC_OFFERED, "claimed" => "sent").increment(sent as u64);
+    counter!(CDC_OFFERED, "claimed" => "not_sent").increment(offered.saturating_sub(sent) as u64);
+}
+
+/// Records the CDC publisher's window.
+pub fn record_cdc_window(f: &sealpost_core::cdc::WindowFigures) {
+    gauge!(CDC_WINDOW_ROWS).set(f.unsettled as f64);
+    gauge!(CDC_WINDOW_BYTES).set(f.bytes as f64);
+    gauge!(CDC_UNCONFIRMED_BYTES).set(f.received_lsn.saturating_sub(f.confirmed_lsn) as f64);
 }
 
 /// Records one submission transaction's time.

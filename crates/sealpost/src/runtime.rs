@@ -118,6 +118,9 @@ pub struct Config {
     /// dispatchers start signing) or `require`. Empty: `require` when `verify_keys_dir` is
     /// set, `off` otherwise.
     pub signatures: String,
+    /// The CDC publisher (`sealpost cdc`, [`crate::cdc`]): slot, publication and window
+    /// (the `[cdc]` table of the file).
+    pub cdc: crate::cdc::CdcConfig,
     /// The keys read from the two settings above ([`Config::load_keys`]).
     #[serde(skip)]
     pub keys: LoadedKeys,
@@ -177,6 +180,7 @@ impl Default for Config {
             signing_key_file: String::new(),
             verify_keys_dir: String::new(),
             signatures: String::new(),
+            cdc: crate::cdc::CdcConfig::default(),
             keys: LoadedKeys::default(),
         }
     }
@@ -217,6 +221,7 @@ impl fmt::Debug for Config {
             signing_key_file,
             verify_keys_dir,
             signatures,
+            cdc,
             keys,
         } = self;
         let mut d = f.debug_struct("Config");
@@ -252,6 +257,7 @@ impl fmt::Debug for Config {
             .field("signing_key_file", signing_key_file)
             .field("verify_keys_dir", verify_keys_dir)
             .field("signatures", signatures)
+            .field("cdc", cdc)
             .field("keys", keys)
             .finish()
     }
@@ -584,6 +590,8 @@ pub struct Counters {
     pub alerts: AtomicU64,
     /// "Published but missing at the broker" findings (R31).
     pub missing: AtomicU64,
+    /// Sends a CDC publisher claimed from rows the database log named (not found by a scan).
+    pub from_log: AtomicU64,
 }
 
 impl Counters {
@@ -670,6 +678,19 @@ pub async fn dispatcher<B: Broker>(
     shutdown: CancellationToken,
     counters: Arc<Counters>,
 ) -> Result<(), RunError> {
+    dispatch_loop(cfg, db, broker, shutdown, counters, None).await
+}
+
+/// [`dispatcher`], its claims taken from the CDC publisher's log window when `log` is set
+/// ([`crate::cdc::LogScope::claim`]), from the claim index's scan otherwise.
+pub(crate) async fn dispatch_loop<B: Broker>(
+    cfg: Config,
+    db: Arc<dyn PgSource>,
+    broker: Arc<B>,
+    shutdown: CancellationToken,
+    counters: Arc<Counters>,
+    log: Option<Arc<crate::cdc::LogScope>>,
+) -> Result<(), RunError> {
     let cfg = cfg.with_keys()?;
     let signer = cfg.keys.signer.clone();
     match &signer {
@@ -727,6 +748,13 @@ pub async fn dispatcher<B: Broker>(
                 .unwrap_or(ms_since(epoch) + cfg.idle_poll_ms);
             let wait = Duration::from_millis(wake.saturating_sub(ms_since(epoch)));
             let cancelled = shutdown.cancelled();
+            let log_ready = async {
+                match &log {
+                    Some(log) => log.ready.notified().await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::pin!(log_ready);
             match on_wire.as_mut() {
                 // Wake for the broker's answer, the machine's timeout or the shutdown,
                 // whichever is first.
@@ -737,10 +765,12 @@ pub async fn dispatcher<B: Broker>(
                     }
                     _ = tokio::time::sleep(wait) => {}
                     _ = cancelled, if !stopping => {}
+                    _ = &mut log_ready => m.handle_notify(ms_since(epoch)),
                 },
                 None => tokio::select! {
                     _ = tokio::time::sleep(wait) => {}
                     _ = cancelled, if !stopping => {}
+                    _ = &mut log_ready => m.handle_notify(ms_since(epoch)),
                 },
             }
             continue;
@@ -760,17 +790,14 @@ pub async fn dispatcher<B: Broker>(
                     held.forget_statements();
                 }
                 let started = ms_since(epoch);
-                match store::claim_batch_held(
-                    client,
-                    owner,
-                    Some(&cluster),
-                    from_position,
-                    batch_size_max,
-                    cfg.lease_ms,
-                    &mut held,
-                )
-                .await
-                {
+                let scan = store::ClaimRequest::new(owner, batch_size_max, cfg.lease_ms)
+                    .cluster(Some(&cluster))
+                    .from_position(from_position);
+                let claimed = match &log {
+                    None => store::claim(client, &scan, Some(&mut held)).await,
+                    Some(log) => log.claim(client, &scan, &mut held).await,
+                };
+                match claimed {
                     Ok(batch) => {
                         // No transaction is open from here on: the claim committed.
                         observe::record_claim(

@@ -6,7 +6,7 @@
 //!
 //! The model runs the same core steps as the store: the claim is `step::picks` over the rows in
 //! commit order up to the batch, then `step::step_claim`; half the claims and receipts go
-//! through the dispatcher's guarded fast path (`claim_batch_held` / `submit_held`), which the
+//! through the dispatcher's guarded fast path (`claim` with a `Held` / `submit_held`), which the
 //! model runs as `step::step_guarded` on the row as its claim left it, guarded by "the row is
 //! still exactly that" — and the store must have taken the guarded write for exactly those
 //! receipts.
@@ -164,9 +164,13 @@ async fn random_fault_sequences_persist_exactly_what_the_core_decides() {
                     let keep = rng.below(2) == 0;
                     let b = if keep {
                         let h = held.entry(owner).or_default();
-                        store::claim_batch_held(&mut pg, owner, None, 0, max, LEASE_MS, h)
-                            .await
-                            .unwrap()
+                        store::claim(
+                            &mut pg,
+                            &store::ClaimRequest::new(owner, max, LEASE_MS),
+                            Some(h),
+                        )
+                        .await
+                        .unwrap()
                     } else {
                         store::claim_batch(&mut pg, owner, max, LEASE_MS)
                             .await

@@ -8,9 +8,13 @@
 //! The connection-string tests need no server: which keys are taken out of either form, and
 //! what each misconfiguration says.
 
+#[path = "common/cluster.rs"]
+mod cluster;
+
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::process::Command;
+
+use cluster::{write, Cluster};
 
 use rcgen::{
     BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
@@ -18,8 +22,6 @@ use rcgen::{
 };
 use sealpost::runtime::{pg_connect, RunError};
 use sealpost::tls::{pg_tls_with_env, SslMode, TlsError};
-
-const BIN: &str = "/usr/lib/postgresql/15/bin";
 
 // ---------------------------------------------------------------------------------------
 // Certificates.
@@ -59,11 +61,6 @@ fn leaf(
     let key = KeyPair::generate().unwrap();
     let cert = params.signed_by(&key, issuer).unwrap();
     (cert.pem(), key.serialize_pem())
-}
-
-fn write(path: &Path, text: &str, mode: u32) {
-    std::fs::write(path, text).unwrap();
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap();
 }
 
 /// A CA, a server certificate for `localhost` and `127.0.0.1`, and a client certificate for
@@ -116,141 +113,26 @@ impl Drop for TempDir {
 // ---------------------------------------------------------------------------------------
 // A private cluster.
 
-/// A private PostgreSQL cluster; dropping it stops it and removes its directory.
-struct Cluster {
-    dir: PathBuf,
-    port: u16,
-}
-
-impl Cluster {
-    fn data(&self) -> PathBuf {
-        self.dir.join("data")
-    }
-}
-
-impl Drop for Cluster {
-    fn drop(&mut self) {
-        if self.data().join("postmaster.pid").exists() {
-            let _ = Command::new("runuser")
-                .args(["-u", "postgres", "--"])
-                .arg(format!("{BIN}/pg_ctl"))
-                .arg("stop")
-                .arg("-D")
-                .arg(self.data())
-                .args(["-m", "immediate", "-w", "-t", "20"])
-                .current_dir(&self.dir)
-                .output();
-        }
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-fn postgres_ids() -> (u32, u32) {
-    let id = |flag: &str| -> u32 {
-        let out = Command::new("id")
-            .args([flag, "postgres"])
-            .output()
-            .unwrap();
-        String::from_utf8(out.stdout)
-            .unwrap()
-            .trim()
-            .parse()
-            .unwrap()
-    };
-    (id("-u"), id("-g"))
-}
-
-fn as_postgres(dir: &Path, program: &str, args: &[&str]) -> std::process::Output {
-    Command::new("runuser")
-        .args(["-u", "postgres", "--"])
-        .arg(format!("{BIN}/{program}"))
-        .args(args)
-        .current_dir(dir)
-        .output()
-        .unwrap()
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// Starts a cluster with `ssl` on or off (its server certificate and key from `pki`, and
 /// `ssl_ca_file` = the test CA, so client certificates are asked for) and `hba` as its
 /// pg_hba.conf. `None` (after printing "skipped") where PostgreSQL 15 is not installed.
 fn cluster(tag: &str, ssl: bool, hba: &str, pki: &Pki) -> Option<Cluster> {
-    if !Path::new(BIN).join("initdb").exists() {
-        eprintln!("skipped: no {BIN}/initdb");
-        return None;
-    }
-    let dir = std::env::temp_dir().join(format!("sealpost-pg-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let c = Cluster {
-        dir: dir.clone(),
-        port: free_port(),
-    };
-    let (uid, gid) = postgres_ids();
-    std::os::unix::fs::chown(&dir, Some(uid), Some(gid)).unwrap();
-    let data = c.data();
-    let out = as_postgres(
-        &dir,
-        "initdb",
-        &[
-            "-D",
-            data.to_str().unwrap(),
-            "-U",
-            "postgres",
-            "-A",
-            "trust",
-            "--no-sync",
-        ],
-    );
-    assert!(out.status.success(), "initdb: {out:?}");
-    let own = |name: &str, text: &str, mode: u32| {
-        let p = data.join(name);
-        write(&p, text, mode);
-        std::os::unix::fs::chown(&p, Some(uid), Some(gid)).unwrap();
-    };
-    own("server.crt", &pki.server_cert, 0o644);
-    own("server.key", &pki.server_key, 0o600);
-    own("ca.crt", &std::fs::read_to_string(&pki.ca).unwrap(), 0o644);
-    own("pg_hba.conf", hba, 0o600);
     let conf = format!(
-        "\nlisten_addresses = '127.0.0.1'\nport = {port}\nunix_socket_directories = '{dir}'\n\
-         ssl = {ssl}\nssl_cert_file = 'server.crt'\nssl_key_file = 'server.key'\n\
-         ssl_ca_file = 'ca.crt'\nfsync = off\nmax_connections = 20\nshared_buffers = 16MB\n",
-        port = c.port,
-        dir = dir.display(),
+        "ssl = {ssl}\nssl_cert_file = 'server.crt'\nssl_key_file = 'server.key'\n\
+         ssl_ca_file = 'ca.crt'\n",
         ssl = if ssl { "on" } else { "off" },
     );
-    let mut text = std::fs::read_to_string(data.join("postgresql.conf")).unwrap();
-    text.push_str(&conf);
-    own("postgresql.conf", &text, 0o600);
-    let log = dir.join("log");
-    let out = as_postgres(
-        &dir,
-        "pg_ctl",
+    let ca = std::fs::read_to_string(&pki.ca).unwrap();
+    Cluster::start(
+        &format!("tls-{tag}"),
+        &conf,
         &[
-            "start",
-            "-D",
-            data.to_str().unwrap(),
-            "-l",
-            log.to_str().unwrap(),
-            "-w",
-            "-t",
-            "30",
+            ("server.crt", &pki.server_cert, 0o644),
+            ("server.key", &pki.server_key, 0o600),
+            ("ca.crt", &ca, 0o644),
+            ("pg_hba.conf", hba, 0o600),
         ],
-    );
-    assert!(
-        out.status.success(),
-        "pg_ctl start: {out:?}\n{}",
-        std::fs::read_to_string(&log).unwrap_or_default()
-    );
-    Some(c)
+    )
 }
 
 /// The base connection string of a cluster, as key=value pairs.

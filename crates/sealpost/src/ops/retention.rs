@@ -4,7 +4,8 @@
 
 use sealpost_core::cleanup::{
     apply_retention, decide_evidence_removal, decide_purge, decide_retention,
-    decide_tombstone_removal, PurgeRefusal, RetentionDecision, RetentionPolicy, Watermark,
+    decide_tombstone_removal, hold_for_cdc, PurgeRefusal, RetentionDecision, RetentionPolicy,
+    Watermark,
 };
 use sealpost_core::envelope::EventId;
 use sealpost_core::state::State;
@@ -114,6 +115,7 @@ pub fn reason_key(r: &PurgeRefusal) -> String {
         PurgeRefusal::ReplayWindow { .. } => "inside the replay window".into(),
         PurgeRefusal::RestorePoint { .. } => "newer than the restore point".into(),
         PurgeRefusal::ConsumerBehind { .. } => "a required consumer has not consumed it".into(),
+        PurgeRefusal::CdcPosition { .. } => "its CDC slot has not confirmed it".into(),
     }
 }
 
@@ -174,7 +176,7 @@ async fn retire_rows(
         };
         let q = format!(
                 "SELECT w.event_id, w.member, w.state, w.primary_sequence, w.published_at_ms, w.committed_seq,
-                        w.primary_stream, w.primary_partition
+                        w.primary_stream, w.primary_partition, w.created_at_ms
                  FROM sealpost.work w JOIN sealpost.envelope e
                    ON e.event_id = w.event_id AND e.member = w.member
                   AND e.envelope_generation = w.envelope_generation
@@ -198,6 +200,12 @@ async fn retire_rows(
             tx.commit().await?;
             break;
         }
+        // The CDC publishers' hold (R20, R32): rows their slots have not confirmed stay.
+        let cdc_hold: Option<u64> = tx
+            .query_one("SELECT min(hold_from_ms) FROM sealpost.cdc_progress", &[])
+            .await?
+            .get::<_, Option<i64>>(0)
+            .map(|m| m.max(0) as u64);
         // Every required consumer's reported watermark per stream (a small table).
         let progress: std::collections::HashMap<(String, String), u64> = tx
             .query(
@@ -269,7 +277,11 @@ async fn retire_rows(
                         .and_then(|s| progress.get(&(c.clone(), s.clone())).copied()),
                 })
                 .collect();
-            let decision = decide_retention(&row, now_ms, policy, &marks);
+            let decision = hold_for_cdc(
+                decide_retention(&row, now_ms, policy, &marks),
+                r.get::<_, i64>(8).max(0) as u64,
+                cdc_hold,
+            );
             // Every state change goes through the core's state table.
             apply_retention(&mut row, decision)
                 .map_err(|e| store::StoreError::Corrupt(e.to_string()))?;

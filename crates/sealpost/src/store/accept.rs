@@ -237,7 +237,7 @@ pub async fn submit(
     })
 }
 
-/// [`submit`] for a dispatcher that claims with [`claim_batch_held`]: an ordinary first ACK
+/// [`submit`] for a dispatcher that claims with [`claim` with a `Held`]: an ordinary first ACK
 /// for a row the dispatcher still holds exactly as its claim wrote it is accepted by one
 /// guarded `UPDATE` (the core's `decide_receipt` and `apply_receipt` run on the held row; see
 /// [`Held`]); everything else (receipts for rows written since, lookups, broker duplicates,

@@ -94,69 +94,105 @@ impl ClaimBatch {
     }
 }
 
-/// Claims up to `batch_size_max` rows and registers one attempt for each, in one short
-/// transaction (R7–R9).
-///
-/// # Transactions and locks
-/// One transaction: `SELECT ... FOR UPDATE SKIP LOCKED` over the partial claim index in
-/// commit order, so parallel dispatchers take disjoint rows and no one waits; rows of a
-/// transaction that committed late are still `PENDING` and are found by the next scan (the
-/// scan has no cursor to skip past them). `PENDING` rows still waiting out a never-sent
-/// backoff (`not_before_ms`, the core's `decide_dispatch_claim` skips them) are not selected,
-/// so they take no place in the batch. The lease end comes from the database clock. The
-/// transaction commits before anything is sent.
+/// What a claim takes: whose claim it is, which rows it may pick and how many, and for how
+/// long. The one request type of every claim: the polling dispatcher's (commit order over the
+/// claim index), a test's, and the CDC publisher's (only the rows the database log named).
+#[derive(Clone, Copy, Debug)]
+pub struct ClaimRequest<'a> {
+    /// The claiming process ([`crate::runtime::owner_id`]).
+    pub owner: u64,
+    /// Only rows bound for this destination cluster (`None`: every cluster). A dispatcher
+    /// never claims a row it cannot send; those rows wait for a dispatcher of their cluster
+    /// instead of cycling through "never sent".
+    pub cluster: Option<&'a str>,
+    /// Only rows at or after this commit position (the dispatcher machine's scan position:
+    /// it skips the head of the queue that earlier batches claimed, whose index entries are
+    /// dead until vacuum, and scans from 0 at least every `rescan_every_ms`).
+    pub from_position: u64,
+    /// Rows picked at most (each picked row counts, sent or not).
+    pub batch_size_max: usize,
+    /// Lease of the claim, milliseconds of the database clock.
+    pub lease_ms: u64,
+    /// Only these `(event, member)` rows (`None`: any row). The CDC publisher names the rows
+    /// a committed transaction inserted; the pick, the ordering rule and the step are the
+    /// same as for a scan.
+    pub only: Option<&'a [(EventId, u16)]>,
+}
+
+impl<'a> ClaimRequest<'a> {
+    /// A claim of up to `batch_size_max` rows of any cluster from position 0.
+    pub fn new(owner: u64, batch_size_max: usize, lease_ms: u64) -> Self {
+        ClaimRequest {
+            owner,
+            cluster: None,
+            from_position: 0,
+            batch_size_max,
+            lease_ms,
+            only: None,
+        }
+    }
+
+    /// Only rows bound for `cluster` (`None`: every cluster).
+    pub fn cluster(mut self, cluster: Option<&'a str>) -> Self {
+        self.cluster = cluster;
+        self
+    }
+
+    /// Only rows at or after commit position `from_position`.
+    pub fn from_position(mut self, from_position: u64) -> Self {
+        self.from_position = from_position;
+        self
+    }
+
+    /// Only the listed rows.
+    pub fn only(mut self, rows: &'a [(EventId, u16)]) -> Self {
+        self.only = Some(rows);
+        self
+    }
+}
+
+/// Claims up to `batch_size_max` rows of any cluster and registers one attempt for each:
+/// [`claim`] with [`ClaimRequest::new`].
 pub async fn claim_batch(
     client: &mut tokio_postgres::Client,
     owner: u64,
     batch_size_max: usize,
     lease_ms: u64,
 ) -> Result<ClaimBatch> {
-    claim_batch_for(client, owner, None, batch_size_max, lease_ms).await
-}
-
-/// [`claim_batch`] for a dispatcher that serves only `cluster` (`None`: every cluster). A
-/// dispatcher never claims a row it cannot send; those rows wait for a dispatcher of their
-/// cluster instead of cycling through "never sent".
-///
-/// # Transactions and locks
-/// As [`claim_batch`]; the scan runs over the claim index `(dest_cluster, committed_seq)`, so
-/// rows of other clusters are neither read, locked nor counted against the batch, and the
-/// scan stops after one batch however many rows wait.
-pub async fn claim_batch_for(
-    client: &mut tokio_postgres::Client,
-    owner: u64,
-    cluster: Option<&str>,
-    batch_size_max: usize,
-    lease_ms: u64,
-) -> Result<ClaimBatch> {
-    claim_batch_from(client, owner, cluster, 0, batch_size_max, lease_ms).await
-}
-
-/// [`claim_batch_for`] over the rows at or after commit position `from_position` only (the
-/// dispatcher machine's scan position: it skips the head of the queue that earlier batches
-/// claimed, whose index entries are dead until vacuum, and scans from 0 at least every
-/// `rescan_every_ms`). [`ClaimBatch::last_position`] is where the next scan may start.
-///
-/// # Transactions and locks
-/// As [`claim_batch`].
-pub async fn claim_batch_from(
-    client: &mut tokio_postgres::Client,
-    owner: u64,
-    cluster: Option<&str>,
-    from_position: u64,
-    batch_size_max: usize,
-    lease_ms: u64,
-) -> Result<ClaimBatch> {
-    claim_in(
+    claim(
         client,
-        owner,
-        cluster,
-        from_position,
-        batch_size_max,
-        lease_ms,
+        &ClaimRequest::new(owner, batch_size_max, lease_ms),
         None,
     )
     .await
+}
+
+/// Claims the rows `req` allows and registers one attempt for each, in one short
+/// transaction (R7–R9). With `held`, the rows it wrote are kept there for the guarded
+/// acceptance ([`Held`], [`submit_held`]).
+///
+/// # Transactions and locks
+/// One transaction: `SELECT ... FOR UPDATE SKIP LOCKED` over the partial claim index
+/// `(dest_cluster, committed_seq)` in commit order, so parallel dispatchers take disjoint
+/// rows and no one waits, rows of other clusters are neither read, locked nor counted, and
+/// the scan stops after one batch however many rows wait. Rows of a transaction that
+/// committed late are still `PENDING` and are found by the next scan from position 0.
+/// `PENDING` rows still waiting out a never-sent backoff (`not_before_ms`, the core's
+/// `decide_dispatch_claim` skips them) are not selected, so they take no place in the batch.
+/// The lease end comes from the database clock. The transaction commits before anything is
+/// sent. [`ClaimBatch::last_position`] is where the next scan may start.
+pub async fn claim(
+    client: &mut tokio_postgres::Client,
+    req: &ClaimRequest<'_>,
+    mut held: Option<&mut Held>,
+) -> Result<ClaimBatch> {
+    let r = claim_in(client, req, held.as_deref_mut()).await;
+    if r.is_err() {
+        if let Some(held) = held {
+            held.forget_statements();
+        }
+    }
+    r
 }
 
 /// The rows a dispatcher's claims wrote and it still holds (sent, or on their way), as it
@@ -208,37 +244,10 @@ impl Held {
 
     /// The database clock now, as far as the last claim tells (its reading plus the local
     /// time since): the time `apply_receipt` stamps on a guarded acceptance.
-    pub(super) fn db_now_ms(&self) -> Option<u64> {
+    pub fn db_now_ms(&self) -> Option<u64> {
         self.clock
             .map(|(db, at)| db + at.elapsed().as_millis() as u64)
     }
-}
-
-/// [`claim_batch_from`] for a dispatcher that keeps what it claimed in `held` (see
-/// [`Held`] and [`submit_held`]).
-pub async fn claim_batch_held(
-    client: &mut tokio_postgres::Client,
-    owner: u64,
-    cluster: Option<&str>,
-    from_position: u64,
-    batch_size_max: usize,
-    lease_ms: u64,
-    held: &mut Held,
-) -> Result<ClaimBatch> {
-    let r = claim_in(
-        client,
-        owner,
-        cluster,
-        from_position,
-        batch_size_max,
-        lease_ms,
-        Some(&mut *held),
-    )
-    .await;
-    if r.is_err() {
-        held.forget_statements();
-    }
-    r
 }
 
 /// How long a held row is kept after its lease ended (its answer may still come late).
@@ -263,13 +272,17 @@ column_list! {
 
 async fn claim_in(
     client: &mut tokio_postgres::Client,
-    owner: u64,
-    cluster: Option<&str>,
-    from_position: u64,
-    batch_size_max: usize,
-    lease_ms: u64,
+    req: &ClaimRequest<'_>,
     mut held: Option<&mut Held>,
 ) -> Result<ClaimBatch> {
+    let ClaimRequest {
+        owner,
+        cluster,
+        from_position,
+        batch_size_max,
+        lease_ms,
+        only,
+    } = *req;
     let claim_local_start = std::time::Instant::now();
     let tx = client.transaction().await?;
     // The claim must walk the claim index in commit order and stop after one batch. With
@@ -294,6 +307,8 @@ async fn claim_in(
             "FROM sealpost.work w
              WHERE w.phase = {DISPATCHABLE} AND ($2::text IS NULL OR w.dest_cluster = $2)
                AND w.committed_seq >= $3
+               AND ($4::uuid[] IS NULL OR (w.event_id, w.member) IN
+                    (SELECT * FROM unnest($4::uuid[], $5::int2[])))
                AND (w.state = 'PENDING' OR w.lease_until_ms IS NULL OR w.lease_until_ms <= {NOW_MS_SQL})
                AND (w.state <> 'PENDING' OR w.not_before_ms <= {NOW_MS_SQL})
              ORDER BY w.dest_cluster, w.committed_seq LIMIT $1 FOR UPDATE OF w SKIP LOCKED"
@@ -303,10 +318,18 @@ async fn claim_in(
     );
     counted(3);
     let statement = prepare(held.as_deref_mut().map(|h| &mut h.statements), &tx, &q).await?;
+    let only_ids: Option<Vec<Uuid>> = only.map(|rows| rows.iter().map(|r| uuid_of(r.0)).collect());
+    let only_members: Option<Vec<i16>> = only.map(|rows| rows.iter().map(|r| r.1 as i16).collect());
     let found = tx
         .query(
             &statement,
-            &[&(batch_size_max as i64), &cluster, &(from_position as i64)],
+            &[
+                &(batch_size_max as i64),
+                &cluster,
+                &(from_position as i64),
+                &only_ids,
+                &only_members,
+            ],
         )
         .await?;
     // The batch in claim order: the order of the pick (cluster, then commit position).

@@ -42,6 +42,7 @@ pub use claim::*;
 pub use enqueue::*;
 pub use operator::*;
 pub use reconcile::*;
+pub use rows::NOW_MS_SQL;
 use rows::*;
 pub use schema::*;
 pub use status::*;
@@ -59,6 +60,7 @@ pub const MIGRATIONS: &[(i32, &str)] = &[
     (5, include_str!("../../migrations/0005_ordering.sql")),
     (6, include_str!("../../migrations/0006_roles.sql")),
     (7, include_str!("../../migrations/0007_lifecycle.sql")),
+    (8, include_str!("../../migrations/0008_cdc.sql")),
 ];
 
 /// Statements the store has sent to PostgreSQL in this process (each query, `BEGIN` and

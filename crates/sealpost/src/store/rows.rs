@@ -155,8 +155,7 @@ pub(super) fn wire_envelope(r: &tokio_postgres::Row, from: usize) -> Result<Wire
 /// The database clock in milliseconds at the start of the statement, as SQL: a scalar
 /// subquery, so the planner evaluates it once per statement (an init plan), not once per row
 /// and condition (`numeric` arithmetic, three times per claimed row).
-pub(super) const NOW_MS_SQL: &str =
-    "(SELECT (extract(epoch from statement_timestamp()) * 1000)::bigint)";
+pub const NOW_MS_SQL: &str = "(SELECT (extract(epoch from statement_timestamp()) * 1000)::bigint)";
 
 /// A loaded row and the number of its earlier attempts kept in `sealpost.attempt`.
 pub(super) struct Loaded {

@@ -1,0 +1,433 @@
+//! The CDC publisher (R32, `sealpost::cdc`) against a private PostgreSQL cluster with
+//! `wal_level = logical` (the machine's shared server is not reconfigured) and the machine's
+//! NATS JetStream: events committed before and while it runs are published once, through the
+//! log; the slot's confirmed position never passes an unsettled row, also while the broker
+//! refuses everything and the window is full; a publisher stopped without a word (its task
+//! aborted mid-stream) restarts from the slot and loses nothing; a dropped slot hands the
+//! work to scans of the claim index, and the next start creates the slot again; CDC and a
+//! polling dispatcher together store each event once.
+
+#[path = "../../sealpost/tests/common/cluster.rs"]
+mod cluster;
+#[path = "../../sealpost/tests/common/mod.rs"]
+mod common;
+#[path = "../../sealpost/tests/common/teardown_nats.rs"]
+mod teardown_nats;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cluster::Cluster;
+use sealpost::runtime::{self, CancellationToken, Config, Counters, RunError};
+use sealpost::store;
+use sealpost_core::cdc::parse_lsn;
+use sealpost_core::envelope::{EventId, NewEvent};
+use sealpost_nats::Nats;
+
+/// A private cluster that writes a logical log, with the outbox schema in `postgres`.
+async fn logical_cluster(tag: &str) -> Option<(Cluster, Config, tokio_postgres::Client)> {
+    let c = Cluster::start(
+        &format!("cdc-{tag}"),
+        "wal_level = logical\nmax_replication_slots = 8\nmax_wal_senders = 8\nwal_sender_timeout = 10s\n",
+        &[],
+    )?;
+    let cfg = Config {
+        database_url: c.url("postgres"),
+        lease_ms: 5_000,
+        ack_timeout_ms: 2_000,
+        error_backoff_ms: 100,
+        error_backoff_max_ms: 1_000,
+        ..Config::default()
+    };
+    let pg = runtime::pg_connect(&cfg.database_url).await.unwrap();
+    store::migrate(&pg).await.expect("migrate");
+    Some((c, cfg, pg))
+}
+
+fn topic(tag: &str) -> String {
+    format!(
+        "CDC{}{}",
+        tag.to_uppercase(),
+        runtime::owner_id() % 1_000_000
+    )
+}
+
+async fn nats(cfg: &Config) -> Nats {
+    Nats::connect(
+        &common::nats_url(),
+        common::NATS_CLUSTER,
+        Duration::from_millis(cfg.ack_timeout_ms),
+    )
+    .await
+    .expect("NATS must be running")
+}
+
+/// `txns` transactions of `per` events each on `route`.
+async fn enqueue(
+    pg: &mut tokio_postgres::Client,
+    route: &str,
+    txns: usize,
+    per: usize,
+) -> Vec<EventId> {
+    let mut ids = Vec::new();
+    for t in 0..txns {
+        let tx = pg.transaction().await.unwrap();
+        for i in 0..per {
+            let id = EventId(*uuid::Uuid::now_v7().as_bytes());
+            let agg = format!("o-{t}-{i}-{}", runtime::owner_id());
+            let ev = NewEvent {
+                aggregate_type: "order",
+                aggregate_id: &agg,
+                aggregate_version: 1,
+                event_type: "order.created.v1",
+                payload_schema: "order.created.v1",
+                payload: b"{}",
+                tenant: "t",
+                occurred_at_ms: 1,
+                creating_txid: 0,
+            };
+            store::enqueue(&tx, route, id, &ev, &agg).await.unwrap();
+            ids.push(id);
+        }
+        tx.commit().await.unwrap();
+    }
+    ids
+}
+
+async fn count(pg: &tokio_postgres::Client, sql: &str) -> i64 {
+    pg.query_one(sql, &[]).await.unwrap().get(0)
+}
+
+async fn published(pg: &tokio_postgres::Client) -> i64 {
+    count(
+        pg,
+        "SELECT count(*) FROM sealpost.work WHERE state = 'PUBLISHED'",
+    )
+    .await
+}
+
+async fn wait_for<F: AsyncFn() -> bool>(what: &str, limit: Duration, f: F) {
+    let start = Instant::now();
+    while !f().await {
+        assert!(start.elapsed() < limit, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn stream_messages(n: &Nats, topic: &str) -> u64 {
+    let mut s = n.js.get_stream(topic).await.expect("stream");
+    s.info().await.expect("info").state.messages
+}
+
+/// The slot's confirmed position and the server's current log position.
+async fn slot_position(pg: &tokio_postgres::Client, slot: &str) -> (u64, u64) {
+    let r = pg
+        .query_one(
+            "SELECT coalesce(confirmed_flush_lsn::text, '0/0'), pg_current_wal_lsn()::text
+             FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .unwrap();
+    (
+        parse_lsn(r.get::<_, &str>(0)).unwrap(),
+        parse_lsn(r.get::<_, &str>(1)).unwrap(),
+    )
+}
+
+struct Running {
+    stop: CancellationToken,
+    counters: Arc<Counters>,
+    tasks: Vec<tokio::task::JoinHandle<Result<(), RunError>>>,
+}
+
+impl Running {
+    async fn stop(self) {
+        self.stop.cancel();
+        for t in self.tasks {
+            t.await.unwrap().unwrap();
+        }
+    }
+
+    /// Stops without a word: the tasks are dropped where they are (rows in flight stay
+    /// `SENDING` until their lease runs out), as a killed process leaves them.
+    async fn abort(self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+        for t in self.tasks {
+            let _ = t.await;
+        }
+    }
+}
+
+/// A CDC publisher and a reconciler, and `polling` polling dispatchers beside them.
+fn run(cfg: &Config, n: &Nats, polling: usize) -> Running {
+    let stop = CancellationToken::new();
+    let counters = Arc::new(Counters::default());
+    let db = common::pg_source(cfg);
+    let broker = Arc::new(n.clone());
+    let mut tasks = runtime::spawn_fleet(cfg, &db, &broker, polling, true, &stop, &counters);
+    tasks.push(tokio::spawn(sealpost::cdc::publisher(
+        cfg.clone(),
+        db,
+        broker,
+        stop.clone(),
+        counters.clone(),
+    )));
+    Running {
+        stop,
+        counters,
+        tasks,
+    }
+}
+
+fn slot_name() -> String {
+    Config::default().cdc.names(common::NATS_CLUSTER).slot
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_committed_before_and_during_cdc_are_published_once_and_the_slot_advances() {
+    let Some((_c, mut cfg, mut pg)) = logical_cluster("once").await else {
+        return;
+    };
+    // One scan at the start (the events committed before the slot existed), then the log
+    // alone: the next scan is ten minutes away.
+    cfg.cdc.sweep_every_ms = 600_000;
+    let n = nats(&cfg).await;
+    let t = topic("once");
+    let _stream = teardown_nats::stream(&common::nats_url(), &t);
+    n.ensure_stream(&t).await.unwrap();
+    store::set_route(&pg, "orders", common::NATS_CLUSTER, &t)
+        .await
+        .unwrap();
+    let before = enqueue(&mut pg, "orders", 5, 40).await;
+    let r = run(&cfg, &n, 0);
+    wait_for("the backlog", Duration::from_secs(30), async || {
+        published(&pg).await == before.len() as i64
+    })
+    .await;
+    let during = enqueue(&mut pg, "orders", 60, 10).await;
+    let total = (before.len() + during.len()) as i64;
+    wait_for(
+        "the events committed while running",
+        Duration::from_secs(30),
+        async || published(&pg).await == total,
+    )
+    .await;
+    assert_eq!(stream_messages(&n, &t).await, total as u64);
+    // With nothing left, the slot catches up with the server's log (keepalives confirm
+    // behind an empty window), and the progress row says so.
+    let slot = slot_name();
+    wait_for(
+        "the slot to confirm everything",
+        Duration::from_secs(30),
+        async || {
+            let (confirmed, _) = slot_position(&pg, &slot).await;
+            let last_commit: i64 = count(
+                &pg,
+                "SELECT count(*) FROM sealpost.cdc_progress WHERE window_rows = 0",
+            )
+            .await;
+            // Every envelope row's commit is behind the confirmed position once the window is
+            // empty; the log may move on with other records meanwhile.
+            confirmed > 0 && last_commit == 1
+        },
+    )
+    .await;
+    let from_log = r
+        .counters
+        .from_log
+        .load(std::sync::atomic::Ordering::Relaxed);
+    r.stop().await;
+    // The events committed while it ran were named by the log, not found by a scan.
+    assert!(
+        from_log >= during.len() as u64,
+        "only {from_log} of {} sends came from the log",
+        during.len()
+    );
+    // Each event was sent once: one attempt per row, no second copy at the broker.
+    assert_eq!(
+        count(&pg, "SELECT count(*) FROM sealpost.attempts").await,
+        total,
+        "one attempt per event"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn while_the_broker_refuses_the_window_fills_and_the_slot_waits() {
+    let Some((_c, mut cfg, mut pg)) = logical_cluster("full").await else {
+        return;
+    };
+    // Room for a few transactions only.
+    cfg.cdc.window_bytes_max =
+        4 * (sealpost_core::cdc::TXN_BYTES + 5 * sealpost_core::cdc::ROW_BYTES);
+    cfg.cdc.sweep_every_ms = 600_000;
+    let n = nats(&cfg).await;
+    let t = topic("full");
+    let _stream = teardown_nats::stream(&common::nats_url(), &t);
+    store::set_route(&pg, "orders", common::NATS_CLUSTER, &t)
+        .await
+        .unwrap();
+    let r = run(&cfg, &n, 0);
+    let slot = slot_name();
+    wait_for("the slot", Duration::from_secs(20), async || {
+        count(&pg, "SELECT count(*) FROM pg_replication_slots").await == 1
+    })
+    .await;
+    // No stream yet: every send is refused ("never sent"), every row stays PENDING. `after_first`
+    // is a log position at or past the first transaction's end: the slot must stay before it.
+    let mut ids = enqueue(&mut pg, "orders", 1, 5).await;
+    let after_first = parse_lsn(
+        &pg.query_one("SELECT pg_current_wal_lsn()::text", &[])
+            .await
+            .unwrap()
+            .get::<_, String>(0),
+    )
+    .unwrap();
+    ids.extend(enqueue(&mut pg, "orders", 29, 5).await);
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert_eq!(published(&pg).await, 0);
+    let (held, current) = slot_position(&pg, &slot).await;
+    assert!(
+        held < after_first,
+        "the slot confirmed past unsettled rows: {held:X} >= {after_first:X} (log at {current:X})"
+    );
+    let window: i64 = count(
+        &pg,
+        "SELECT coalesce(max(window_rows), 0) FROM sealpost.cdc_progress",
+    )
+    .await;
+    assert!(
+        window > 0 && window <= 25,
+        "the window holds a bounded number of rows: {window}"
+    );
+    // The destination appears: everything drains, and the slot moves on.
+    n.ensure_stream(&t).await.unwrap();
+    wait_for(
+        "the backlog after the refusals",
+        Duration::from_secs(60),
+        async || published(&pg).await == ids.len() as i64,
+    )
+    .await;
+    wait_for("the slot to move", Duration::from_secs(20), async || {
+        slot_position(&pg, &slot).await.0 > after_first
+    })
+    .await;
+    r.stop().await;
+    assert_eq!(stream_messages(&n, &t).await, ids.len() as u64);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publisher_stopped_mid_stream_restarts_from_the_slot_and_loses_nothing() {
+    let Some((_c, mut cfg, pg)) = logical_cluster("abort").await else {
+        return;
+    };
+    cfg.cdc.sweep_every_ms = 600_000;
+    let n = nats(&cfg).await;
+    let t = topic("abort");
+    let _stream = teardown_nats::stream(&common::nats_url(), &t);
+    n.ensure_stream(&t).await.unwrap();
+    store::set_route(&pg, "orders", common::NATS_CLUSTER, &t)
+        .await
+        .unwrap();
+    let mut total = 0usize;
+    for round in 0..3 {
+        let r = run(&cfg, &n, 0);
+        // Events keep committing while the publisher dies mid-stream.
+        let writer = {
+            let url = cfg.database_url.clone();
+            tokio::spawn(async move {
+                let mut pg = runtime::pg_connect(&url).await.unwrap();
+                enqueue(&mut pg, "orders", 100, 5).await.len()
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(300 + 200 * round)).await;
+        r.abort().await;
+        total += writer.await.unwrap();
+    }
+    let r = run(&cfg, &n, 0);
+    wait_for(
+        "every event after three aborts",
+        Duration::from_secs(60),
+        async || published(&pg).await == total as i64,
+    )
+    .await;
+    r.stop().await;
+    assert_eq!(
+        stream_messages(&n, &t).await,
+        total as u64,
+        "once each at the broker"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_slot_hands_the_work_to_scans_and_cdc_beside_polling_stores_each_once() {
+    let Some((_c, mut cfg, mut pg)) = logical_cluster("drop").await else {
+        return;
+    };
+    cfg.cdc.sweep_every_ms = 1_000;
+    let n = nats(&cfg).await;
+    let t = topic("drop");
+    let _stream = teardown_nats::stream(&common::nats_url(), &t);
+    n.ensure_stream(&t).await.unwrap();
+    store::set_route(&pg, "orders", common::NATS_CLUSTER, &t)
+        .await
+        .unwrap();
+    // CDC and a polling dispatcher together.
+    let r = run(&cfg, &n, 1);
+    let first = enqueue(&mut pg, "orders", 50, 10).await;
+    wait_for("the first events", Duration::from_secs(30), async || {
+        published(&pg).await == first.len() as i64
+    })
+    .await;
+    // The slot goes away under the publisher (its session ended, the slot dropped).
+    let slot = slot_name();
+    wait_for(
+        "the slot to be dropped",
+        Duration::from_secs(20),
+        async || {
+            let _ = pg
+                .execute(
+                    "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots
+                 WHERE slot_name = $1 AND active_pid IS NOT NULL",
+                    &[&slot],
+                )
+                .await;
+            pg.execute("SELECT pg_drop_replication_slot($1)", &[&slot])
+                .await
+                .is_ok()
+        },
+    )
+    .await;
+    let second = enqueue(&mut pg, "orders", 50, 10).await;
+    let total = (first.len() + second.len()) as i64;
+    wait_for(
+        "the events after the slot was dropped",
+        Duration::from_secs(30),
+        async || published(&pg).await == total,
+    )
+    .await;
+    r.stop().await;
+    // The next start creates the slot again, and everything after it goes through.
+    let r = run(&cfg, &n, 0);
+    let third = enqueue(&mut pg, "orders", 20, 10).await;
+    let total = total + third.len() as i64;
+    wait_for(
+        "the events after the slot came back",
+        Duration::from_secs(30),
+        async || published(&pg).await == total,
+    )
+    .await;
+    r.stop().await;
+    assert_eq!(
+        count(&pg, "SELECT count(*) FROM pg_replication_slots").await,
+        1,
+        "the slot was created again"
+    );
+    assert_eq!(
+        stream_messages(&n, &t).await,
+        total as u64,
+        "once each at the broker"
+    );
+}
