@@ -237,6 +237,86 @@ impl LogWindow {
     }
 }
 
+/// Where the CDC publisher's next claim comes from ([`ClaimSource::choose`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ClaimFrom {
+    /// The rows the log named, oldest first (now offered).
+    Log(Vec<RowKey>),
+    /// A scan of the claim index, as a polling dispatcher claims.
+    Scan,
+    /// Nothing to claim now: wait for the log (or the next scan).
+    Nothing,
+}
+
+/// The CDC publisher's choice between the log and a scan of the claim index. Scans are the
+/// safety net of every row the log does not (or no longer) name:
+/// * **catching up** (at start, and after the slot was lost and created again): scan while
+///   scans find work, so whatever committed before the slot's position is published;
+/// * **log lost** (the slot is gone): every claim scans, as a polling dispatcher's;
+/// * **steady**: one scan every `sweep_every_ms` *whatever the window holds*, and the log's
+///   rows otherwise. A row the log named once and that later needs another send (an unknown
+///   outcome the reconciler hands back, an operator's release, an earlier version that
+///   blocked it under R29 and settled after its last offer) is found by the next scan, so a
+///   window full of rows that cannot be claimed never starves the rows behind them.
+#[derive(Clone, Debug)]
+pub struct ClaimSource {
+    next_scan_ms: Option<u64>,
+    catching_up: bool,
+    log_lost: bool,
+    sweep_every_ms: u64,
+}
+
+impl ClaimSource {
+    /// A publisher that starts by catching up.
+    pub fn new(sweep_every_ms: u64) -> ClaimSource {
+        ClaimSource {
+            next_scan_ms: None,
+            catching_up: true,
+            log_lost: false,
+            sweep_every_ms,
+        }
+    }
+
+    /// The next claim's source at `now_ms`; a [`ClaimFrom::Log`] marks its rows offered.
+    pub fn choose(&self, now_ms: u64, window: &mut LogWindow, max: usize) -> ClaimFrom {
+        if self.log_lost || self.catching_up || self.next_scan_ms.is_none_or(|t| now_ms >= t) {
+            return ClaimFrom::Scan;
+        }
+        let offered = window.offer(max);
+        if offered.is_empty() {
+            ClaimFrom::Nothing
+        } else {
+            ClaimFrom::Log(offered)
+        }
+    }
+
+    /// A scan committed at `now_ms`; `found_work`: it picked at least one row. Catching up
+    /// ends with the first scan that finds nothing; the next steady scan is due a sweep
+    /// interval later.
+    pub fn scanned(&mut self, now_ms: u64, found_work: bool) {
+        if self.catching_up && found_work {
+            self.next_scan_ms = None;
+            return;
+        }
+        self.catching_up = false;
+        self.next_scan_ms = Some(now_ms + self.sweep_every_ms);
+    }
+
+    /// The slot is gone: every claim scans from now on.
+    pub fn lose_log(&mut self) {
+        self.log_lost = true;
+    }
+
+    /// When the next steady scan is due (`None`: every claim scans now).
+    pub fn next_scan_ms(&self) -> Option<u64> {
+        if self.log_lost || self.catching_up {
+            None
+        } else {
+            self.next_scan_ms
+        }
+    }
+}
+
 /// What a row's state means for the window: settled once it left the dispatchable phase,
 /// in flight while a claim's lease is live, waiting otherwise (`None`: a state this build
 /// does not know, which the shell treats as waiting).
@@ -324,6 +404,30 @@ mod tests {
         w.checked(&all);
         w.confirm();
         assert!(w.has_room());
+    }
+
+    #[test]
+    fn scans_catch_up_then_run_on_schedule_whatever_the_window_holds() {
+        let mut w = LogWindow::new(0, 1 << 20);
+        w.push(10, 1, vec![key(1)]);
+        let mut s = ClaimSource::new(1_000);
+        // Catching up: scans while they find work, the log waits.
+        assert_eq!(s.choose(0, &mut w, 10), ClaimFrom::Scan);
+        s.scanned(0, true);
+        assert_eq!(s.choose(1, &mut w, 10), ClaimFrom::Scan);
+        s.scanned(1, false);
+        // Steady: the log's rows, then nothing, until the next scan is due.
+        assert_eq!(s.choose(2, &mut w, 10), ClaimFrom::Log(vec![key(1)]));
+        assert_eq!(s.choose(3, &mut w, 10), ClaimFrom::Nothing);
+        w.checked(&[(key(1), RowCheck::Waiting)]);
+        // A due scan runs even while the window has rows to offer.
+        assert_eq!(s.choose(1_001, &mut w, 10), ClaimFrom::Scan);
+        s.scanned(1_001, true);
+        assert_eq!(s.choose(1_002, &mut w, 10), ClaimFrom::Log(vec![key(1)]));
+        // The log lost: scans only.
+        s.lose_log();
+        assert_eq!(s.next_scan_ms(), None);
+        assert_eq!(s.choose(1_003, &mut w, 10), ClaimFrom::Scan);
     }
 
     #[test]
