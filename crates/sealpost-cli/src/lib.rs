@@ -42,6 +42,22 @@ pub fn print_status(s: &store::Status) {
             s.missing_at_broker
         );
     }
+    for c in &s.cdc {
+        println!(
+            "CDC slot {} ({}): {}{}, {} unconfirmed log bytes, {} retained, confirmed {:.1}s ago, {} rows in its window",
+            c.slot,
+            c.cluster,
+            if c.exists { "exists" } else { "GONE" },
+            if c.active { ", streaming" } else { ", no publisher" },
+            c.unconfirmed_bytes,
+            c.retained_bytes,
+            c.confirmed_age_s,
+            c.window_rows
+        );
+        if let Some(p) = c.problem(300.0) {
+            println!("  CDC: {p}");
+        }
+    }
 }
 
 /// Prints a reconciliation report.

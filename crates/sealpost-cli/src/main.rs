@@ -337,12 +337,13 @@ enum Cmd {
         reason: String,
     },
     /// Row counts per state, oldest PENDING and UNKNOWN ages, quarantined rows with their
-    /// reason, rows that cannot leave, published rows missing at the broker.
+    /// reason, rows that cannot leave, published rows missing at the broker, CDC slots.
     Status {
         /// One JSON object.
         #[arg(long)]
         json: bool,
-        /// Exit 1 when the oldest unknown is older than `unknown_alert_s` (for alerting).
+        /// Exit 1 when the oldest unknown is older than `unknown_alert_s`, or a CDC slot is
+        /// gone, lost or has not confirmed for 5 minutes (for alerting).
         #[arg(long)]
         check: bool,
     },
@@ -1084,6 +1085,12 @@ async fn run(cmd: Cmd, cfg: Settings) -> Result<i32, String> {
                     s.unknown, s.oldest_unknown_s, cfg.unknown_alert_s
                 );
                 return Ok(1);
+            }
+            if check {
+                if let Some(p) = s.cdc.iter().find_map(|c| c.problem(300.0)) {
+                    eprintln!("ALERT: {p}");
+                    return Ok(1);
+                }
             }
             Ok(0)
         }

@@ -252,6 +252,36 @@ async fn events_committed_before_and_during_cdc_are_published_once_and_the_slot_
         total,
         "one attempt per event"
     );
+    // Status shows the slot, healthy.
+    let slots = store::cdc_status(&pg).await.unwrap();
+    assert_eq!(slots.len(), 1);
+    assert!(slots[0].exists && slots[0].window_rows == 0, "{slots:?}");
+    assert_eq!(slots[0].problem(300.0), None);
+    // Cleanup never runs ahead of the slot (R20): with no replay window and no consumer to
+    // wait for, every row is still kept while the publisher's hold covers it (the margin for
+    // long transactions is an hour)...
+    let mut o = sealpost::ops::PurgeOptions::new(&[], 0);
+    o.no_consumers = true;
+    o.dry_run = true;
+    let kept = sealpost::ops::purge(&mut pg, &o).await.unwrap();
+    assert_eq!(kept.purged, 0);
+    assert_eq!(
+        kept.kept.get("its CDC slot has not confirmed it").copied(),
+        Some(total as u64),
+        "{:?}",
+        kept.kept
+    );
+    // ...and once CDC is retired (`sealpost cdc --drop`), the same purge may take them.
+    sealpost::cdc::drop_slot(&mut pg, &Config::default().cdc.names(common::NATS_CLUSTER))
+        .await
+        .unwrap();
+    let free = sealpost::ops::purge(&mut pg, &o).await.unwrap();
+    assert_eq!(free.purged, total as u64, "{:?}", free.kept);
+    assert_eq!(
+        count(&pg, "SELECT count(*) FROM pg_replication_slots").await,
+        0,
+        "--drop removes the slot"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -400,6 +430,14 @@ async fn a_dropped_slot_hands_the_work_to_scans_and_cdc_beside_polling_stores_ea
         },
     )
     .await;
+    let gone = store::cdc_status(&pg).await.unwrap();
+    assert!(
+        !gone[0].exists
+            && gone[0]
+                .problem(300.0)
+                .is_some_and(|p| p.contains("is gone")),
+        "{gone:?}"
+    );
     let second = enqueue(&mut pg, "orders", 50, 10).await;
     let total = (first.len() + second.len()) as i64;
     wait_for(

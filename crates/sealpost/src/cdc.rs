@@ -25,9 +25,11 @@
 //!   position behind an empty window, so the slot does not hold the server's log.
 //! * **A dropped or invalidated slot**: an `ALERT`, and the publisher claims by scanning the
 //!   claim index from then on, as a polling dispatcher does; the next start creates the slot
-//!   again and catches up by scanning first. Never a silent gap: a sweep scan runs whenever
-//!   the log names nothing, at least every [`CdcConfig::sweep_every_ms`], so a row the log
-//!   never named (committed before the slot existed) is published all the same.
+//!   again and catches up by scanning first. Never a silent gap: a scan of the claim index
+//!   runs every [`CdcConfig::sweep_every_ms`] whatever the window holds
+//!   ([`sealpost_core::cdc::ClaimSource`]), so a row the log never named (committed before
+//!   the slot existed) or no longer names (sent back by the reconciler, released by an
+//!   operator) is published all the same.
 //! * **A schema change of the envelope table**: the reader maps columns by name from each
 //!   relation message, so added columns change nothing; a missing key column is an error.
 
@@ -37,7 +39,9 @@ use std::time::{Duration, Instant};
 
 use pg_walstream::{LogicalReplicationMessage, LogicalReplicationParser};
 use pgwire_replication::{Lsn, ReplicationClient, ReplicationConfig, ReplicationEvent};
-use sealpost_core::cdc::{lsn_text, parse_lsn, LogWindow, RowCheck, RowKey, WindowFigures};
+use sealpost_core::cdc::{
+    lsn_text, parse_lsn, ClaimFrom, ClaimSource, LogWindow, RowCheck, RowKey, WindowFigures,
+};
 use sealpost_core::port::Broker;
 use sealpost_core::EventId;
 use tokio::sync::Notify;
@@ -62,8 +66,9 @@ pub struct CdcConfig {
     pub window_bytes_max: usize,
     /// How often the state of offered rows is checked (and the position confirmed).
     pub check_every_ms: u64,
-    /// A scan of the claim index runs at least this often (and whenever the last one found
-    /// work), so rows the log never named are published too.
+    /// A scan of the claim index runs this often whatever the log names (and, at start and
+    /// while the slot is gone, whenever the last one found work), so rows the log never named
+    /// or no longer names are published too.
     pub sweep_every_ms: u64,
     /// How often the confirmed position is reported to the server at most.
     pub status_interval_ms: u64,
@@ -313,37 +318,28 @@ pub async fn drop_slot(
     Ok(())
 }
 
-/// What the dispatcher loop and the log reader share: the window, and the sweep's schedule.
+/// What the dispatcher loop and the log reader share: the window, and the choice between the
+/// log and a scan ([`ClaimSource`], the core's rule, which the simulator runs too).
 pub struct LogScope {
     window: Mutex<LogWindow>,
+    source: Mutex<ClaimSource>,
+    epoch: Instant,
     counters: Arc<Counters>,
-    sweep: Mutex<Sweep>,
-    sweep_every: Duration,
     /// New rows to offer: wakes the dispatcher machine.
     pub(crate) ready: Notify,
     /// Rows left the window: wakes a reader that stopped on a full window.
     room: Notify,
 }
 
-struct Sweep {
-    /// When the next scan is due (`None`: now, and after every scan that found work).
-    next: Option<Instant>,
-    /// The log is gone: every claim scans.
-    log_lost: bool,
-}
-
 impl LogScope {
     fn new(confirmed_lsn: u64, cfg: &CdcConfig, counters: Arc<Counters>) -> LogScope {
         LogScope {
             window: Mutex::new(LogWindow::new(confirmed_lsn, cfg.window_bytes_max)),
-            counters,
             // The first claims scan: whatever committed before the slot's position (a new
             // slot, a slot recreated after a loss, rows released by an operator) is found.
-            sweep: Mutex::new(Sweep {
-                next: None,
-                log_lost: false,
-            }),
-            sweep_every: Duration::from_millis(cfg.sweep_every_ms),
+            source: Mutex::new(ClaimSource::new(cfg.sweep_every_ms)),
+            epoch: Instant::now(),
+            counters,
             ready: Notify::new(),
             room: Notify::new(),
         }
@@ -353,68 +349,66 @@ impl LogScope {
         self.window.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    fn source(&self) -> std::sync::MutexGuard<'_, ClaimSource> {
+        self.source.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
+    }
+
     /// The window's figures now.
     pub fn figures(&self) -> WindowFigures {
         self.window().figures()
     }
 
     fn lose_log(&self) {
-        let mut s = self.sweep.lock().unwrap_or_else(|e| e.into_inner());
-        s.log_lost = true;
-        s.next = None;
-        drop(s);
+        self.source().lose_log();
         self.ready.notify_one();
     }
 
-    /// The dispatcher machine's claim: the rows the log named first (oldest first); when it
-    /// names none, a scan of the claim index if one is due (`scan`, the machine's request);
-    /// otherwise nothing.
+    /// The dispatcher machine's claim, from where [`ClaimSource::choose`] says: the rows the
+    /// log named, a scan of the claim index (`scan`, the machine's own request), or nothing.
     pub(crate) async fn claim(
         &self,
         client: &mut tokio_postgres::Client,
         scan: &ClaimRequest<'_>,
         held: &mut Held,
     ) -> Result<ClaimBatch, StoreError> {
-        let (log_lost, sweep_due) = {
-            let s = self.sweep.lock().unwrap_or_else(|e| e.into_inner());
-            (s.log_lost, s.next.is_none_or(|t| Instant::now() >= t))
+        let from = {
+            let source = self.source();
+            let mut window = self.window();
+            source.choose(self.now_ms(), &mut window, scan.batch_size_max)
         };
-        let offered = if log_lost {
-            Vec::new()
-        } else {
-            self.window().offer(scan.batch_size_max)
-        };
-        if !offered.is_empty() {
-            let req = ClaimRequest {
-                from_position: 0,
-                ..*scan
+        match from {
+            ClaimFrom::Log(offered) => {
+                let req = ClaimRequest {
+                    from_position: 0,
+                    ..*scan
+                }
+                .only(&offered);
+                let mut batch = store::claim(client, &req, Some(held)).await?;
+                // A claim of named rows says nothing about the scan position.
+                batch.last_position = None;
+                batch.ordered_from = None;
+                observe::record_cdc_claim(offered.len(), batch.outgoing.len());
+                self.counters.from_log.fetch_add(
+                    batch.outgoing.len() as u64,
+                    std::sync::atomic::Ordering::Relaxed,
+                );
+                Ok(batch)
             }
-            .only(&offered);
-            let mut batch = store::claim(client, &req, Some(held)).await?;
-            // A claim of named rows says nothing about the scan position.
-            batch.last_position = None;
-            batch.ordered_from = None;
-            observe::record_cdc_claim(offered.len(), batch.outgoing.len());
-            self.counters.from_log.fetch_add(
-                batch.outgoing.len() as u64,
-                std::sync::atomic::Ordering::Relaxed,
-            );
-            return Ok(batch);
-        }
-        if !(log_lost || sweep_due) {
-            return Ok(ClaimBatch {
+            ClaimFrom::Nothing => Ok(ClaimBatch {
                 db_now_ms: held.db_now_ms().unwrap_or(0),
                 ..ClaimBatch::default()
-            });
-        }
-        let batch = store::claim(client, scan, Some(held)).await?;
-        if batch.outgoing.is_empty() && batch.last_position.is_none() {
-            let mut s = self.sweep.lock().unwrap_or_else(|e| e.into_inner());
-            if !s.log_lost {
-                s.next = Some(Instant::now() + self.sweep_every);
+            }),
+            ClaimFrom::Scan => {
+                let batch = store::claim(client, scan, Some(held)).await?;
+                let found = !batch.outgoing.is_empty() || batch.last_position.is_some();
+                self.source().scanned(self.now_ms(), found);
+                Ok(batch)
             }
         }
-        Ok(batch)
     }
 }
 

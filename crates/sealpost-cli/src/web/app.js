@@ -103,6 +103,21 @@ function renderStatus(s) {
   for (const [id, tries, why] of s.stuck_rows) {
     stuck.appendChild(el("p", "cannot leave: " + id + " (" + tries + " tries; last: " + why + ")", "bad"));
   }
+  const cdc = $("cdc-slots");
+  const slots = s.cdc || [];
+  cdc.hidden = slots.length === 0;
+  cdc.tBodies[0].replaceChildren();
+  for (const c of slots) {
+    const tr = el("tr");
+    tr.appendChild(el("td", c.slot));
+    tr.appendChild(el("td", c.cluster));
+    const state = !c.exists ? "gone (scanning)" : c.wal_status === "lost" ? "lost" : c.active ? "streaming" : "no publisher";
+    tr.appendChild(el("td", state, c.exists && c.wal_status !== "lost" && c.active ? "" : "bad"));
+    tr.appendChild(el("td", c.unconfirmed_bytes, "n"));
+    tr.appendChild(el("td", fmtAge(c.confirmed_age_s), "n"));
+    tr.appendChild(el("td", c.window_rows, "n"));
+    cdc.tBodies[0].appendChild(tr);
+  }
   // Rebuilt only when the rows change, so a button is not replaced under the operator's click.
   const qkey = JSON.stringify(s.quarantined_rows);
   if (qkey === lastQuarantined) return;

@@ -23,6 +23,110 @@ pub struct Status {
     pub stuck_rows: Vec<(String, i32, String)>,
     /// Open "published but missing at the broker" findings of the verification pass (R31).
     pub missing_at_broker: i64,
+    /// The CDC publishers' slots (R32): one entry per slot `sealpost.cdc_progress` records
+    /// (empty without CDC, or for a login that may not read that table).
+    pub cdc: Vec<CdcSlotStatus>,
+}
+
+/// One CDC publisher's slot, as the server and its progress row tell.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct CdcSlotStatus {
+    /// Slot name.
+    pub slot: String,
+    /// Destination cluster it publishes.
+    pub cluster: String,
+    /// The slot exists on the server (false: dropped or lost; the publisher scans instead and
+    /// recreates it on its next start).
+    pub exists: bool,
+    /// A publisher is streaming from it now.
+    pub active: bool,
+    /// The server's `wal_status` of the slot (`reserved`, `extended`, `unreserved`, `lost`).
+    pub wal_status: String,
+    /// Log bytes after the slot's confirmed position (what a restart would read again).
+    pub unconfirmed_bytes: i64,
+    /// Log bytes the server keeps for the slot (from its restart position).
+    pub retained_bytes: i64,
+    /// Seconds since the confirmed position last moved.
+    pub confirmed_age_s: f64,
+    /// Rows the publisher holds unsettled (its last report).
+    pub window_rows: i64,
+    /// Seconds since its last report.
+    pub reported_age_s: f64,
+}
+
+impl CdcSlotStatus {
+    /// What an operator must look at, if anything: a slot gone or lost, or unconfirmed log
+    /// older than `stale_s`.
+    pub fn problem(&self, stale_s: f64) -> Option<String> {
+        if !self.exists {
+            return Some(format!(
+                "slot {} is gone: the publisher scans instead; start it again to recreate the slot, or `sealpost cdc --drop --cluster {}` if CDC is retired",
+                self.slot, self.cluster
+            ));
+        }
+        if self.wal_status == "lost" {
+            return Some(format!(
+                "slot {} was invalidated by the server (max_slot_wal_keep_size): `sealpost cdc --drop --cluster {}`, then start the publisher again",
+                self.slot, self.cluster
+            ));
+        }
+        if self.unconfirmed_bytes > 0 && self.confirmed_age_s > stale_s {
+            return Some(format!(
+                "slot {} has not confirmed for {:.0} s ({} bytes of log held{}): is `sealpost cdc` running?",
+                self.slot,
+                self.confirmed_age_s,
+                self.retained_bytes,
+                if self.active { "" } else { ", no publisher connected" }
+            ));
+        }
+        None
+    }
+}
+
+/// The CDC slots' status (empty where `sealpost.cdc_progress` is absent or not readable).
+pub async fn cdc_status(client: &impl GenericClient) -> Result<Vec<CdcSlotStatus>> {
+    let readable: bool = client
+        .query_one(
+            "SELECT to_regclass('sealpost.cdc_progress') IS NOT NULL
+                    AND has_table_privilege('sealpost.cdc_progress', 'SELECT')",
+            &[],
+        )
+        .await?
+        .get(0);
+    if !readable {
+        return Ok(Vec::new());
+    }
+    let rows = client
+        .query(
+            &format!(
+                "SELECT p.slot_name, p.cluster, s.slot_name IS NOT NULL, coalesce(s.active, false),
+                        coalesce(s.wal_status, ''),
+                        coalesce(pg_wal_lsn_diff(pg_current_wal_lsn(), s.confirmed_flush_lsn), 0)::bigint,
+                        coalesce(pg_wal_lsn_diff(pg_current_wal_lsn(), s.restart_lsn), 0)::bigint,
+                        {NOW_MS_SQL} - coalesce(p.confirmed_at_ms, p.created_at_ms),
+                        p.window_rows, {NOW_MS_SQL} - p.updated_at_ms
+                 FROM sealpost.cdc_progress p
+                 LEFT JOIN pg_replication_slots s ON s.slot_name = p.slot_name
+                 ORDER BY p.slot_name"
+            ),
+            &[],
+        )
+        .await?;
+    Ok(rows
+        .iter()
+        .map(|r| CdcSlotStatus {
+            slot: r.get(0),
+            cluster: r.get(1),
+            exists: r.get(2),
+            active: r.get(3),
+            wal_status: r.get(4),
+            unconfirmed_bytes: r.get(5),
+            retained_bytes: r.get(6),
+            confirmed_age_s: r.get::<_, i64>(7).max(0) as f64 / 1000.0,
+            window_rows: r.get(8),
+            reported_age_s: r.get::<_, i64>(9).max(0) as f64 / 1000.0,
+        })
+        .collect())
 }
 
 /// Unknown rows and the age of the oldest, in seconds (reads only the unknown index).
@@ -110,6 +214,7 @@ pub async fn status(client: &impl GenericClient) -> Result<Status> {
         )
         .await?
         .get(0);
+    s.cdc = cdc_status(client).await?;
     Ok(s)
 }
 
