@@ -72,6 +72,21 @@ fn main() {
         s.duplicate_acks_not_this_message,
         s.forgeries_reported
     );
+    let c = &s.cdc;
+    println!(
+        "  cdc: traces {} (alone {}), restarts {}, reconnects {}, repeats {}, slot losses {}, window full {}, stalls {}, claimed from log {}, sweeps {}, confirms {}",
+        c.traces,
+        c.alone,
+        c.restarts,
+        c.reconnects,
+        c.repeats,
+        c.slot_losses,
+        c.window_full,
+        c.stalls,
+        c.claimed_from_log,
+        c.sweeps,
+        c.confirms
+    );
     for (i, ts) in &report.failing {
         println!("  failing trace {i} (trace seed {ts})");
     }

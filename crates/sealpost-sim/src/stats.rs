@@ -40,11 +40,15 @@ pub enum Violation {
     /// Signed envelopes: a row's primary receipt, or a verification pass's "held", points at
     /// a message no dispatcher signed (a forged copy adopted as the event's publication).
     ForgedCopyAdopted,
+    /// CDC (R32): the slot's confirmed position passed a row that never left the
+    /// dispatchable phase (a restarted reader resumes after it: the log would never name it
+    /// again).
+    CdcConfirmedUnsettled,
 }
 
 impl Violation {
     /// Every class, in JSON order.
-    pub const ALL: [Violation; 14] = [
+    pub const ALL: [Violation; 15] = [
         Violation::LostEvents,
         Violation::SecondEventIds,
         Violation::CrossDestinationRetries,
@@ -59,6 +63,7 @@ impl Violation {
         Violation::FalseAbsences,
         Violation::ForgeryApplied,
         Violation::ForgedCopyAdopted,
+        Violation::CdcConfirmedUnsettled,
     ];
 
     /// JSON key.
@@ -78,6 +83,7 @@ impl Violation {
             Violation::FalseAbsences => "false_absences",
             Violation::ForgeryApplied => "forgery_applied",
             Violation::ForgedCopyAdopted => "forged_copy_adopted",
+            Violation::CdcConfirmedUnsettled => "cdc_confirmed_unsettled",
         }
     }
 }
@@ -428,6 +434,52 @@ pub struct TraceStats {
     /// Verification findings ("published but missing") caused by a forged copy shadowing the
     /// genuine one at its subject: a true alarm for the operator, not a lost event.
     pub forgeries_reported: u64,
+    /// CDC: the reader's counts.
+    pub cdc: CdcCounts,
+}
+
+/// What the CDC log reader did (traces with a CDC publisher only).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CdcCounts {
+    /// Traces with a CDC publisher.
+    pub traces: u64,
+    /// Of those, traces without a polling dispatcher (the publisher alone).
+    pub alone: u64,
+    /// Publisher process restarts (after a crash, a lost slot or a restore): a new window
+    /// from the slot's confirmed position.
+    pub restarts: u64,
+    /// Reader reconnects after a stream error (the window kept).
+    pub reconnects: u64,
+    /// Transactions the log delivered again (after a restart or a reconnect).
+    pub repeats: u64,
+    /// Slots lost (dropped, invalidated, or gone with a restored database).
+    pub slot_losses: u64,
+    /// Times the reader stopped reading on a full window.
+    pub window_full: u64,
+    /// Reader stalls.
+    pub stalls: u64,
+    /// Rows claimed from the window (named by the log).
+    pub claimed_from_log: u64,
+    /// Sweep (scan) claims of the publisher.
+    pub sweeps: u64,
+    /// Confirmed positions written to the slot.
+    pub confirms: u64,
+}
+
+impl CdcCounts {
+    fn merge(&mut self, o: &CdcCounts) {
+        self.traces += o.traces;
+        self.alone += o.alone;
+        self.restarts += o.restarts;
+        self.reconnects += o.reconnects;
+        self.repeats += o.repeats;
+        self.slot_losses += o.slot_losses;
+        self.window_full += o.window_full;
+        self.stalls += o.stalls;
+        self.claimed_from_log += o.claimed_from_log;
+        self.sweeps += o.sweeps;
+        self.confirms += o.confirms;
+    }
 }
 
 impl TraceStats {
@@ -460,6 +512,7 @@ impl TraceStats {
         self.unsealed_parked += o.unsealed_parked;
         self.duplicate_acks_not_this_message += o.duplicate_acks_not_this_message;
         self.forgeries_reported += o.forgeries_reported;
+        self.cdc.merge(&o.cdc);
         self.inbox_duplicates += o.inbox_duplicates;
         self.inbox_quarantined += o.inbox_quarantined;
         self.effect_retries += o.effect_retries;
