@@ -2,6 +2,7 @@
 //! which calls `sealpost-core` and, when a mutant is switched on, alters exactly one
 //! decision. Mutants exist only here, never in production code paths (G4).
 
+use sealpost_core::cdc::{self as cdc, RowCheck};
 use sealpost_core::claim::{self, BeginSend, ClaimToken};
 use sealpost_core::cleanup::{self, PurgeRefusal, RetentionPolicy, Watermark};
 use sealpost_core::dispatcher::OutcomeReport;
@@ -92,11 +93,21 @@ pub enum Mutant {
     /// handed to the dispatcher as an ordinary refusal): a grant missing for a while
     /// quarantines the deliverable events it refused.
     PermissionRefusalIsPoison,
+    /// The CDC publisher takes a row that is claimed and on its way (in flight, a live
+    /// lease) for settled when it feeds its state checks into the log window: the slot's
+    /// confirmed position passes the transaction before the acceptance point committed
+    /// anything, so a restarted reader never names the row again.
+    CdcConfirmBeforeAccept,
+    /// The CDC publisher sweeps (scans the claim index) only when its window offers nothing,
+    /// as `sealpost::cdc::LogScope::claim` does today: rows offered again and again that no
+    /// claim can take (ordered behind an earlier version the log no longer names) keep the
+    /// sweep away for ever.
+    CdcSweepOnlyWhenWindowEmpty,
 }
 
 impl Mutant {
     /// Every mutant, in `--list-mutants` order.
-    pub const ALL: [Mutant; 25] = [
+    pub const ALL: [Mutant; 27] = [
         Mutant::AcceptWithoutDigestCheck,
         Mutant::RetryToOtherDestination,
         Mutant::AcceptUnregisteredAttempt,
@@ -122,6 +133,8 @@ impl Mutant {
         Mutant::ConsumerSkipsSignature,
         Mutant::TrustDuplicateAck,
         Mutant::PermissionRefusalIsPoison,
+        Mutant::CdcConfirmBeforeAccept,
+        Mutant::CdcSweepOnlyWhenWindowEmpty,
     ];
 
     /// The CLI name.
@@ -152,6 +165,8 @@ impl Mutant {
             Mutant::ConsumerSkipsSignature => "consumer-skips-signature",
             Mutant::TrustDuplicateAck => "trust-duplicate-ack",
             Mutant::PermissionRefusalIsPoison => "permission-refusal-is-poison",
+            Mutant::CdcConfirmBeforeAccept => "cdc-confirm-before-accept",
+            Mutant::CdcSweepOnlyWhenWindowEmpty => "cdc-sweep-only-when-window-empty",
         }
     }
 
@@ -585,6 +600,25 @@ impl Protocol {
             policy
         };
         inbox::decide_delivery(claimed_digest, payload_digest, policy, presented)
+    }
+
+    /// What the CDC publisher's state check makes of an offered row
+    /// (`cdc::check_of`, a state this build does not know taken as waiting, as the shell
+    /// does), as it is fed into the log window; the cdc-confirm-before-accept mutant takes a
+    /// row in flight for settled.
+    pub fn cdc_check(&self, phase: i16, state: &str, live_lease: bool) -> RowCheck {
+        let c = cdc::check_of(phase, state, live_lease).unwrap_or(RowCheck::Waiting);
+        if c == RowCheck::InFlight && self.is(Mutant::CdcConfirmBeforeAccept) {
+            RowCheck::Settled
+        } else {
+            c
+        }
+    }
+
+    /// Does the CDC publisher's claim fall back to a due sweep when none of the rows its
+    /// window offered could be sent? (The mutant: only when the window offers nothing.)
+    pub fn cdc_sweep_behind_stuck_offer(&self) -> bool {
+        !self.is(Mutant::CdcSweepOnlyWhenWindowEmpty)
     }
 
     /// True when cleanup should also run right at acceptance (only the purge-at-ack mutant).

@@ -11,6 +11,7 @@ use std::rc::Rc;
 use rand_chacha::ChaCha8Rng;
 use rand_core::{Rng, SeedableRng};
 
+use sealpost_core::cdc::{LogWindow, RowCheck, RowKey, ROW_BYTES, TXN_BYTES};
 use sealpost_core::claim::{apply_release_quarantine, ClaimToken, SendOutcome};
 use sealpost_core::cleanup::{
     apply_retention, PurgeRefusal, RetentionDecision, RetentionPolicy, Watermark,
@@ -85,6 +86,12 @@ const REJECTION_LIMIT: u32 = 3;
 const DRAIN_MAX_MS: u64 = 3_600_000;
 const STEPS_MAX: u32 = 60_000;
 const BROKER_OUTAGE_MAX_MS: u64 = 600_000;
+/// Per mille of the traces with a CDC publisher (R32), and of those, without a polling
+/// dispatcher (the publisher alone).
+const CDC_TRACES: u32 = 300;
+const CDC_ALONE: u32 = 250;
+/// The CDC publisher's owner id (its dispatcher machine's claims).
+const CDC_OWNER: u64 = 900;
 
 /// Every reader (consumers, the reconciler, the verification pass) requires a valid signature
 /// in every trace, and the forging adversary runs in every trace: under `off` or `if-present`
@@ -318,6 +325,20 @@ enum Ev {
     Restore,
     FaultsEnd,
     OperatorRelease,
+    /// The CDC log reader's next step (read, check, confirm).
+    CdcTick {
+        inc: u32,
+    },
+    /// The CDC publisher dies (reader and dispatcher machine), or its stream breaks.
+    CdcCrash,
+    /// The CDC publisher starts (again): a new window from the slot, or a new slot.
+    CdcRestart,
+    /// The CDC log reader stalls (the dispatcher machine goes on).
+    CdcStall {
+        until: u64,
+    },
+    /// The replication slot is dropped or invalidated.
+    CdcSlotLost,
 }
 
 #[derive(Clone, Debug)]
@@ -344,6 +365,63 @@ struct Db {
     duplicates: Vec<(u32, Receipt)>,
     next_attempt_id: u64,
     policy: u64,
+    /// The database log (CDC): every enqueue transaction, in commit order, with the rows the
+    /// CDC publisher's publication names (a restore takes it back with the rows).
+    log: Vec<LogTxn>,
+    /// The end position of the log transaction that inserted each row.
+    row_lsn: Vec<u64>,
+}
+
+/// One committed transaction as the log carries it.
+#[derive(Clone, Debug)]
+struct LogTxn {
+    end_lsn: u64,
+    commit_ms: u64,
+    rows: Vec<RowKey>,
+}
+
+/// The CDC publisher (R32): one process of a dispatcher machine (`dispatchers[d]`) whose
+/// claims take the rows the log window offers first, and a log reader that fills the window
+/// from the replication slot, checks the offered rows' states and confirms the slot's
+/// position through the core's [`LogWindow`].
+#[derive(Clone, Debug)]
+struct Cdc {
+    /// The publisher's dispatcher machine.
+    d: u8,
+    /// The clusters its publication (and its claims) cover.
+    clusters: Vec<String>,
+    /// The reader's window (lost with the process).
+    window: LogWindow,
+    /// Reader incarnation: a crash, reconnect or lost slot ends the old one's ticks.
+    inc: u32,
+    /// The process runs.
+    alive: bool,
+    /// The next log transaction the stream delivers (index into `db.log`).
+    read_at: usize,
+    /// The replication slot's confirmed position (`None`: the slot is lost). Survives every
+    /// crash of the publisher.
+    slot: Option<u64>,
+    /// Where the slot was created: rows committed at or before it were never named by this
+    /// slot (a sweep publishes them).
+    slot_floor: u64,
+    /// This process saw its slot lost: every claim scans.
+    log_lost: bool,
+    /// When the next sweep is due (`None`: now).
+    sweep_next: Option<u64>,
+    stalled_until: u64,
+    tick_at: Option<u64>,
+    /// Ghost: the highest transaction end the log ever delivered (repeats are at or below).
+    delivered_max: u64,
+    /// The reader stopped on a full window.
+    full: bool,
+    bytes_max: usize,
+    check_every_ms: u64,
+    sweep_every_ms: u64,
+    /// Per mille per reader step: the confirmed position reaches the slot now (the status
+    /// report is periodic: the slot lags the window).
+    p_slot_write: u32,
+    /// Per mille per reader step: the process dies between reading and checking.
+    p_crash: u32,
 }
 
 #[derive(Clone, Debug)]
@@ -559,6 +637,16 @@ pub struct World {
     restore_broken: Vec<u32>,
     /// Ghost: the digests of every claim a dispatcher signed.
     signed: Vec<Digest>,
+    /// The CDC publisher, in the traces that have one.
+    cdc: Option<Box<Cdc>>,
+    /// The CDC model's own randomness (traces without a publisher draw what they drew
+    /// before it existed).
+    crng: ChaCha8Rng,
+    /// The log's insert position (never goes back, not even with a restore).
+    next_lsn: u64,
+    /// Ghost: per row, it has been seen outside the dispatchable phase (a reconciler's retry
+    /// or an operator's release may bring a settled row back: the scans' work, not the log's).
+    cdc_left: Vec<bool>,
 }
 
 fn chance(rng: &mut ChaCha8Rng, per_mille: u32) -> bool {
@@ -683,6 +771,12 @@ impl World {
         } else {
             cfg.facts as u32
         };
+        let mut crng = ChaCha8Rng::seed_from_u64(trace_seed ^ 0x0CDC_10C5_EA1F_0A57);
+        let with_cdc = chance(&mut crng, CDC_TRACES);
+        let cdc_alone = with_cdc && chance(&mut crng, CDC_ALONE);
+        if cdc_alone {
+            cfg.dispatchers = 0;
+        }
         let mut streams = Vec::new();
         for cluster in 0..CLUSTERS.len() as u8 {
             for topic in 0..TOPICS.len() as u8 {
@@ -719,6 +813,58 @@ impl World {
                 }
             })
             .collect();
+        let mut dispatchers: Vec<Dispatcher> = dispatchers;
+        let cdc = with_cdc.then(|| {
+            let d = dispatchers.len() as u8;
+            // The publisher alone covers every cluster; beside polling dispatchers it may
+            // cover one (its publication names that cluster's rows only).
+            let clusters: Vec<String> = if cdc_alone || chance(&mut crng, 500) {
+                CLUSTERS.iter().map(|c| c.to_string()).collect()
+            } else {
+                vec![CLUSTERS[range(&mut crng, 0, 1) as usize].to_string()]
+            };
+            dispatchers.push(Dispatcher {
+                inc: 0,
+                alive: true,
+                paused_until: 0,
+                owner: CDC_OWNER,
+                clusters: clusters.clone(),
+                machine: DispatcherMachine::new(dispatcher_config(), 0),
+                batch: None,
+                next_batch: 0,
+                claim_meta: Vec::new(),
+                scan_high_water: 0,
+                wake_at: None,
+                held: Vec::new(),
+            });
+            // A small window in some traces, so it fills.
+            let bytes_max = if chance(&mut crng, 400) {
+                range(&mut crng, 1, 3) as usize * (TXN_BYTES + ROW_BYTES)
+            } else {
+                8 << 20
+            };
+            Box::new(Cdc {
+                d,
+                clusters,
+                window: LogWindow::new(0, bytes_max),
+                inc: 0,
+                alive: true,
+                read_at: 0,
+                slot: Some(0),
+                slot_floor: 0,
+                log_lost: false,
+                sweep_next: None,
+                stalled_until: 0,
+                tick_at: None,
+                delivered_max: 0,
+                full: false,
+                bytes_max,
+                check_every_ms: range(&mut crng, 200, 2_000),
+                sweep_every_ms: range(&mut crng, 2_000, 20_000),
+                p_slot_write: range(&mut crng, 200, 1000) as u32,
+                p_crash: range(&mut crng, 0, 30) as u32,
+            })
+        });
         let reconciler = reconciler(cfg.caps, 0);
         let consumers = (0..cfg.consumers)
             .map(|_| Consumer {
@@ -768,7 +914,15 @@ impl World {
             ordered_stored: Vec::new(),
             restore_broken: Vec::new(),
             signed: Vec::new(),
+            cdc,
+            crng,
+            next_lsn: 0,
+            cdc_left: Vec::new(),
         };
+        if w.cdc.is_some() {
+            w.stats.cdc.traces = 1;
+            w.stats.cdc.alone = u64::from(cdc_alone);
+        }
         w.plan();
         w
     }
@@ -885,6 +1039,27 @@ impl World {
         for _ in 0..range(&mut self.adv, 0, 2) {
             let t = range(&mut self.adv, 0, end);
             self.at(t, Ev::ReplaySignature);
+        }
+        // The CDC publisher's start and faults, from the CDC model's own randomness.
+        if let Some(c) = self.cdc.as_ref() {
+            let d = c.d;
+            let t = range(&mut self.crng, 0, DISPATCH_IDLE_POLL_MS);
+            self.at(t, Ev::DispatchWake { d, inc: 0 });
+            self.dispatchers[d as usize].wake_at = Some(t);
+            self.at(0, Ev::CdcTick { inc: 0 });
+            for _ in 0..range(&mut self.crng, 0, 3) {
+                let t = range(&mut self.crng, 0, end);
+                self.at(t, Ev::CdcCrash);
+            }
+            for _ in 0..range(&mut self.crng, 0, 2) {
+                let t = range(&mut self.crng, 0, end);
+                let until = t + range(&mut self.crng, 1_000, 6 * LEASE_MS);
+                self.at(t, Ev::CdcStall { until });
+            }
+            if chance(&mut self.crng, 250) {
+                let t = range(&mut self.crng, 0, end);
+                self.at(t, Ev::CdcSlotLost);
+            }
         }
     }
 
@@ -1059,10 +1234,36 @@ impl World {
                 for d in &mut self.dispatchers {
                     d.paused_until = 0;
                 }
+                if let Some(c) = self.cdc.as_mut() {
+                    c.stalled_until = 0;
+                }
                 self.operator_release();
                 self.note(|| "faults end; draining".into());
             }
             Ev::OperatorRelease => self.operator_release(),
+            Ev::CdcTick { inc } => self.cdc_tick(inc),
+            Ev::CdcCrash => {
+                if self.faults_on {
+                    self.cdc_crash();
+                }
+            }
+            Ev::CdcRestart => self.cdc_restart(),
+            Ev::CdcStall { until } => {
+                if let Some(c) = self.cdc.as_mut().filter(|_| self.faults_on) {
+                    c.stalled_until = until;
+                    self.stats.cdc.stalls += 1;
+                    self.note(|| format!("CDC reader stalls until {until}"));
+                }
+            }
+            Ev::CdcSlotLost => {
+                if self.faults_on {
+                    self.cdc_slot_lost();
+                    // The operator starts the publisher again after the ALERT: the next start
+                    // creates the slot at the log's end and catches up by scanning.
+                    let t = self.now + range(&mut self.crng, 5_000, 60_000);
+                    self.at(t, Ev::CdcRestart);
+                }
+            }
         }
     }
 
@@ -1127,8 +1328,21 @@ impl World {
         let members = facts.members;
         // One transaction: business row and every member's PENDING envelope (R4).
         self.db.business.push(fact);
+        let mut named = Vec::new();
+        let end_lsn = self.next_lsn + 16 + 8 * u64::from(members);
         for m in 0..members {
             let dest = member_destination(self.db.policy, self.cfg.ordering_mode, agg, m);
+            if let Some(c) = self.cdc.as_ref() {
+                // The log carries the insert; the publication names it if it is bound for
+                // one of the publisher's clusters (`row_lsn` 0: a row it never names).
+                let lsn = if c.clusters.contains(&dest.cluster) {
+                    named.push((event_id, m));
+                    end_lsn
+                } else {
+                    0
+                };
+                self.db.row_lsn.push(lsn);
+            }
             self.db
                 .rows
                 .push(EventRow::new_pending(event_id, m, payload, dest));
@@ -1136,6 +1350,15 @@ impl World {
             self.unknown_since.push(None);
         }
         self.facts[f].committed = true;
+        if self.cdc.is_some() {
+            self.next_lsn = end_lsn;
+            self.db.log.push(LogTxn {
+                end_lsn,
+                commit_ms: self.now,
+                rows: named,
+            });
+            self.cdc_log_grew();
+        }
         self.note(|| format!("commit fact {fact} as {event_id} ({members} member(s))"));
         if self.faults_on && chance(&mut self.rng, self.cfg.p_writer_crash) {
             // F1: killed after the commit, before the response: the client retries.
@@ -1150,6 +1373,9 @@ impl World {
         // LISTEN/NOTIFY: a commit wakes the idle dispatchers soon.
         let t = self.now + 5;
         for d in 0..self.dispatchers.len() {
+            if self.cdc.as_ref().is_some_and(|c| c.d as usize == d) {
+                continue; // the CDC publisher is woken by its log reader
+            }
             let disp = &mut self.dispatchers[d];
             if disp.alive && disp.machine.is_idle() {
                 disp.machine.handle_notify(t);
@@ -1238,13 +1464,19 @@ impl World {
                 from_position,
             } => {
                 let now = self.now;
+                // The CDC publisher's claim takes the window's offer before its transaction
+                // (a failed transaction leaves the rows offered: the check reopens them).
+                let offered = self.cdc_offer(d, batch_size_max);
                 if self.database_unreachable() {
                     self.dispatchers[d as usize]
                         .machine
                         .handle_claim_failed(now);
                     return;
                 }
-                let claimed = self.store_claim(d, batch_size_max, from_position);
+                let claimed = match offered {
+                    Some(offered) => self.cdc_claim(d, batch_size_max, from_position, &offered),
+                    None => self.store_claim(d, batch_size_max, from_position, None),
+                };
                 if let Some(send) = self.dispatchers[d as usize]
                     .machine
                     .handle_claimed(now, claimed)
@@ -1274,7 +1506,13 @@ impl World {
     /// clusters that the core's [`step::picks`] takes, up to the batch (the store's `LIMIT`),
     /// with the fact "an earlier version is unresolved" and an attempt id drawn per picked
     /// row; then the core's claim step, the one the store runs, decides every row.
-    fn store_claim(&mut self, d: u8, max: usize, from_position: u64) -> Claimed {
+    fn store_claim(
+        &mut self,
+        d: u8,
+        max: usize,
+        from_position: u64,
+        only: Option<&[RowKey]>,
+    ) -> Claimed {
         self.db_version += 1;
         let di = d as usize;
         let owner = self.dispatchers[di].owner;
@@ -1287,12 +1525,18 @@ impl World {
             last_position: None,
             ordered_from: None,
         };
-        let from = self
-            .proto
-            .scan_from(from_position, self.dispatchers[di].scan_high_water);
+        // A claim of named rows (the CDC publisher's) is no scan: it starts at 0.
+        let from = match only {
+            Some(_) => 0,
+            None => self
+                .proto
+                .scan_from(from_position, self.dispatchers[di].scan_high_water),
+        };
         let served = Served::Only(&clusters);
+        let rows = &self.db.rows;
+        let named = |i: usize| only.is_none_or(|o| o.contains(&(rows[i].event_id, rows[i].member)));
         let idx: Vec<usize> = ((from as usize)..self.db.rows.len())
-            .filter(|&i| step::picks(&self.db.rows[i], served, now))
+            .filter(|&i| named(i) && step::picks(&self.db.rows[i], served, now))
             .take(max)
             .collect();
         let picked: Vec<Pick> = idx
@@ -1402,7 +1646,7 @@ impl World {
         }
         self.dispatchers[di].claim_meta = meta;
         self.dispatchers[di].clusters = clusters;
-        if let Some(p) = claimed.last_position {
+        if let Some(p) = claimed.last_position.filter(|_| only.is_none()) {
             let hw = &mut self.dispatchers[di].scan_high_water;
             *hw = (*hw).max(p + 1);
         }
@@ -3504,6 +3748,325 @@ impl World {
         self.note(|| "database restored from backup".into());
         // The rows' backoff went back with them; the ghost starts counting again.
         self.never_sent_ghost.clear();
+        if self.cdc.is_some() {
+            // The restored database has no slot (its progress row outlived it): the
+            // publisher starts again, creates one at the log's end and scans first.
+            self.cdc_slot_lost();
+            self.cdc_restart();
+            self.cdc_left = self
+                .db
+                .rows
+                .iter()
+                .map(|r| r.state.phase() != Phase::Dispatchable)
+                .collect();
+        }
+    }
+
+    // ---------------------------------------------------------------- CDC publisher
+    //
+    // The log reader and the publisher's claims (`sealpost::cdc`): the window is the core's
+    // `LogWindow`, the state check the core's `check_of` (through `Protocol::cdc_check`), the
+    // claim the same claim step as every dispatcher's, restricted to the offered rows.
+
+    /// A transaction was appended to the log: an idle reader reads it soon.
+    fn cdc_log_grew(&mut self) {
+        let t = self.now + range(&mut self.crng, 1, 50);
+        let Some(c) = self.cdc.as_deref_mut() else {
+            return;
+        };
+        if !c.alive || c.log_lost || c.tick_at.is_some_and(|w| w <= t) {
+            return;
+        }
+        c.tick_at = Some(t);
+        let inc = c.inc;
+        self.at(t, Ev::CdcTick { inc });
+    }
+
+    /// The reader's `ready.notify_one()`: wakes the publisher's dispatcher machine.
+    fn cdc_notify(&mut self) {
+        let Some(d) = self.cdc.as_ref().map(|c| c.d) else {
+            return;
+        };
+        let di = d as usize;
+        if !self.dispatchers[di].alive {
+            return;
+        }
+        let t = self.now + 1;
+        self.dispatchers[di].machine.handle_notify(t);
+        if self.dispatchers[di].wake_at.is_none_or(|w| t < w) {
+            self.dispatchers[di].wake_at = Some(t);
+            let inc = self.dispatchers[di].inc;
+            self.at(t, Ev::DispatchWake { d, inc });
+        }
+    }
+
+    /// For the publisher's claim: the rows the window offers (`None`: `d` is a polling
+    /// dispatcher).
+    fn cdc_offer(&mut self, d: u8, max: usize) -> Option<Vec<RowKey>> {
+        let c = self.cdc.as_deref_mut().filter(|c| c.d == d)?;
+        Some(if c.log_lost {
+            Vec::new()
+        } else {
+            c.window.offer(max)
+        })
+    }
+
+    /// `LogScope::claim`: the offered rows through the claim step; when the window offers
+    /// none, or none of the offered rows could be sent, a scan if a sweep is due (always,
+    /// once the log is lost); otherwise nothing.
+    ///
+    /// The shell today sweeps only when the window offers nothing (the mutant
+    /// `cdc-sweep-only-when-window-empty`): rows the window offers again and again without a
+    /// claim (a later version ordered behind an earlier one the log no longer names, which
+    /// the reconciler sent back for a retry) then keep every sweep away, and the earlier
+    /// version waits for ever.
+    fn cdc_claim(&mut self, d: u8, max: usize, from_position: u64, offered: &[RowKey]) -> Claimed {
+        let now = self.now;
+        let c = self.cdc.as_deref().expect("the publisher's claim");
+        let (lost, due) = (c.log_lost, c.sweep_next.is_none_or(|t| now >= t));
+        if !offered.is_empty() {
+            let mut claimed = self.store_claim(d, max, 0, Some(offered));
+            // A claim of named rows says nothing about the scan position.
+            claimed.last_position = None;
+            claimed.ordered_from = None;
+            self.stats.cdc.claimed_from_log += claimed.sends.len() as u64;
+            let n = claimed.sends.len();
+            self.note(|| format!("cdc claims {n} of {} offered row(s)", offered.len()));
+            if n > 0 || !(lost || due) || !self.proto.cdc_sweep_behind_stuck_offer() {
+                return claimed;
+            }
+        }
+        if !(lost || due) {
+            return Claimed {
+                claim_started_ms: now,
+                db_now_ms: now,
+                sends: Vec::new(),
+                last_position: None,
+                ordered_from: None,
+            };
+        }
+        self.stats.cdc.sweeps += 1;
+        let claimed = self.store_claim(d, max, from_position, None);
+        if claimed.sends.is_empty() && claimed.last_position.is_none() && !lost {
+            let c = self.cdc.as_deref_mut().expect("the publisher's claim");
+            c.sweep_next = Some(now + c.sweep_every_ms);
+        }
+        claimed
+    }
+
+    /// What the state check finds for an offered row (a row that is not there has nothing
+    /// to send).
+    fn cdc_row_check(&self, k: RowKey) -> RowCheck {
+        match self.row_of(k.0, k.1) {
+            None => RowCheck::Settled,
+            Some(r) => {
+                let row = &self.db.rows[r as usize];
+                let live = row
+                    .claim
+                    .as_ref()
+                    .is_some_and(|c| c.lease_until_ms > self.now);
+                self.proto
+                    .cdc_check(row.state.phase().code(), row.state.as_str(), live)
+            }
+        }
+    }
+
+    /// One step of the log reader (`stream_once`): read what the window has room for, check
+    /// the offered rows, confirm, report the position to the slot (now and then: it lags).
+    fn cdc_tick(&mut self, inc: u32) {
+        let now = self.now;
+        let Some(c) = self.cdc.as_deref_mut() else {
+            return;
+        };
+        if !c.alive || c.inc != inc || c.log_lost || c.tick_at.is_some_and(|t| t > now) {
+            return;
+        }
+        c.tick_at = None;
+        if c.stalled_until > now {
+            let t = c.stalled_until;
+            c.tick_at = Some(t);
+            self.at(t, Ev::CdcTick { inc });
+            return;
+        }
+        let (p_crash, p_write) = (c.p_crash, c.p_slot_write);
+        let n = range(&mut self.crng, 1, 4) as usize;
+        let keepalive = chance(&mut self.crng, 500);
+        let crash = self.faults_on && chance(&mut self.crng, p_crash);
+        let write = chance(&mut self.crng, p_write);
+        let gap = range(&mut self.crng, 1, 20);
+        // Read.
+        let c = self.cdc.as_deref_mut().expect("checked");
+        let log = &self.db.log;
+        let (mut named, mut repeats, mut full_now) = (false, 0, false);
+        for _ in 0..n {
+            if !c.window.has_room() || c.read_at >= log.len() {
+                break;
+            }
+            let t = &log[c.read_at];
+            if t.end_lsn <= c.delivered_max {
+                repeats += 1;
+            }
+            c.delivered_max = c.delivered_max.max(t.end_lsn);
+            named |= !t.rows.is_empty();
+            c.window.push(t.end_lsn, t.commit_ms, t.rows.clone());
+            c.read_at += 1;
+        }
+        let behind = c.read_at < log.len();
+        if behind && !c.window.has_room() {
+            full_now = !c.full;
+            c.full = true;
+        } else {
+            c.full = false;
+        }
+        if !behind && keepalive {
+            c.window.idle_up_to(self.next_lsn);
+        }
+        self.stats.cdc.repeats += repeats;
+        self.stats.cdc.window_full += u64::from(full_now);
+        if named {
+            self.cdc_notify();
+        }
+        if crash {
+            // Killed between reading and checking.
+            self.cdc_crash();
+            return;
+        }
+        // Check the offered rows, confirm.
+        let offered = self.cdc.as_deref().expect("checked").window.offered(1_000);
+        let results: Vec<(RowKey, RowCheck)> = offered
+            .iter()
+            .map(|&k| (k, self.cdc_row_check(k)))
+            .collect();
+        let reopened = results.iter().any(|(_, r)| *r == RowCheck::Waiting);
+        let c = self.cdc.as_deref_mut().expect("checked");
+        if !results.is_empty() {
+            c.window.checked(&results);
+        }
+        c.window.confirm();
+        let confirmed = c.window.confirmed_lsn();
+        let moved = write && c.slot.is_some_and(|s| s < confirmed);
+        if moved {
+            c.slot = Some(confirmed);
+        }
+        let log_len = self.db.log.len();
+        let next = if c.read_at < log_len && c.window.has_room() {
+            Some(now + gap)
+        } else if c.read_at < log_len
+            || c.window.figures().txns > 0
+            || c.slot.is_some_and(|s| s < confirmed)
+        {
+            Some(now + c.check_every_ms)
+        } else {
+            None // idle until the log grows
+        };
+        c.tick_at = next;
+        if moved {
+            self.db_version += 1;
+            self.stats.cdc.confirms += 1;
+            self.note(|| format!("cdc slot confirmed at {confirmed}"));
+        }
+        if reopened {
+            self.cdc_notify();
+        }
+        if let Some(t) = next {
+            self.at(t, Ev::CdcTick { inc });
+        }
+    }
+
+    /// The publisher dies (window and dispatcher machine lost, the slot kept), or only its
+    /// replication stream breaks (the reader reconnects from the window's position; what it
+    /// reads again the window ignores).
+    fn cdc_crash(&mut self) {
+        let stream_only = chance(&mut self.crng, 400);
+        let backoff = range(&mut self.crng, 500, 8_000);
+        let restart = range(&mut self.crng, 1_000, 30_000);
+        let now = self.now;
+        let Some(c) = self.cdc.as_deref_mut() else {
+            return;
+        };
+        if !c.alive {
+            return;
+        }
+        c.inc += 1;
+        let inc = c.inc;
+        if stream_only && !c.log_lost {
+            let from = c.window.confirmed_lsn();
+            c.read_at = self
+                .db
+                .log
+                .iter()
+                .position(|t| t.end_lsn > from)
+                .unwrap_or(self.db.log.len());
+            c.tick_at = Some(now + backoff);
+            self.stats.cdc.reconnects += 1;
+            self.at(now + backoff, Ev::CdcTick { inc });
+            self.note(|| "cdc stream broken; reconnecting from the window's position".into());
+            return;
+        }
+        c.alive = false;
+        c.tick_at = None;
+        let disp = &mut self.dispatchers[c.d as usize];
+        disp.alive = false;
+        disp.inc += 1;
+        self.at(now + restart, Ev::CdcRestart);
+        self.note(|| "cdc publisher killed".into());
+    }
+
+    /// The publisher starts: the slot is created at the log's end if it is missing; a new
+    /// window from the slot's confirmed position; the first claims scan.
+    fn cdc_restart(&mut self) {
+        let (now, end) = (self.now, self.next_lsn);
+        let Some(c) = self.cdc.as_deref_mut() else {
+            return;
+        };
+        let created = c.slot.is_none();
+        if created {
+            c.slot = Some(end);
+            c.slot_floor = end;
+        }
+        let slot = c.slot.unwrap_or(end);
+        c.alive = true;
+        c.inc += 1;
+        c.window = LogWindow::new(slot, c.bytes_max);
+        c.read_at = self
+            .db
+            .log
+            .iter()
+            .position(|t| t.end_lsn > slot)
+            .unwrap_or(self.db.log.len());
+        c.log_lost = false;
+        c.sweep_next = None;
+        c.full = false;
+        c.stalled_until = 0;
+        c.tick_at = Some(now);
+        let (d, inc) = (c.d, c.inc);
+        self.stats.cdc.restarts += 1;
+        if created {
+            self.db_version += 1;
+        }
+        self.note(|| format!("cdc publisher starts from {slot} (slot created: {created})"));
+        self.restart_dispatcher(d);
+        self.at(now, Ev::CdcTick { inc });
+    }
+
+    /// The slot is gone (dropped, invalidated, or not in a restored database): the reader
+    /// ends, every claim of the publisher scans from now on.
+    fn cdc_slot_lost(&mut self) {
+        let Some(c) = self.cdc.as_deref_mut() else {
+            return;
+        };
+        if c.slot.is_none() {
+            return;
+        }
+        c.slot = None;
+        c.log_lost = true;
+        c.sweep_next = None;
+        c.inc += 1;
+        c.tick_at = None;
+        self.stats.cdc.slot_losses += 1;
+        self.db_version += 1;
+        self.note(|| "cdc slot lost".into());
+        self.cdc_notify();
     }
 
     // ---------------------------------------------------------------- checkers
@@ -3593,6 +4156,34 @@ impl World {
             self.violation(Violation::LostEvents, || {
                 format!("{vanished} accepted receipt(s) vanished from the store")
             });
+        }
+        self.check_cdc();
+    }
+
+    /// CDC: the slot's confirmed position never passes a row its log named that has not
+    /// left the dispatchable phase (a row that left it once and came back, by a reconciler's
+    /// retry or an operator's release, is the scans' work).
+    fn check_cdc(&mut self) {
+        let Some(c) = self.cdc.as_deref() else {
+            return;
+        };
+        let (floor, Some(slot)) = (c.slot_floor, c.slot) else {
+            return;
+        };
+        let n = self.db.rows.len();
+        self.cdc_left.resize(n, false);
+        for i in 0..n {
+            if self.db.rows[i].state.phase() != Phase::Dispatchable {
+                self.cdc_left[i] = true;
+                continue;
+            }
+            let lsn = self.db.row_lsn[i];
+            if !self.cdc_left[i] && lsn > floor && lsn <= slot {
+                let st = self.db.rows[i].state;
+                self.violation_of(Violation::CdcConfirmedUnsettled, i as u32, || {
+                    format!("slot confirmed at {slot} past row {i} (at {lsn}), still {st}")
+                });
+            }
         }
     }
 

@@ -60,6 +60,21 @@ fn gate_100k_traces_zero_violations() {
         s.unsealed_parked > 0,
         "a forgery occupying a create-if-absent subject must park its row for the operator"
     );
+    let cdc = &s.cdc;
+    assert!(
+        cdc.traces > 0
+            && cdc.alone > 0
+            && cdc.restarts > 0
+            && cdc.reconnects > 0
+            && cdc.repeats > 0
+            && cdc.slot_losses > 0
+            && cdc.window_full > 0
+            && cdc.stalls > 0
+            && cdc.claimed_from_log > 0
+            && cdc.sweeps > 0
+            && cdc.confirms > 0,
+        "the CDC log reader must be exercised: {cdc:?}"
+    );
     for f in sealpost_sim::Fault::ALL {
         assert!(
             s.faults.get(f) > 0,
@@ -97,6 +112,8 @@ fn expected_class(m: Mutant) -> Option<Violation> {
         Mutant::ConsumerSkipsSignature => Some(Violation::ForgeryApplied),
         Mutant::TrustDuplicateAck => Some(Violation::ForgedCopyAdopted),
         Mutant::PermissionRefusalIsPoison => Some(Violation::Liveness),
+        Mutant::CdcConfirmBeforeAccept => Some(Violation::CdcConfirmedUnsettled),
+        Mutant::CdcSweepOnlyWhenWindowEmpty => Some(Violation::Liveness),
     }
 }
 
