@@ -98,10 +98,10 @@ pub enum Mutant {
     /// confirmed position passes the transaction before the acceptance point committed
     /// anything, so a restarted reader never names the row again.
     CdcConfirmBeforeAccept,
-    /// The CDC publisher sweeps (scans the claim index) only when its window offers nothing,
-    /// as `sealpost::cdc::LogScope::claim` does today: rows offered again and again that no
-    /// claim can take (ordered behind an earlier version the log no longer names) keep the
-    /// sweep away for ever.
+    /// The CDC publisher's steady sweep (a scan of the claim index) runs only when its window
+    /// offers nothing, as `sealpost::cdc::LogScope::claim` did before `ClaimSource`: rows
+    /// offered again and again that no claim can take (ordered behind an earlier version the
+    /// log no longer names) keep the sweep away for ever.
     CdcSweepOnlyWhenWindowEmpty,
 }
 
@@ -615,10 +615,29 @@ impl Protocol {
         }
     }
 
-    /// Does the CDC publisher's claim fall back to a due sweep when none of the rows its
-    /// window offered could be sent? (The mutant: only when the window offers nothing.)
-    pub fn cdc_sweep_behind_stuck_offer(&self) -> bool {
-        !self.is(Mutant::CdcSweepOnlyWhenWindowEmpty)
+    /// Where the CDC publisher's next claim comes from: the core's [`cdc::ClaimSource`]
+    /// rule, which the shell (`LogScope::claim`) runs. The
+    /// cdc-sweep-only-when-window-empty mutant (the shell before the rule) turns a steady
+    /// scan that is due into an offer of the log's rows while the window has any: the scan
+    /// stays due and runs only once the window offers nothing.
+    pub fn cdc_choose(
+        &self,
+        source: &cdc::ClaimSource,
+        now_ms: u64,
+        window: &mut cdc::LogWindow,
+        max: usize,
+    ) -> cdc::ClaimFrom {
+        let from = source.choose(now_ms, window, max);
+        if from == cdc::ClaimFrom::Scan
+            && source.next_scan_ms().is_some()
+            && self.is(Mutant::CdcSweepOnlyWhenWindowEmpty)
+        {
+            let offered = window.offer(max);
+            if !offered.is_empty() {
+                return cdc::ClaimFrom::Log(offered);
+            }
+        }
+        from
     }
 
     /// True when cleanup should also run right at acceptance (only the purge-at-ack mutant).

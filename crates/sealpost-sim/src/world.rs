@@ -11,7 +11,9 @@ use std::rc::Rc;
 use rand_chacha::ChaCha8Rng;
 use rand_core::{Rng, SeedableRng};
 
-use sealpost_core::cdc::{LogWindow, RowCheck, RowKey, ROW_BYTES, TXN_BYTES};
+use sealpost_core::cdc::{
+    ClaimFrom, ClaimSource, LogWindow, RowCheck, RowKey, ROW_BYTES, TXN_BYTES,
+};
 use sealpost_core::claim::{apply_release_quarantine, ClaimToken, SendOutcome};
 use sealpost_core::cleanup::{
     apply_retention, PurgeRefusal, RetentionDecision, RetentionPolicy, Watermark,
@@ -404,10 +406,11 @@ struct Cdc {
     /// Where the slot was created: rows committed at or before it were never named by this
     /// slot (a sweep publishes them).
     slot_floor: u64,
-    /// This process saw its slot lost: every claim scans.
+    /// This process saw its slot lost: its reader ended (its claims scan: `source`).
     log_lost: bool,
-    /// When the next sweep is due (`None`: now).
-    sweep_next: Option<u64>,
+    /// Where the claims come from: the core's rule, one per process (a restart, with or
+    /// without a recreated slot, starts a new one catching up).
+    source: ClaimSource,
     stalled_until: u64,
     tick_at: Option<u64>,
     /// Ghost: the highest transaction end the log ever delivered (repeats are at or below).
@@ -843,6 +846,8 @@ impl World {
             } else {
                 8 << 20
             };
+            let check_every_ms = range(&mut crng, 200, 2_000);
+            let sweep_every_ms = range(&mut crng, 2_000, 20_000);
             Box::new(Cdc {
                 d,
                 clusters,
@@ -853,14 +858,14 @@ impl World {
                 slot: Some(0),
                 slot_floor: 0,
                 log_lost: false,
-                sweep_next: None,
+                source: ClaimSource::new(sweep_every_ms),
                 stalled_until: 0,
                 tick_at: None,
                 delivered_max: 0,
                 full: false,
                 bytes_max,
-                check_every_ms: range(&mut crng, 200, 2_000),
-                sweep_every_ms: range(&mut crng, 2_000, 20_000),
+                check_every_ms,
+                sweep_every_ms,
                 p_slot_write: range(&mut crng, 200, 1000) as u32,
                 p_crash: range(&mut crng, 0, 30) as u32,
             })
@@ -1464,17 +1469,17 @@ impl World {
                 from_position,
             } => {
                 let now = self.now;
-                // The CDC publisher's claim takes the window's offer before its transaction
-                // (a failed transaction leaves the rows offered: the check reopens them).
-                let offered = self.cdc_offer(d, batch_size_max);
+                // The CDC publisher chooses before its transaction (a failed transaction
+                // leaves the rows offered: the check reopens them).
+                let from = self.cdc_choose(d, batch_size_max);
                 if self.database_unreachable() {
                     self.dispatchers[d as usize]
                         .machine
                         .handle_claim_failed(now);
                     return;
                 }
-                let claimed = match offered {
-                    Some(offered) => self.cdc_claim(d, batch_size_max, from_position, &offered),
+                let claimed = match from {
+                    Some(from) => self.cdc_claim(d, batch_size_max, from_position, from),
                     None => self.store_claim(d, batch_size_max, from_position, None),
                 };
                 if let Some(send) = self.dispatchers[d as usize]
@@ -3800,58 +3805,47 @@ impl World {
         }
     }
 
-    /// For the publisher's claim: the rows the window offers (`None`: `d` is a polling
+    /// For the publisher's claim: where it comes from, by the core's [`ClaimSource`]
+    /// (through `Protocol::cdc_choose`, as `LogScope::claim`; `None`: `d` is a polling
     /// dispatcher).
-    fn cdc_offer(&mut self, d: u8, max: usize) -> Option<Vec<RowKey>> {
+    fn cdc_choose(&mut self, d: u8, max: usize) -> Option<ClaimFrom> {
+        let now = self.now;
         let c = self.cdc.as_deref_mut().filter(|c| c.d == d)?;
-        Some(if c.log_lost {
-            Vec::new()
-        } else {
-            c.window.offer(max)
-        })
+        Some(self.proto.cdc_choose(&c.source, now, &mut c.window, max))
     }
 
-    /// `LogScope::claim`: the offered rows through the claim step; when the window offers
-    /// none, or none of the offered rows could be sent, a scan if a sweep is due (always,
-    /// once the log is lost); otherwise nothing.
-    ///
-    /// The shell today sweeps only when the window offers nothing (the mutant
-    /// `cdc-sweep-only-when-window-empty`): rows the window offers again and again without a
-    /// claim (a later version ordered behind an earlier one the log no longer names, which
-    /// the reconciler sent back for a retry) then keep every sweep away, and the earlier
-    /// version waits for ever.
-    fn cdc_claim(&mut self, d: u8, max: usize, from_position: u64, offered: &[RowKey]) -> Claimed {
+    /// `LogScope::claim`: the log's rows through the claim step (restricted to them), a
+    /// scan of the claim index (the machine's own request; the source learns whether it
+    /// found work), or nothing.
+    fn cdc_claim(&mut self, d: u8, max: usize, from_position: u64, from: ClaimFrom) -> Claimed {
         let now = self.now;
-        let c = self.cdc.as_deref().expect("the publisher's claim");
-        let (lost, due) = (c.log_lost, c.sweep_next.is_none_or(|t| now >= t));
-        if !offered.is_empty() {
-            let mut claimed = self.store_claim(d, max, 0, Some(offered));
-            // A claim of named rows says nothing about the scan position.
-            claimed.last_position = None;
-            claimed.ordered_from = None;
-            self.stats.cdc.claimed_from_log += claimed.sends.len() as u64;
-            let n = claimed.sends.len();
-            self.note(|| format!("cdc claims {n} of {} offered row(s)", offered.len()));
-            if n > 0 || !(lost || due) || !self.proto.cdc_sweep_behind_stuck_offer() {
-                return claimed;
+        match from {
+            ClaimFrom::Log(offered) => {
+                let mut claimed = self.store_claim(d, max, 0, Some(&offered));
+                // A claim of named rows says nothing about the scan position.
+                claimed.last_position = None;
+                claimed.ordered_from = None;
+                let n = claimed.sends.len();
+                self.stats.cdc.claimed_from_log += n as u64;
+                self.note(|| format!("cdc claims {n} of {} offered row(s)", offered.len()));
+                claimed
             }
-        }
-        if !(lost || due) {
-            return Claimed {
+            ClaimFrom::Nothing => Claimed {
                 claim_started_ms: now,
                 db_now_ms: now,
                 sends: Vec::new(),
                 last_position: None,
                 ordered_from: None,
-            };
+            },
+            ClaimFrom::Scan => {
+                self.stats.cdc.sweeps += 1;
+                let claimed = self.store_claim(d, max, from_position, None);
+                let found = !claimed.sends.is_empty() || claimed.last_position.is_some();
+                let c = self.cdc.as_deref_mut().expect("the publisher's claim");
+                c.source.scanned(now, found);
+                claimed
+            }
         }
-        self.stats.cdc.sweeps += 1;
-        let claimed = self.store_claim(d, max, from_position, None);
-        if claimed.sends.is_empty() && claimed.last_position.is_none() && !lost {
-            let c = self.cdc.as_deref_mut().expect("the publisher's claim");
-            c.sweep_next = Some(now + c.sweep_every_ms);
-        }
-        claimed
     }
 
     /// What the state check finds for an offered row (a row that is not there has nothing
@@ -4035,7 +4029,7 @@ impl World {
             .position(|t| t.end_lsn > slot)
             .unwrap_or(self.db.log.len());
         c.log_lost = false;
-        c.sweep_next = None;
+        c.source = ClaimSource::new(c.sweep_every_ms);
         c.full = false;
         c.stalled_until = 0;
         c.tick_at = Some(now);
@@ -4060,7 +4054,7 @@ impl World {
         }
         c.slot = None;
         c.log_lost = true;
-        c.sweep_next = None;
+        c.source.lose_log();
         c.inc += 1;
         c.tick_at = None;
         self.stats.cdc.slot_losses += 1;
