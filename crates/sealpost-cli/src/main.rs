@@ -370,6 +370,26 @@ async fn explain(pg: &tokio_postgres::Client, x: store::StoreError) -> String {
 }
 
 /// The NATS adapter for the configured cluster (the error says what to check).
+/// Waits for `tasks`, cancelling `stop` on Ctrl-C (the loops then finish the batches in
+/// flight); the first task's error is the command's.
+async fn until_ctrl_c(
+    stop: &CancellationToken,
+    tasks: Vec<tokio::task::JoinHandle<Result<(), runtime::RunError>>>,
+) -> Result<(), String> {
+    let s2 = stop.clone();
+    tokio::spawn(async move {
+        let _ = tokio::signal::ctrl_c().await;
+        tracing::warn!("shutting down: finishing the batches in flight");
+        s2.cancel();
+    });
+    for t in tasks {
+        t.await
+            .map_err(|x| x.to_string())?
+            .map_err(|x| x.to_string())?;
+    }
+    Ok(())
+}
+
 /// The CDC publisher and, with `with_reconciler`, a reconciler, over one broker.
 fn cdc_tasks<B: sealpost_core::port::Broker>(
     cfg: &Settings,
@@ -667,15 +687,7 @@ async fn run(cmd: Cmd, cfg: Settings) -> Result<i32, String> {
                     &counters,
                 ),
             };
-            let s2 = stop.clone();
-            tokio::spawn(async move {
-                let _ = tokio::signal::ctrl_c().await;
-                tracing::warn!("shutting down: finishing the batches in flight");
-                s2.cancel();
-            });
-            for t in tasks {
-                t.await.map_err(|x| x.to_string())?.map_err(e)?;
-            }
+            until_ctrl_c(&stop, tasks).await?;
             Ok(0)
         }
         Cmd::Cdc {
@@ -746,15 +758,7 @@ async fn run(cmd: Cmd, cfg: Settings) -> Result<i32, String> {
                     &counters,
                 ),
             };
-            let s2 = stop.clone();
-            tokio::spawn(async move {
-                let _ = tokio::signal::ctrl_c().await;
-                tracing::warn!("shutting down: finishing the batches in flight");
-                s2.cancel();
-            });
-            for t in tasks {
-                t.await.map_err(|x| x.to_string())?.map_err(e)?;
-            }
+            until_ctrl_c(&stop, tasks).await?;
             Ok(0)
         }
         Cmd::Demo {

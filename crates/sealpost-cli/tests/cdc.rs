@@ -15,9 +15,10 @@ mod common;
 mod teardown_nats;
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use cluster::Cluster;
+use common::{count, wait_for};
 use sealpost::runtime::{self, CancellationToken, Config, Counters, RunError};
 use sealpost::store;
 use sealpost_core::cdc::parse_lsn;
@@ -94,24 +95,12 @@ async fn enqueue(
     ids
 }
 
-async fn count(pg: &tokio_postgres::Client, sql: &str) -> i64 {
-    pg.query_one(sql, &[]).await.unwrap().get(0)
-}
-
 async fn published(pg: &tokio_postgres::Client) -> i64 {
     count(
         pg,
         "SELECT count(*) FROM sealpost.work WHERE state = 'PUBLISHED'",
     )
     .await
-}
-
-async fn wait_for<F: AsyncFn() -> bool>(what: &str, limit: Duration, f: F) {
-    let start = Instant::now();
-    while !f().await {
-        assert!(start.elapsed() < limit, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
 }
 
 async fn stream_messages(n: &Nats, topic: &str) -> u64 {

@@ -454,7 +454,8 @@ pub async fn publisher<B: Broker>(
 }
 
 /// The replication connection's settings from the connection string (host, port, user,
-/// password, database, TLS as [`crate::tls`] reads it).
+/// password, database). The replication connection speaks plaintext only: `sslmode=require`
+/// and stricter are refused with what to do, `prefer` is logged as plaintext.
 fn replication_config(
     url: &str,
     names: &CdcNames,
@@ -477,27 +478,17 @@ fn replication_config(
         .unwrap_or_default();
     let database = c.get_dbname().unwrap_or(&user).to_string();
     use crate::tls::SslMode as M;
-    use pgwire_replication::config::{SslMode, TlsConfig};
-    let mode = match tls.mode {
-        M::Disable => SslMode::Disable,
-        M::Prefer => SslMode::Prefer,
-        M::Require => SslMode::Require,
-        M::VerifyCa => SslMode::VerifyCa,
-        M::VerifyFull => SslMode::VerifyFull,
-    };
-    if tls.files.system_roots {
-        return Err(CdcError::Stream(
-            "sslrootcert=system is not supported on the replication connection: name the CA file"
-                .into(),
-        ));
-    }
-    let mut t = TlsConfig {
-        mode,
-        ca_pem_path: tls.files.root_cert.clone(),
-        ..TlsConfig::default()
-    };
-    if let (Some(cert), Some(key)) = (&tls.files.client_cert, &tls.files.client_key) {
-        t = t.with_client_cert(cert.clone(), key.clone());
+    match tls.mode {
+        M::Disable => {}
+        M::Prefer => tracing::warn!(
+            "the CDC replication connection does not use TLS (sslmode=prefer: plaintext); it carries event keys and positions only, no payloads"
+        ),
+        M::Require | M::VerifyCa | M::VerifyFull => {
+            return Err(CdcError::Stream(format!(
+                "sslmode={} is not supported on the CDC publisher's replication connection yet (it speaks plaintext only); run the publisher where sslmode=disable or prefer is acceptable (the database host, a private network), or use polling dispatchers",
+                tls.mode.as_str()
+            )))
+        }
     }
     Ok(ReplicationConfig::new(
         host,
@@ -508,7 +499,6 @@ fn replication_config(
         names.publication.clone(),
     )
     .with_port(port)
-    .with_tls(t)
     .with_start_lsn(Lsn::from_u64(start))
     .with_status_interval(Duration::from_millis(cfg.status_interval_ms))
     .with_wakeup_interval(Duration::from_secs(5))

@@ -220,23 +220,6 @@ pub struct PgTls {
     pub mode: SslMode,
     /// The client certificate presented, if any (for messages).
     client_cert: Option<PathBuf>,
-    /// The files behind the connector, for a second client that needs them (the CDC
-    /// publisher's replication connection): the CA file of `sslrootcert` (`None` for no CA or
-    /// `system`) and the client key of `sslkey`.
-    pub files: TlsFiles,
-}
-
-/// The certificate files a [`PgTls`] read.
-#[derive(Clone, Debug, Default)]
-pub struct TlsFiles {
-    /// `sslrootcert`, when it names a file.
-    pub root_cert: Option<PathBuf>,
-    /// `sslrootcert=system`.
-    pub system_roots: bool,
-    /// `sslcert`.
-    pub client_cert: Option<PathBuf>,
-    /// `sslkey`.
-    pub client_key: Option<PathBuf>,
 }
 
 impl fmt::Debug for PgTls {
@@ -329,10 +312,6 @@ pub fn pg_tls_with_env(dsn: &str, env: impl Fn(&str) -> Option<String>) -> Resul
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let algorithms = provider.signature_verification_algorithms;
     // A disabled mode never uses the connector: read no file for it.
-    let mut files = TlsFiles {
-        system_roots,
-        ..TlsFiles::default()
-    };
     let (roots, ca) = match (&root, mode) {
         (_, SslMode::Disable) | (None, _) => (None, String::new()),
         (Some((v, _)), _) if v == "system" => (
@@ -342,7 +321,6 @@ pub fn pg_tls_with_env(dsn: &str, env: impl Fn(&str) -> Option<String>) -> Resul
         (Some((path, key)), _) => {
             let path = PathBuf::from(path);
             let store = root_store(key, &path)?;
-            files.root_cert = Some(path.clone());
             (Some(store), format!("{} ({key})", path.display()))
         }
     };
@@ -380,8 +358,6 @@ pub fn pg_tls_with_env(dsn: &str, env: impl Fn(&str) -> Option<String>) -> Resul
         }
         (Some((cert, cert_key)), Some((key, key_key))) => {
             let (cert, key) = (PathBuf::from(cert), PathBuf::from(key));
-            files.client_cert = Some(cert.clone());
-            files.client_key = Some(key.clone());
             let chain = certificates(cert_key, &cert)?;
             let private = private_key(key_key, &key)?;
             let tls = builder
@@ -400,7 +376,6 @@ pub fn pg_tls_with_env(dsn: &str, env: impl Fn(&str) -> Option<String>) -> Resul
         connector: MakeRustlsConnect::new(tls),
         mode,
         client_cert,
-        files,
     })
 }
 
