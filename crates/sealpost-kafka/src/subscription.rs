@@ -12,6 +12,14 @@
 //! already applied). A terminated record (its dead letter committed) is passed. Delivery
 //! counts are kept in memory per (partition, offset): a restart counts from 1 again.
 //!
+//! **Gaps.** Each partition's records are handed out in offset order without a hole: a
+//! record past the one expected next (the broker served a later record before an earlier
+//! one was readable, as tansu 0.6 can while several producers write one partition) is not
+//! handed out; the partition is held and read again from the expected offset after 100 ms.
+//! Committing past the hole would lose the missing record to this consumer for good. After
+//! three re-reads the hole is taken as real (a compacted topic, another producer's
+//! transaction markers) and passed with a warning.
+//!
 //! **Watermark.** The group's committed offset of each partition, reported as stream
 //! `<topic>/<partition>`: a row at (partition p, offset + 1) at or below it is below p's
 //! committed offset, so the group settled it (`sealpost purge` reads a Kafka row's
@@ -40,6 +48,66 @@ use crate::{
 const LINGER: Duration = Duration::from_millis(50);
 /// Bound on a seek, a commit read and a metadata read.
 const CALL_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a partition with a hole waits before it is read again.
+const GAP_DELAY: Duration = Duration::from_millis(100);
+/// Re-reads of a hole before it is taken as real.
+const GAP_REREADS: u32 = 3;
+
+/// What to do with a record, given where its partition's next record is expected.
+#[derive(Debug, PartialEq, Eq)]
+enum Admit {
+    /// Hand it out.
+    Hand,
+    /// Not yet: the records before it are missing; read the partition again from this
+    /// offset.
+    ReadAgainFrom(i64),
+    /// Hand it out, passing a hole the re-reads did not fill (`missing` records).
+    PassHole { missing: i64 },
+}
+
+/// Each partition's next expected offset (known once a record of it was handed out, or it
+/// was sought), and the re-reads of the hole in front of it.
+#[derive(Default)]
+struct Positions {
+    next: HashMap<i32, i64>,
+    rereads: HashMap<i32, (i64, u32)>,
+}
+
+impl Positions {
+    fn admit(&mut self, partition: i32, offset: i64) -> Admit {
+        let mut admit = Admit::Hand;
+        if let Some(&next) = self.next.get(&partition) {
+            if offset > next {
+                let tries = match self.rereads.get(&partition) {
+                    Some(&(at, n)) if at == next => n,
+                    _ => 0,
+                };
+                if tries < GAP_REREADS {
+                    self.rereads.insert(partition, (next, tries + 1));
+                    return Admit::ReadAgainFrom(next);
+                }
+                admit = Admit::PassHole {
+                    missing: offset - next,
+                };
+            }
+        }
+        // In order, a hole passed, or back to an earlier record (a rebalance resumed from
+        // the committed offset): expected next is the one after it.
+        self.rereads.remove(&partition);
+        self.next.insert(partition, offset + 1);
+        admit
+    }
+
+    /// Where the partition's next record is expected, if known.
+    fn expected(&self, partition: i32) -> Option<i64> {
+        self.next.get(&partition).copied()
+    }
+
+    /// The partition was sought to `offset`: its next record is that one.
+    fn sought(&mut self, partition: i32, offset: i64) {
+        self.next.insert(partition, offset);
+    }
+}
 
 /// A consumer group member reading one topic.
 pub struct KafkaSubscription {
@@ -51,6 +119,8 @@ pub struct KafkaSubscription {
     delivered: HashMap<(i32, i64), u64>,
     /// Partitions waiting to be sought back: (offset, when).
     pending: BTreeMap<i32, (i64, Instant)>,
+    /// Where each partition's next record is expected.
+    positions: Positions,
 }
 
 fn consumer(
@@ -102,6 +172,7 @@ impl KafkaSubscription {
             consumer: Arc::new(consumer(cfg, topic, group)?),
             delivered: HashMap::new(),
             pending: BTreeMap::new(),
+            positions: Positions::default(),
         })
     }
 
@@ -121,6 +192,7 @@ impl KafkaSubscription {
             {
                 Ok(()) => {
                     self.pending.remove(&p);
+                    self.positions.sought(p, o);
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, partition = p, offset = o,
@@ -207,10 +279,28 @@ impl Subscription for KafkaSubscription {
                     }
                     let size = m.payload().map_or(0, <[u8]>::len);
                     if !limits.admits(out.len(), bytes, size) {
-                        // Over the limits: read again with the next batch.
-                        self.pending
-                            .insert(m.partition(), (m.offset(), Instant::now()));
+                        // Over the limits: read again with the next batch (from the record
+                        // expected next, should this one be past a hole).
+                        let from = self
+                            .positions
+                            .expected(m.partition())
+                            .map_or(m.offset(), |n| n.min(m.offset()));
+                        self.pending.insert(m.partition(), (from, Instant::now()));
                         break;
+                    }
+                    match self.positions.admit(m.partition(), m.offset()) {
+                        Admit::Hand => {}
+                        Admit::ReadAgainFrom(o) => {
+                            tracing::warn!(partition = m.partition(), expected = o, got = m.offset(),
+                                "the broker skipped records of a partition; reading it again from the expected offset");
+                            self.pending
+                                .insert(m.partition(), (o, Instant::now() + GAP_DELAY));
+                            continue;
+                        }
+                        Admit::PassHole { missing } => {
+                            tracing::warn!(partition = m.partition(), offset = m.offset(), missing,
+                                "records before this one are still absent after {GAP_REREADS} re-reads; passing the hole (a compacted topic or transaction markers leave such holes)");
+                        }
                     }
                     if out.is_empty() {
                         until = Instant::now() + LINGER;
@@ -346,6 +436,45 @@ impl Subscription for KafkaSubscription {
     async fn reconnect(&mut self) -> Result<(), Self::Error> {
         self.consumer = Arc::new(consumer(&self.cfg, &self.topic, &self.group)?);
         self.pending.clear();
+        self.positions = Positions::default();
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn records_are_handed_out_in_order_and_a_hole_is_read_again_before_it_is_passed() {
+        let mut p = Positions::default();
+        // The first record of a partition is taken as it comes (its start is not known).
+        assert_eq!(p.admit(0, 10), Admit::Hand);
+        assert_eq!(p.admit(0, 11), Admit::Hand);
+        // 12 missing: read again from 12, three times.
+        for _ in 0..GAP_REREADS {
+            assert_eq!(p.admit(0, 13), Admit::ReadAgainFrom(12));
+            p.sought(0, 12);
+        }
+        // The hole filled meanwhile: in order again, and a later hole starts its own count.
+        assert_eq!(p.admit(0, 12), Admit::Hand);
+        assert_eq!(p.admit(0, 13), Admit::Hand);
+        assert_eq!(p.admit(0, 15), Admit::ReadAgainFrom(14));
+        for _ in 1..GAP_REREADS {
+            assert_eq!(p.admit(0, 15), Admit::ReadAgainFrom(14));
+        }
+        // Still absent after the re-reads: passed, with the count of what is missing.
+        assert_eq!(p.admit(0, 15), Admit::PassHole { missing: 1 });
+        assert_eq!(p.admit(0, 16), Admit::Hand);
+        // Other partitions are their own.
+        assert_eq!(p.admit(1, 500), Admit::Hand);
+        assert_eq!(p.admit(1, 502), Admit::ReadAgainFrom(501));
+        // Back to an earlier record (a rebalance resumed from the committed offset).
+        assert_eq!(p.admit(0, 3), Admit::Hand);
+        assert_eq!(p.admit(0, 4), Admit::Hand);
+        assert_eq!(p.expected(0), Some(5));
+        // A seek says where the next record is.
+        p.sought(0, 40);
+        assert_eq!(p.admit(0, 41), Admit::ReadAgainFrom(40));
     }
 }
