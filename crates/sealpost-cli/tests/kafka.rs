@@ -161,15 +161,32 @@ impl Drill {
             ));
         }
         std::fs::write(&path, config).unwrap();
+        let log = match args[0] {
+            "consume" => std::fs::File::create(self.dir.join(format!(
+                "{}-{}.log",
+                args[0],
+                self.children.len()
+            )))
+            .map_or_else(|_| Stdio::null(), Stdio::from),
+            _ => Stdio::null(),
+        };
         let child = Command::new(env!("CARGO_BIN_EXE_sealpost"))
             .arg("--config")
             .arg(&path)
             .args(args)
             // The config file carries the client properties; the environment would win.
             .env_remove("KAFKA_CLIENT_PROPERTIES")
-            .env("RUST_LOG", "error")
+            // Consumers log warnings to a file the chaos drill prints when it fails.
+            .env(
+                "RUST_LOG",
+                if args[0] == "consume" {
+                    "warn"
+                } else {
+                    "error"
+                },
+            )
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(log)
             .spawn()
             .expect("spawn sealpost");
         self.children.push(child);
@@ -606,6 +623,17 @@ impl chaos::Target for ChaosTarget<'_> {
 
     async fn count(&self, sql: &str) -> i64 {
         self.d.count(sql).await
+    }
+
+    async fn text(&self, sql: &str) -> String {
+        match self.d.pg.query_one(sql, &[]).await {
+            Ok(r) => r.get::<_, Option<String>>(0).unwrap_or_default(),
+            Err(e) => format!("{sql}: {e}"),
+        }
+    }
+
+    fn consumer_logs(&self) -> String {
+        chaos::tails(&self.d.dir, "consume", 40)
     }
 
     fn pg(&mut self) -> &mut tokio_postgres::Client {

@@ -17,6 +17,10 @@ pub trait Target {
     fn respawn(&mut self) -> usize;
     /// A count from the drill's database.
     async fn count(&self, sql: &str) -> i64;
+    /// One text value from the drill's database (a diagnosis).
+    async fn text(&self, sql: &str) -> String;
+    /// The last lines the consumer processes logged (a diagnosis).
+    fn consumer_logs(&self) -> String;
     /// The drill's database, where the producers commit.
     fn pg(&mut self) -> &mut tokio_postgres::Client;
 }
@@ -62,13 +66,69 @@ pub async fn converge<T: Target>(t: &T, n: i64, consumers: &[String], limit: Dur
         if figures.iter().all(|(_, got)| *got == n) {
             return start.elapsed();
         }
-        assert!(
-            start.elapsed() < limit,
-            "not converged {limit:?} after the faults: {figures:?} of {n}, {} unknown",
-            t.count(UNKNOWN_SQL).await
-        );
+        if start.elapsed() >= limit {
+            for c in consumers {
+                eprintln!("{}", t.text(&missing_sql(c)).await);
+            }
+            eprintln!("{}", t.consumer_logs());
+            panic!(
+                "not converged {limit:?} after the faults: {figures:?} of {n}, {} unknown",
+                t.count(UNKNOWN_SQL).await
+            );
+        }
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
+}
+
+/// What consumer `c` has of the published events it did not apply (at most 10): where the
+/// event is, its inbox row, its dead letters or refusals, and the consumer's watermarks.
+fn missing_sql(c: &str) -> String {
+    format!(
+        "SELECT format(E'consumer {c}: watermarks %s\\n', (SELECT string_agg(stream || '=' || high_water, ' ' ORDER BY stream)
+                 FROM sealpost.consumer_watermark WHERE consumer_id = '{c}'))
+             || coalesce(string_agg(format('  not applied: %s at %s/%s seq %s; inbox rows %s; dead letters/refusals %s',
+                 m.event_id, m.primary_stream, m.primary_partition, m.primary_sequence,
+                 (SELECT count(*) FROM sealpost.inbox i WHERE i.consumer_id = '{c}' AND i.event_id = m.event_id),
+                 (SELECT string_agg(q.kind || ': ' || q.reason, '; ') FROM sealpost.inbox_quarantine q
+                   WHERE q.consumer_id = '{c}' AND q.event_id = m.event_id)), E'\\n'), '  (none)')
+         FROM (SELECT o.event_id, o.primary_stream, o.primary_partition, o.primary_sequence
+                 FROM sealpost.outbox o
+                WHERE o.state = 'PUBLISHED' AND NOT EXISTS
+                      (SELECT 1 FROM demo_fulfilment f WHERE f.consumer_id = '{c}' AND f.event_id = o.event_id)
+                LIMIT 10) m"
+    )
+}
+
+/// The last `lines` lines of each log file in `dir` whose name starts with `prefix`.
+pub fn tails(dir: &std::path::Path, prefix: &str, lines: usize) -> String {
+    let mut out = String::new();
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return out;
+    };
+    let mut names: Vec<_> = entries
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with(prefix) && n.ends_with(".log"))
+        })
+        .collect();
+    names.sort();
+    for p in names {
+        let text = std::fs::read_to_string(&p).unwrap_or_default();
+        let all: Vec<&str> = text.lines().collect();
+        out.push_str(&format!(
+            "--- {} ({} lines), the last {lines}:\n",
+            p.display(),
+            all.len()
+        ));
+        for l in &all[all.len().saturating_sub(lines)..] {
+            out.push_str(l);
+            out.push('\n');
+        }
+    }
+    out
 }
 
 /// What the chaos did.
