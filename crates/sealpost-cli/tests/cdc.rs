@@ -561,3 +561,115 @@ async fn sealpost_cdc_killed_between_send_and_receipt_loses_nothing() {
         "what the killed process sent was adopted by the reconciler's lookup, not sent again"
     );
 }
+
+/// Trust boundaries (issue 23 on the CDC tables): the schema owner makes the publication and
+/// the slot once (`sealpost cdc --setup`); from then on the publisher runs as a login that
+/// holds only the dispatcher and reconciler roles and the REPLICATION attribute. It
+/// publishes every event, through the log, and records its progress; it may not delete the
+/// progress rows (the operator's `--drop`) nor make a publication (the owner's).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_login_with_the_dispatcher_roles_and_replication_runs_the_publisher() {
+    use sealpost::roles::{self, Grant, Kind};
+    let Some((c, cfg, mut pg)) = logical_cluster("login").await else {
+        return;
+    };
+    let n = nats(&cfg).await;
+    let t = topic("login");
+    let _stream = teardown_nats::stream(&common::nats_url(), &t);
+    n.ensure_stream(&t).await.unwrap();
+    store::set_route(&pg, "orders", common::NATS_CLUSTER, &t)
+        .await
+        .unwrap();
+    let names = cfg.cdc.names(common::NATS_CLUSTER);
+    let made = sealpost::cdc::setup(&mut pg, &names, common::NATS_CLUSTER)
+        .await
+        .expect("the owner's setup");
+    pg.batch_execute("CREATE ROLE cdc_publisher LOGIN REPLICATION")
+        .await
+        .unwrap();
+    for kind in [Kind::Dispatcher, Kind::Reconciler] {
+        roles::grant(
+            &pg,
+            &Grant {
+                kind,
+                login: "cdc_publisher".into(),
+                consumer_id: None,
+            },
+        )
+        .await
+        .unwrap();
+    }
+    let login_cfg = Config {
+        database_url: c
+            .url("postgres")
+            .replace("user=postgres", "user=cdc_publisher"),
+        ..cfg.clone()
+    };
+    let ids = enqueue(&mut pg, "orders", 4, 50).await;
+    let r = run(&login_cfg, &n, 0);
+    wait_for(
+        "every event, as the publisher login",
+        Duration::from_secs(30),
+        async || published(&pg).await == ids.len() as i64,
+    )
+    .await;
+    let more = enqueue(&mut pg, "orders", 4, 50).await;
+    wait_for(
+        "the events committed while it runs",
+        Duration::from_secs(30),
+        async || published(&pg).await == (ids.len() + more.len()) as i64,
+    )
+    .await;
+    let from_log = r
+        .counters
+        .from_log
+        .load(std::sync::atomic::Ordering::Relaxed);
+    assert!(
+        from_log > 0,
+        "the log named the events committed while it ran"
+    );
+    wait_for(
+        "its progress recorded, as the publisher login",
+        Duration::from_secs(10),
+        async || {
+            let recorded: Option<String> = pg
+                .query_one(
+                    "SELECT confirmed_lsn::text FROM sealpost.cdc_progress WHERE slot_name = $1",
+                    &[&names.slot],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            recorded.as_deref().and_then(parse_lsn) > Some(made.confirmed_lsn)
+                && slot_position(&pg, &names.slot).await.0 > made.confirmed_lsn
+        },
+    )
+    .await;
+    r.stop().await;
+    assert_eq!(
+        stream_messages(&n, &t).await,
+        (ids.len() + more.len()) as u64
+    );
+
+    let login = runtime::pg_connect(&login_cfg.database_url).await.unwrap();
+    for (what, sql) in [
+        (
+            "delete the progress rows",
+            "DELETE FROM sealpost.cdc_progress".to_string(),
+        ),
+        (
+            "make a publication",
+            "CREATE PUBLICATION sealpost_other FOR TABLE sealpost.envelope".to_string(),
+        ),
+    ] {
+        let e = login
+            .batch_execute(&sql)
+            .await
+            .expect_err(&format!("the publisher login may not {what}"));
+        assert_eq!(
+            e.code(),
+            Some(&tokio_postgres::error::SqlState::INSUFFICIENT_PRIVILEGE),
+            "{what}: {e:?}"
+        );
+    }
+}

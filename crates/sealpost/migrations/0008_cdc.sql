@@ -19,3 +19,32 @@ CREATE TABLE sealpost.cdc_progress (
     window_rows      bigint NOT NULL DEFAULT 0,
     updated_at_ms    bigint NOT NULL
 );
+
+-- Grants (migration 6's roles). The publisher is a dispatcher: it records its progress here,
+-- beside the claims it makes as one; the reconciler that runs beside it likewise. The
+-- operator's `sealpost cdc --drop` deletes the row; the reader and the operator read it
+-- (install_roles grants them every table). Making the slot and the publication is the schema
+-- owner's (`sealpost cdc --setup`: a publication needs the table's owner); the publisher's
+-- login needs the REPLICATION attribute besides its role (an attribute, not a grant).
+ALTER FUNCTION sealpost.install_roles() RENAME TO install_roles_7;
+CREATE FUNCTION sealpost.install_roles() RETURNS boolean
+    LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp
+AS $install$
+DECLARE
+    names text[];
+BEGIN
+    IF NOT sealpost.install_roles_7() THEN
+        RETURN false;
+    END IF;
+    SELECT array_agg(role_name::text ORDER BY array_position(
+               ARRAY['producer', 'dispatcher', 'reconciler', 'consumer', 'operator', 'reader'], kind))
+      INTO names FROM sealpost.role;
+    EXECUTE format('GRANT SELECT, INSERT, UPDATE ON sealpost.cdc_progress TO %I, %I', names[2], names[3]);
+    EXECUTE format('GRANT DELETE ON sealpost.cdc_progress TO %I', names[5]);
+    RETURN true;
+END
+$install$;
+REVOKE ALL ON FUNCTION sealpost.install_roles() FROM PUBLIC;
+REVOKE ALL ON FUNCTION sealpost.install_roles_7() FROM PUBLIC;
+
+SELECT sealpost.install_roles();
