@@ -187,6 +187,66 @@ pub struct BenchReport {
     pub wire_relay_publish_failures: u64,
     /// Where that relay's drain CPU went, per event.
     pub wire_relay_cpu_per_event: PerEvent,
+    /// The CDC publisher in the same run, on the same route and broker.
+    pub cdc: CdcFigures,
+}
+
+/// The CDC publisher's figures (`sealpost cdc`, [`sealpost::cdc::publisher`]) in the same
+/// run as the polling drain and the relays. `NaN` figures are `null` in JSON; `skipped`
+/// says why there are none.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct CdcFigures {
+    /// Why the CDC phase did not run (the database's `wal_level` is not `logical`).
+    pub skipped: Option<String>,
+    /// Drain of a prefilled backlog of `events` by one publisher (with the reconciler
+    /// beside it, as `sealpost cdc` runs): from its start to the last of them `PUBLISHED`,
+    /// database clock. The backlog was committed after the slot was made, so the log names
+    /// it; a publisher that starts catches up by scanning the claim index while scans find
+    /// work (the core's `ClaimSource`), then follows the log.
+    pub drain_events_per_s: f64,
+    /// `drain_events_per_s / sealpost_events_per_s` (the polling fleet's drain).
+    pub drain_ratio_to_polling: f64,
+    /// Seconds from the drain's end until the slot confirmed the log up to it (the
+    /// publisher reads through the backlog's inserts, already published); the producers
+    /// start then.
+    pub log_caught_up_s: f64,
+    /// How long the producers ran with the publisher following the log.
+    pub load_s: f64,
+    /// Rate the producers achieved (offered: `rate_per_s`).
+    pub produced_events_per_s: f64,
+    /// The producers' events: commit -> `PUBLISHED` latency, median.
+    pub latency_ms_p50: f64,
+    /// The same, 99th percentile.
+    pub latency_ms_p99: f64,
+    /// Events in the latency sample.
+    pub latency_events: u64,
+    /// Of those, the ones the publisher claimed because the log named them (the others a
+    /// periodic scan found first).
+    pub claimed_from_log: u64,
+    /// WAL the slot held the server to (`pg_current_wal_lsn()` less the slot's
+    /// `confirmed_flush_lsn`), sampled every 100 ms while the producers ran: the most.
+    pub wal_retained_bytes_max: f64,
+    /// The same, the median of the samples.
+    pub wal_retained_bytes_p50: f64,
+}
+
+impl CdcFigures {
+    fn skipped(why: String) -> CdcFigures {
+        CdcFigures {
+            skipped: Some(why),
+            drain_events_per_s: f64::NAN,
+            drain_ratio_to_polling: f64::NAN,
+            log_caught_up_s: f64::NAN,
+            load_s: f64::NAN,
+            produced_events_per_s: f64::NAN,
+            latency_ms_p50: f64::NAN,
+            latency_ms_p99: f64::NAN,
+            latency_events: 0,
+            claimed_from_log: 0,
+            wal_retained_bytes_max: f64::NAN,
+            wal_retained_bytes_p50: f64::NAN,
+        }
+    }
 }
 
 fn db(e: tokio_postgres::Error) -> RunError {
@@ -507,6 +567,32 @@ impl Fleet {
             &counters,
         );
         Fleet { stop, tasks }
+    }
+
+    /// One CDC publisher and a reconciler, as `sealpost cdc` runs them; its counters
+    /// (`from_log`: claims the log named).
+    fn start_cdc(cfg: &Settings, nats: &Nats) -> (Fleet, Arc<Counters>) {
+        let stop = CancellationToken::new();
+        let counters = Arc::new(Counters::default());
+        let db = crate::config::pg_source(cfg);
+        let broker = Arc::new(nats.clone());
+        let tasks = vec![
+            tokio::spawn(sealpost::cdc::publisher(
+                cfg.run.clone(),
+                db.clone(),
+                broker.clone(),
+                stop.clone(),
+                counters.clone(),
+            )),
+            tokio::spawn(runtime::reconciler(
+                cfg.run.clone(),
+                db,
+                broker,
+                stop.clone(),
+                counters.clone(),
+            )),
+        ];
+        (Fleet { stop, tasks }, counters)
     }
 
     /// A task ended before it was told to stop (it failed).
@@ -968,7 +1054,29 @@ pub async fn run(mut cfg: Settings, args: BenchArgs, json: bool) -> Result<Bench
         );
     }
     let _ = nats.js.delete_stream(&names.topic).await;
+    if matches!(log_streamable(&pg).await, Ok(Ok(()))) {
+        drop_cdc_slot(&mut pg, &cfg.cdc.names(&cfg.nats.cluster)).await;
+    }
     r
+}
+
+/// Drops the CDC phase's slot and publication (a slot left behind would hold the server's
+/// WAL for good). The publisher's connection may take a moment to leave the slot, so an
+/// active slot is tried again for up to 10 s; a failure is printed with what to run.
+async fn drop_cdc_slot(pg: &mut tokio_postgres::Client, names: &sealpost::cdc::CdcNames) {
+    let mut last = String::new();
+    for _ in 0..50 {
+        match sealpost::cdc::drop_slot(pg, names).await {
+            Ok(()) => return,
+            Err(e) => last = e.to_string(),
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    eprintln!(
+        "could not drop the bench's replication slot {}: {last}; it holds the server's WAL \
+         until dropped: SELECT pg_drop_replication_slot('{}'); DROP PUBLICATION {};",
+        names.slot, names.slot, names.publication
+    );
 }
 
 /// The run's names.
@@ -1187,6 +1295,9 @@ async fn phases(
         wire.events_per_s, wire.failures, wire.cpu
     ));
 
+    // C. The CDC publisher: the same route and broker, its claims named by the log.
+    let cdc = cdc_phase(pg, cfg, nats, names, args, &payload, sealpost_rate, &say).await?;
+
     Ok(BenchReport {
         nats_server_version: nats.client.server_info().version,
         events: args.events,
@@ -1227,7 +1338,181 @@ async fn phases(
         ratio_to_wire_relay: round(sealpost_rate / wire.events_per_s, 3),
         wire_relay_publish_failures: wire.failures,
         wire_relay_cpu_per_event: wire.cpu,
+        cdc,
     })
+}
+
+/// Whether the database can stream its log (`wal_level = logical`); why not otherwise.
+async fn log_streamable(pg: &tokio_postgres::Client) -> Result<Result<(), String>, RunError> {
+    let level: String = pg
+        .query_one("SHOW wal_level", &[])
+        .await
+        .map_err(db)?
+        .get(0);
+    Ok(if level == "logical" {
+        Ok(())
+    } else {
+        Err(format!(
+            "the database's wal_level is `{level}`: the CDC line needs `logical` \
+             (run the bench on a server started with -c wal_level=logical, as .ci/run does)"
+        ))
+    })
+}
+
+/// WAL the CDC slot `slot` holds the server to, bytes; `None` without the slot or before
+/// its first confirmation.
+async fn slot_retained(pg: &tokio_postgres::Client, slot: &str) -> Option<f64> {
+    pg.query_opt(
+        "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::float8
+           FROM pg_replication_slots WHERE slot_name = $1",
+        &[&slot],
+    )
+    .await
+    .ok()
+    .flatten()
+    .and_then(|r| r.get::<_, Option<f64>>(0))
+}
+
+/// C. The CDC publisher (issue 22) on the run's route and broker: its slot is made, a
+/// backlog of `events` committed and drained by one publisher and the reconciler; then
+/// producers commit at the offered rate for `latency_s` while it follows the log. The slot is
+/// dropped by [`run`]'s cleanup, also when this fails.
+#[allow(clippy::too_many_arguments)]
+async fn cdc_phase(
+    pg: &mut tokio_postgres::Client,
+    cfg: &Settings,
+    nats: &Nats,
+    names: &Names,
+    args: BenchArgs,
+    payload: &[u8],
+    polling_rate: f64,
+    say: &impl Fn(String),
+) -> Result<CdcFigures, RunError> {
+    if let Err(why) = log_streamable(pg).await? {
+        say(format!("cdc: skipped: {why}"));
+        return Ok(CdcFigures::skipped(why));
+    }
+    let topic = names.topic.as_str();
+    let cluster = cfg.nats.cluster.as_str();
+    let slot = cfg.cdc.names(cluster);
+    sealpost::cdc::setup(pg, &slot, cluster)
+        .await
+        .map_err(|e| RunError::Config(e.to_string()))?;
+    say(format!(
+        "cdc: slot {} made; prefilling {} events ...",
+        slot.slot, args.events
+    ));
+    let from_ms = store::db_now_ms(&*pg).await? as i64;
+    prefill(pg, &names.route, "c", args.events, payload).await?;
+    pg.batch_execute("VACUUM (ANALYZE) sealpost.work, sealpost.envelope")
+        .await
+        .map_err(db)?;
+    let start_ms = store::db_now_ms(&*pg).await? as i64;
+    let (fleet, counters) = Fleet::start_cdc(cfg, nats);
+    if !wait_drained(pg, cluster, i64::MAX, &fleet).await? {
+        return Err(fleet_error(fleet).await);
+    }
+    let end_ms = published_until_ms(pg, topic, from_ms, start_ms)
+        .await?
+        .unwrap_or(start_ms);
+    let drain_rate = args.events as f64 / ((end_ms - start_ms).max(1) as f64 / 1000.0);
+    say(format!(
+        "cdc: {} events drained in {:.2} s = {drain_rate:.0} events/s ({:.3} of the polling \
+         fleet's drain); producers at {} events/s for {} s ...",
+        args.events,
+        (end_ms - start_ms) as f64 / 1000.0,
+        drain_rate / polling_rate,
+        args.rate_per_s,
+        args.latency_s
+    ));
+
+    // The log still names the drained backlog (published by the catch-up scans): the
+    // publisher reads through it and confirms it before the producers start, so the latency
+    // sample is the steady state, as the polling sample starts after its backlog.
+    let drained_lsn = wal_lsn(pg).await?;
+    let caught_up = Instant::now();
+    loop {
+        let confirmed: bool = pg
+            .query_one(
+                "SELECT coalesce((SELECT confirmed_flush_lsn >= $1::text::pg_lsn
+                   FROM pg_replication_slots WHERE slot_name = $2), false)",
+                &[&drained_lsn, &slot.slot],
+            )
+            .await
+            .map_err(db)?
+            .get(0);
+        if confirmed || caught_up.elapsed() > Duration::from_secs(60) {
+            break;
+        }
+        if fleet.broken() {
+            return Err(fleet_error(fleet).await);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let caught_up_s = caught_up.elapsed().as_secs_f64();
+    say(format!(
+        "cdc: the slot confirmed the backlog's log {caught_up_s:.2} s after the drain"
+    ));
+    let load_from_ms = store::db_now_ms(&*pg).await? as i64;
+    let from_log0 = counters.from_log.load(Ordering::Relaxed);
+    let producers = tokio::spawn(produce(
+        cfg.clone(),
+        names.route.clone(),
+        payload.to_vec(),
+        args.rate_per_s,
+        args.latency_s,
+        Arc::new(AtomicBool::new(true)),
+    ));
+    let mut retained: Vec<f64> = Vec::new();
+    while !producers.is_finished() {
+        if fleet.broken() {
+            producers.abort();
+            return Err(fleet_error(fleet).await);
+        }
+        if let Some(b) = slot_retained(pg, &slot.slot).await {
+            retained.push(b);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let (produced, load_s) = producers.await.expect("producers panicked")?;
+    if !wait_drained(pg, cluster, i64::MAX, &fleet).await? {
+        return Err(fleet_error(fleet).await);
+    }
+    let from_log = counters.from_log.load(Ordering::Relaxed) - from_log0;
+    fleet.stop().await?;
+    let lat: Vec<i64> = latencies(pg, topic, load_from_ms)
+        .await?
+        .into_iter()
+        .map(|(_, l)| l)
+        .collect();
+    retained.sort_by(f64::total_cmp);
+    let (p50, p99) = (quantile(&lat, 0.50), quantile(&lat, 0.99));
+    let figures = CdcFigures {
+        skipped: None,
+        drain_events_per_s: round(drain_rate, 1),
+        drain_ratio_to_polling: round(drain_rate / polling_rate, 3),
+        log_caught_up_s: round(caught_up_s, 2),
+        load_s: round(load_s, 2),
+        produced_events_per_s: round(produced as f64 / load_s, 1),
+        latency_ms_p50: p50,
+        latency_ms_p99: p99,
+        latency_events: lat.len() as u64,
+        claimed_from_log: from_log,
+        wal_retained_bytes_max: retained.last().copied().unwrap_or(f64::NAN),
+        wal_retained_bytes_p50: retained
+            .get(retained.len() / 2)
+            .copied()
+            .unwrap_or(f64::NAN),
+    };
+    say(format!(
+        "cdc: latency at {} events/s offered: p50 {p50} ms, p99 {p99} ms ({} events, {from_log} \
+         claimed from the log); WAL the slot held: p50 {:.0} bytes, most {:.0}",
+        args.rate_per_s,
+        lat.len(),
+        figures.wal_retained_bytes_p50,
+        figures.wal_retained_bytes_max
+    ));
+    Ok(figures)
 }
 
 /// One broker's line of `sealpost bench --per-broker`.

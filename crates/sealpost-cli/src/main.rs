@@ -170,7 +170,9 @@ enum Cmd {
     /// Drain a prefilled backlog, then a second backlog while producers commit at a fixed
     /// rate (net drain, latency under load), then the same backlog through a careful naive
     /// relay, and through that relay again sending Sealpost's message; WAL bytes,
-    /// statements and CPU per event of the drains.
+    /// statements and CPU per event of the drains. On a database with `wal_level = logical`,
+    /// last, the CDC publisher: the same backlog, then producers at the same rate (latency,
+    /// WAL held by its slot, which is dropped at the end).
     Bench {
         /// Backlog size of the drain (and of the naive relay's drain).
         #[arg(long, default_value_t = 200_000)]
@@ -870,6 +872,16 @@ async fn run(cmd: Cmd, cfg: Settings) -> Result<i32, String> {
                     n(r.wire_relay_checkpoints_during_drain),
                     n(r.checkpoints_during_load)
                 );
+                match &r.cdc.skipped {
+                    Some(why) => println!("cdc: skipped: {why}"),
+                    None => println!(
+                        "cdc: drain {:.0}/s ({:.3} of the polling drain), log confirmed {:.2} s later  producers {:.0}/s of {}/s offered for {:.1} s: latency p50 {} ms p99 {} ms ({} events, {} claimed from the log)  WAL held by the slot p50 {:.0} B max {:.0} B",
+                        r.cdc.drain_events_per_s, r.cdc.drain_ratio_to_polling, r.cdc.log_caught_up_s, r.cdc.produced_events_per_s,
+                        r.rate_per_s, r.cdc.load_s, r.cdc.latency_ms_p50, r.cdc.latency_ms_p99,
+                        r.cdc.latency_events, r.cdc.claimed_from_log, r.cdc.wal_retained_bytes_p50,
+                        r.cdc.wal_retained_bytes_max
+                    ),
+                }
                 println!("CPU per event: sealpost {}", r.cpu_per_event);
                 println!("               naive relay {}", r.naive_cpu_per_event);
                 println!(
