@@ -317,18 +317,38 @@ impl ClaimSource {
     }
 }
 
-/// What a row's state means for the window: settled once it left the dispatchable phase,
-/// in flight while a claim's lease is live, waiting otherwise (`None`: a state this build
-/// does not know, which the shell treats as waiting).
-pub fn check_of(phase: i16, state: &str, live_lease: bool) -> Option<RowCheck> {
-    let state = State::parse(state)?;
-    debug_assert_eq!(state.phase().code(), phase, "phase and state disagree");
-    let _ = phase;
-    Some(match state.phase() {
-        Phase::Dispatchable if state != State::Pending && live_lease => RowCheck::InFlight,
+/// What the publisher's state check read of an offered row.
+#[derive(Clone, Copy, Debug)]
+pub struct Seen<'a> {
+    /// `work.phase`.
+    pub phase: i16,
+    /// `work.state`.
+    pub state: &'a str,
+    /// The claim's lease end, if the row is claimed (database clock).
+    pub lease_until_ms: Option<u64>,
+}
+
+/// What an offered row means for the window, given what the check read of it (`None`: no
+/// such row, purged or never committed under this key, so nothing to send) at `now_ms`
+/// (database clock): settled once it left the dispatchable phase, in flight while a claim's
+/// lease is live ([`crate::claim::lease_live`]), waiting otherwise. A state this build does
+/// not know is waiting: the slot never passes a row it cannot judge.
+pub fn check_of(seen: Option<Seen<'_>>, now_ms: u64) -> RowCheck {
+    let Some(seen) = seen else {
+        return RowCheck::Settled;
+    };
+    let Some(state) = State::parse(seen.state) else {
+        return RowCheck::Waiting;
+    };
+    debug_assert_eq!(state.phase().code(), seen.phase, "phase and state disagree");
+    let live = seen
+        .lease_until_ms
+        .is_some_and(|l| crate::claim::lease_live(l, now_ms));
+    match state.phase() {
+        Phase::Dispatchable if state != State::Pending && live => RowCheck::InFlight,
         Phase::Dispatchable => RowCheck::Waiting,
         Phase::Unknown | Phase::Settled | Phase::Parked => RowCheck::Settled,
-    })
+    }
 }
 
 /// The text form of a log position, as PostgreSQL writes a `pg_lsn` (`16/B374D848`).
@@ -428,6 +448,35 @@ mod tests {
         s.lose_log();
         assert_eq!(s.next_scan_ms(), None);
         assert_eq!(s.choose(1_003, &mut w, 10), ClaimFrom::Scan);
+    }
+
+    #[test]
+    fn a_row_is_in_flight_only_under_a_live_lease_and_unknown_states_wait() {
+        let seen = |state: &'static str, lease: Option<u64>| {
+            let phase = State::parse(state).map_or(0, |s| s.phase().code());
+            Some(Seen {
+                phase,
+                state,
+                lease_until_ms: lease,
+            })
+        };
+        assert_eq!(check_of(None, 100), RowCheck::Settled);
+        assert_eq!(
+            check_of(seen("SENDING", Some(101)), 100),
+            RowCheck::InFlight
+        );
+        // The lease ends at its instant (the claim rule's `lease_live`).
+        assert_eq!(check_of(seen("SENDING", Some(100)), 100), RowCheck::Waiting);
+        assert_eq!(check_of(seen("PENDING", Some(500)), 100), RowCheck::Waiting);
+        assert_eq!(check_of(seen("PUBLISHED", None), 100), RowCheck::Settled);
+        assert_eq!(
+            check_of(seen("DISPATCH_UNKNOWN", None), 100),
+            RowCheck::Settled
+        );
+        assert_eq!(
+            check_of(seen("FROM_A_NEWER_BUILD", None), 100),
+            RowCheck::Waiting
+        );
     }
 
     #[test]

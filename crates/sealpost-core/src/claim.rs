@@ -120,6 +120,13 @@ pub fn decide_dispatch_claim_with(
     }
 }
 
+/// Whether a claim whose lease ends at `lease_until_ms` is still live at `now_ms` (both the
+/// database's clock): the one lease rule the claim decisions, the fence and the CDC
+/// publisher's state check share.
+pub fn lease_live(lease_until_ms: u64, now_ms: u64) -> bool {
+    lease_until_ms > now_ms
+}
+
 /// The dispatcher's claim decision for one row (R7), for a row with no earlier unresolved
 /// event of its aggregate (see [`decide_dispatch_claim_with`] for ordered destinations). `lease_ms` is added to the database's
 /// `now_ms`; a worker's clock is never consulted. A `PENDING` row that could not leave waits
@@ -128,7 +135,7 @@ pub fn decide_dispatch_claim(row: &EventRow, now_ms: u64, lease_ms: u64) -> Clai
     let expired = row
         .claim
         .as_ref()
-        .is_none_or(|c| c.lease_until_ms <= now_ms);
+        .is_none_or(|c| !lease_live(c.lease_until_ms, now_ms));
     let grant = |next: State, superseding: bool| ClaimDecision::Grant {
         next,
         generation: row.claim_generation + 1,
@@ -152,7 +159,7 @@ pub fn decide_reconcile_claim(row: &EventRow, now_ms: u64, lease_ms: u64) -> Cla
     let expired = row
         .claim
         .as_ref()
-        .is_none_or(|c| c.lease_until_ms <= now_ms);
+        .is_none_or(|c| !lease_live(c.lease_until_ms, now_ms));
     match row.state {
         State::DispatchUnknown if row.pacing.next_lookup_at_ms > now_ms => ClaimDecision::Skip,
         State::DispatchUnknown | State::Reconciling if expired => ClaimDecision::Grant {
@@ -217,7 +224,7 @@ fn mark_open_attempts_unknown(row: &mut EventRow) {
 pub fn check_fence(row: &EventRow, token: ClaimToken, now_ms: u64) -> Result<(), Fenced> {
     match &row.claim {
         Some(c) if c.generation == token.generation && c.owner == token.owner => {
-            if c.lease_until_ms <= now_ms {
+            if !lease_live(c.lease_until_ms, now_ms) {
                 Err(Fenced::LeaseExpired {
                     lease_until_ms: c.lease_until_ms,
                 })

@@ -602,12 +602,11 @@ impl Protocol {
         inbox::decide_delivery(claimed_digest, payload_digest, policy, presented)
     }
 
-    /// What the CDC publisher's state check makes of an offered row
-    /// (`cdc::check_of`, a state this build does not know taken as waiting, as the shell
-    /// does), as it is fed into the log window; the cdc-confirm-before-accept mutant takes a
-    /// row in flight for settled.
-    pub fn cdc_check(&self, phase: i16, state: &str, live_lease: bool) -> RowCheck {
-        let c = cdc::check_of(phase, state, live_lease).unwrap_or(RowCheck::Waiting);
+    /// What the CDC publisher's state check makes of an offered row (`cdc::check_of`, as
+    /// the shell runs it); the cdc-confirm-before-accept mutant takes a row in flight for
+    /// settled.
+    pub fn cdc_check(&self, seen: Option<cdc::Seen<'_>>, now_ms: u64) -> RowCheck {
+        let c = cdc::check_of(seen, now_ms);
         if c == RowCheck::InFlight && self.is(Mutant::CdcConfirmBeforeAccept) {
             RowCheck::Settled
         } else {

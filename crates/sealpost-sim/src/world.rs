@@ -3851,18 +3851,15 @@ impl World {
     /// What the state check finds for an offered row (a row that is not there has nothing
     /// to send).
     fn cdc_row_check(&self, k: RowKey) -> RowCheck {
-        match self.row_of(k.0, k.1) {
-            None => RowCheck::Settled,
-            Some(r) => {
-                let row = &self.db.rows[r as usize];
-                let live = row
-                    .claim
-                    .as_ref()
-                    .is_some_and(|c| c.lease_until_ms > self.now);
-                self.proto
-                    .cdc_check(row.state.phase().code(), row.state.as_str(), live)
+        let seen = self.row_of(k.0, k.1).map(|r| {
+            let row = &self.db.rows[r as usize];
+            sealpost_core::cdc::Seen {
+                phase: row.state.phase().code(),
+                state: row.state.as_str(),
+                lease_until_ms: row.claim.as_ref().map(|c| c.lease_until_ms),
             }
-        }
+        });
+        self.proto.cdc_check(seen, self.now)
     }
 
     /// One step of the log reader (`stream_once`): read what the window has room for, check

@@ -40,7 +40,8 @@ use std::time::{Duration, Instant};
 use pg_walstream::{LogicalReplicationMessage, LogicalReplicationParser};
 use pgwire_replication::{Lsn, ReplicationClient, ReplicationConfig, ReplicationEvent};
 use sealpost_core::cdc::{
-    lsn_text, parse_lsn, ClaimFrom, ClaimSource, LogWindow, RowCheck, RowKey, WindowFigures,
+    check_of, lsn_text, parse_lsn, ClaimFrom, ClaimSource, LogWindow, RowCheck, RowKey, Seen,
+    WindowFigures,
 };
 use sealpost_core::port::Broker;
 use sealpost_core::EventId;
@@ -702,8 +703,7 @@ async fn check_rows(
     let found = pg
         .query(
             &format!(
-                "SELECT w.event_id, w.member, w.phase, w.state,
-                        w.lease_until_ms IS NOT NULL AND w.lease_until_ms > {}
+                "SELECT w.event_id, w.member, w.phase, w.state, w.lease_until_ms, {}
                  FROM sealpost.work w
                  JOIN unnest($1::uuid[], $2::int2[]) AS k(event_id, member)
                    ON w.event_id = k.event_id AND w.member = k.member",
@@ -712,23 +712,29 @@ async fn check_rows(
             &[&ids, &members],
         )
         .await?;
-    let mut by_key: HashMap<RowKey, RowCheck> = HashMap::with_capacity(found.len());
+    let mut seen: HashMap<RowKey, (i16, String, Option<u64>)> = HashMap::with_capacity(found.len());
+    let mut now_ms = 0;
     for r in &found {
         let id: uuid::Uuid = r.get(0);
         let member: i16 = r.get(1);
-        let phase: i16 = r.get(2);
-        let state: String = r.get(3);
-        let live_lease: bool = r.get(4);
-        let check = match sealpost_core::cdc::check_of(phase, &state, live_lease) {
-            Some(c) => c,
-            None => RowCheck::Waiting,
-        };
-        by_key.insert((EventId(*id.as_bytes()), member as u16), check);
+        let lease: Option<i64> = r.get(4);
+        now_ms = r.get::<_, i64>(5) as u64;
+        seen.insert(
+            (EventId(*id.as_bytes()), member as u16),
+            (r.get(2), r.get(3), lease.map(|l| l as u64)),
+        );
     }
-    // A row that is not there (purged, or never committed under this key) has nothing to send.
+    // The core judges each row; one that is not there has nothing to send.
     Ok(rows
         .iter()
-        .map(|k| (*k, by_key.get(k).copied().unwrap_or(RowCheck::Settled)))
+        .map(|k| {
+            let s = seen.get(k).map(|(phase, state, lease)| Seen {
+                phase: *phase,
+                state,
+                lease_until_ms: *lease,
+            });
+            (*k, check_of(s, now_ms))
+        })
         .collect())
 }
 
