@@ -673,3 +673,230 @@ async fn a_login_with_the_dispatcher_roles_and_replication_runs_the_publisher() 
         );
     }
 }
+
+/// A private NATS server (2.15.1, which `.ci/run` caches; `NATS215_BIN` overrides the path)
+/// with JetStream writing every message to disk before it acknowledges it (`sync_interval:
+/// always`), so a SIGKILL loses nothing it acknowledged. Killed on drop.
+struct PrivateNats {
+    child: Option<std::process::Child>,
+    conf: std::path::PathBuf,
+    port: u16,
+}
+
+impl PrivateNats {
+    fn bin() -> std::path::PathBuf {
+        std::env::var_os("NATS215_BIN")
+            .map(Into::into)
+            .unwrap_or_else(|| "/var/cache/sealpost/nats-2.15.1/bin/nats-server".into())
+    }
+
+    fn start(dir: &std::path::Path) -> Option<PrivateNats> {
+        if !Self::bin().exists() {
+            assert!(
+                std::env::var_os("CI").is_none(),
+                "no NATS 2.15.1 at {}: .ci/run installs it",
+                Self::bin().display()
+            );
+            eprintln!("skipped: no {}", Self::bin().display());
+            return None;
+        }
+        let port = std::net::TcpListener::bind(("127.0.0.1", 0))
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let conf = dir.join("nats.conf");
+        std::fs::write(
+            &conf,
+            format!(
+                "listen: 127.0.0.1:{port}\njetstream {{ store_dir: \"{}\", sync_interval: always }}\n",
+                dir.join("js").display()
+            ),
+        )
+        .unwrap();
+        let mut n = PrivateNats {
+            child: None,
+            conf,
+            port,
+        };
+        n.run();
+        Some(n)
+    }
+
+    /// Starts the server (again, on the same store).
+    fn run(&mut self) {
+        let child = std::process::Command::new(Self::bin())
+            .arg("-c")
+            .arg(&self.conf)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("start nats-server");
+        self.child = Some(child);
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
+            assert!(std::time::Instant::now() < deadline, "NATS never listened");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn signal(&self, sig: &str) {
+        if let Some(c) = &self.child {
+            let _ = std::process::Command::new("kill")
+                .args([sig, &c.id().to_string()])
+                .status();
+        }
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+}
+
+impl Drop for PrivateNats {
+    fn drop(&mut self) {
+        self.signal("-CONT");
+        self.kill();
+    }
+}
+
+/// The drill of issue 22 with the broker failing: `sealpost cdc` (with its reconciler) and
+/// two `sealpost consume` consumers on a private NATS, while producers commit: the broker is
+/// frozen with SIGSTOP for 5 s (past the ack timeout and the lease), then killed with SIGKILL
+/// and started again on its store 3 s later. Afterwards every event is `PUBLISHED`, stored
+/// once at the broker, applied once by each consumer, and `sealpost reconcile` finds nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn broker_frozen_then_killed_under_cdc_loses_nothing_and_reconciles_clean() {
+    let Some((c, cfg, mut pg)) = logical_cluster("broker").await else {
+        return;
+    };
+    let Some(mut broker) = PrivateNats::start(&c.dir) else {
+        return;
+    };
+    sealpost_cli::demo::prepare(&pg).await.unwrap();
+    let cluster = "cdc-drill";
+    let t = topic("broker");
+    let n = Nats::connect(&broker.url(), cluster, Duration::from_secs(2))
+        .await
+        .unwrap();
+    n.ensure_stream(&t).await.unwrap();
+    store::set_route(&pg, "orders", cluster, &t).await.unwrap();
+    let write = |name: &str| {
+        let path = c.dir.join(name);
+        std::fs::write(
+            &path,
+            format!(
+                "database_url = \"{}\"\nlease_ms = 3000\nack_timeout_ms = 1000\n\
+                 reconcile_every_ms = 500\nerror_backoff_max_ms = 1000\n\
+                 [nats]\nurl = \"{}\"\ncluster = \"{cluster}\"\n[cdc]\nsweep_every_ms = 2000\n",
+                cfg.database_url,
+                broker.url()
+            ),
+        )
+        .unwrap();
+        path
+    };
+    let config = write("drill.toml");
+    let spawn = |args: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_sealpost"))
+            .arg("--config")
+            .arg(&config)
+            .args(args)
+            .env("RUST_LOG", "error")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("spawn sealpost")
+    };
+    struct Killed(Vec<std::process::Child>);
+    impl Drop for Killed {
+        fn drop(&mut self) {
+            for c in &mut self.0 {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+        }
+    }
+    let consumers = ["c1", "c2"];
+    let mut procs = Killed(vec![spawn(&["cdc"])]);
+    for cid in consumers {
+        procs
+            .0
+            .push(spawn(&["consume", "--consumer", cid, "--topic", &t]));
+    }
+    let mut ids = enqueue(&mut pg, "orders", 10, 50).await;
+    wait_for("the first events", Duration::from_secs(30), async || {
+        published(&pg).await > 0
+    })
+    .await;
+    broker.signal("-STOP");
+    for _ in 0..10 {
+        ids.extend(enqueue(&mut pg, "orders", 1, 50).await);
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    broker.signal("-CONT");
+    ids.extend(enqueue(&mut pg, "orders", 4, 50).await);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    broker.kill();
+    for _ in 0..6 {
+        ids.extend(enqueue(&mut pg, "orders", 1, 50).await);
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    broker.run();
+    ids.extend(enqueue(&mut pg, "orders", 4, 50).await);
+    let all = ids.len() as i64;
+    wait_for(
+        "every event, after the broker came back",
+        Duration::from_secs(120),
+        async || published(&pg).await == all,
+    )
+    .await;
+    for cid in consumers {
+        wait_for(&format!("consumer {cid}"), Duration::from_secs(120), async || {
+            count(
+                &pg,
+                &format!("SELECT count(DISTINCT event_id) FROM demo_fulfilment WHERE consumer_id = '{cid}'"),
+            )
+            .await
+                == all
+        })
+        .await;
+        assert_eq!(
+            count(
+                &pg,
+                &format!("SELECT count(*) FROM demo_fulfilment WHERE consumer_id = '{cid}'")
+            )
+            .await,
+            all,
+            "consumer {cid} applied each event once"
+        );
+    }
+    drop(procs);
+    let n = Nats::connect(&broker.url(), cluster, Duration::from_secs(2))
+        .await
+        .unwrap();
+    assert_eq!(
+        stream_messages(&n, &t).await,
+        all as u64,
+        "once each at the broker"
+    );
+    let reconcile = std::process::Command::new(env!("CARGO_BIN_EXE_sealpost"))
+        .arg("--config")
+        .arg(&config)
+        .arg("reconcile")
+        .output()
+        .unwrap();
+    assert!(
+        reconcile.status.success(),
+        "sealpost reconcile found something: {}{}",
+        String::from_utf8_lossy(&reconcile.stdout),
+        String::from_utf8_lossy(&reconcile.stderr)
+    );
+}
