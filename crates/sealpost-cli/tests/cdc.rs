@@ -175,9 +175,88 @@ fn slot_name() -> String {
     Config::default().cdc.names(common::NATS_CLUSTER).slot
 }
 
+/// How every drill ends (issue 22): two `sealpost consume` consumers read the topic `t` on
+/// the machine's NATS from its start, each applies every one of the `n` events once (the
+/// demo's effect table), and `sealpost reconcile` finds nothing (exit 0).
+async fn consumed_once_and_reconciled(
+    pg: &tokio_postgres::Client,
+    dir: &std::path::Path,
+    database_url: &str,
+    t: &str,
+    n: i64,
+) {
+    sealpost_cli::demo::prepare(pg).await.unwrap();
+    let config = dir.join(format!("end-{t}.toml"));
+    std::fs::write(
+        &config,
+        format!(
+            "database_url = \"{database_url}\"\n[nats]\nurl = \"{}\"\ncluster = \"{}\"\n",
+            common::nats_url(),
+            common::NATS_CLUSTER
+        ),
+    )
+    .unwrap();
+    let mut consumers = Vec::new();
+    for cid in ["c1", "c2"] {
+        let child = std::process::Command::new(env!("CARGO_BIN_EXE_sealpost"))
+            .arg("--config")
+            .arg(&config)
+            .args(["consume", "--consumer", cid, "--topic", t])
+            .env("RUST_LOG", "error")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("spawn sealpost consume");
+        consumers.push(KillOnDrop(child));
+    }
+    for cid in ["c1", "c2"] {
+        wait_for(&format!("consumer {cid}"), Duration::from_secs(60), async || {
+            count(
+                pg,
+                &format!("SELECT count(DISTINCT event_id) FROM demo_fulfilment WHERE consumer_id = '{cid}'"),
+            )
+            .await
+                == n
+        })
+        .await;
+        assert_eq!(
+            count(
+                pg,
+                &format!("SELECT count(*) FROM demo_fulfilment WHERE consumer_id = '{cid}'")
+            )
+            .await,
+            n,
+            "consumer {cid} applied each event once"
+        );
+    }
+    drop(consumers);
+    let reconcile = std::process::Command::new(env!("CARGO_BIN_EXE_sealpost"))
+        .arg("--config")
+        .arg(&config)
+        .arg("reconcile")
+        .output()
+        .unwrap();
+    assert!(
+        reconcile.status.success(),
+        "sealpost reconcile found something: {}{}",
+        String::from_utf8_lossy(&reconcile.stdout),
+        String::from_utf8_lossy(&reconcile.stderr)
+    );
+}
+
+/// A child process killed when dropped (also when the test fails).
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn events_committed_before_and_during_cdc_are_published_once_and_the_slot_advances() {
-    let Some((_c, mut cfg, mut pg)) = logical_cluster("once").await else {
+    let Some((c, mut cfg, mut pg)) = logical_cluster("once").await else {
         return;
     };
     // Scans at the start (the events committed before the slot existed), then the log, and
@@ -253,6 +332,7 @@ async fn events_committed_before_and_during_cdc_are_published_once_and_the_slot_
     assert_eq!(slots.len(), 1);
     assert!(slots[0].exists && slots[0].window_rows == 0, "{slots:?}");
     assert_eq!(slots[0].problem(300.0), None);
+    consumed_once_and_reconciled(&pg, &c.dir, &cfg.database_url, &t, total).await;
     // Cleanup never runs ahead of the slot (R20): with no replay window and no consumer to
     // wait for, every row is still kept while the publisher's hold covers it (the margin for
     // long transactions is an hour)...
@@ -282,7 +362,7 @@ async fn events_committed_before_and_during_cdc_are_published_once_and_the_slot_
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn while_the_broker_refuses_the_window_fills_and_the_slot_waits() {
-    let Some((_c, mut cfg, mut pg)) = logical_cluster("full").await else {
+    let Some((c, mut cfg, mut pg)) = logical_cluster("full").await else {
         return;
     };
     // Room for a few transactions only.
@@ -342,11 +422,12 @@ async fn while_the_broker_refuses_the_window_fills_and_the_slot_waits() {
     .await;
     r.stop().await;
     assert_eq!(stream_messages(&n, &t).await, ids.len() as u64);
+    consumed_once_and_reconciled(&pg, &c.dir, &cfg.database_url, &t, ids.len() as i64).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_publisher_stopped_mid_stream_restarts_from_the_slot_and_loses_nothing() {
-    let Some((_c, mut cfg, pg)) = logical_cluster("abort").await else {
+    let Some((c, mut cfg, pg)) = logical_cluster("abort").await else {
         return;
     };
     // A row the dead publisher had in flight goes unknown when its lease ends; if the lookup
@@ -388,11 +469,12 @@ async fn a_publisher_stopped_mid_stream_restarts_from_the_slot_and_loses_nothing
         total as u64,
         "once each at the broker"
     );
+    consumed_once_and_reconciled(&pg, &c.dir, &cfg.database_url, &t, total as i64).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dropped_slot_hands_the_work_to_scans_and_cdc_beside_polling_stores_each_once() {
-    let Some((_c, mut cfg, mut pg)) = logical_cluster("drop").await else {
+    let Some((c, mut cfg, mut pg)) = logical_cluster("drop").await else {
         return;
     };
     cfg.cdc.sweep_every_ms = 1_000;
@@ -467,6 +549,7 @@ async fn a_dropped_slot_hands_the_work_to_scans_and_cdc_beside_polling_stores_ea
         total as u64,
         "once each at the broker"
     );
+    consumed_once_and_reconciled(&pg, &c.dir, &cfg.database_url, &t, total).await;
 }
 
 /// A `sealpost cdc` process.
@@ -560,6 +643,7 @@ async fn sealpost_cdc_killed_between_send_and_receipt_loses_nothing() {
         sent_before_kill as i64,
         "what the killed process sent was adopted by the reconciler's lookup, not sent again"
     );
+    consumed_once_and_reconciled(&pg, &c.dir, &cfg.database_url, &t, ids.len() as i64).await;
 }
 
 /// Trust boundaries (issue 23 on the CDC tables): the schema owner makes the publication and
