@@ -16,6 +16,7 @@
 #![allow(clippy::result_large_err)]
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use lapin::tcp::{OwnedIdentity, OwnedTLSConfig};
 use lapin::uri::{AMQPScheme, AMQPUri};
@@ -46,11 +47,24 @@ pub struct RabbitOptions {
 /// with the files' contents. Prepared once, by `connect_with`; reconnects reuse it.
 #[derive(Clone)]
 pub(crate) struct Target {
-    pub(crate) uri: AMQPUri,
+    /// The nodes of one cluster, in the order the URL names them; a connect tries each in
+    /// turn ([`dial`]).
+    pub(crate) nodes: Vec<NodeTarget>,
     pub(crate) tls: OwnedTLSConfig,
-    /// The URL without its password, for messages.
+    /// The URL without its passwords, for messages.
     pub(crate) shown: String,
     pub(crate) options: RabbitOptions,
+    /// The node the next connect tries first: the one after the last that took a
+    /// connection, so a reconnect (its connection was lost) starts elsewhere.
+    next: std::sync::Arc<AtomicUsize>,
+}
+
+/// One node of a [`Target`].
+#[derive(Clone)]
+pub(crate) struct NodeTarget {
+    pub(crate) uri: AMQPUri,
+    /// Its URL without a password.
+    pub(crate) shown: String,
 }
 
 fn invalid(option: &'static str, detail: impl Into<String>) -> RabbitError {
@@ -108,8 +122,42 @@ fn has_password(url: &str) -> bool {
 }
 
 impl RabbitOptions {
-    /// Reads and checks every file and joins them to `url`.
+    /// Reads and checks every file and joins them to `url`: one node's URL, or the nodes of
+    /// one cluster comma-separated (`amqp://a:5672/%2f,amqp://b:5672/%2f`).
     pub(crate) fn prepare(&self, url: &str) -> Result<Target, RabbitError> {
+        let parts: Vec<&str> = url
+            .split(',')
+            .map(str::trim)
+            .filter(|p| !p.is_empty())
+            .collect();
+        if parts.is_empty() {
+            return Err(invalid(
+                "rabbitmq.url",
+                "is empty: name a node, `amqp://host:5672/%2f`, or several comma-separated",
+            ));
+        }
+        let mut nodes = Vec::with_capacity(parts.len());
+        let mut tls = OwnedTLSConfig::default();
+        for part in parts {
+            let (uri, t, shown) = self.prepare_node(part)?;
+            tls = t;
+            nodes.push(NodeTarget { uri, shown });
+        }
+        Ok(Target {
+            shown: nodes
+                .iter()
+                .map(|n| n.shown.as_str())
+                .collect::<Vec<_>>()
+                .join(","),
+            nodes,
+            tls,
+            options: self.clone(),
+            next: Default::default(),
+        })
+    }
+
+    /// One node's URL with the files joined to it.
+    fn prepare_node(&self, url: &str) -> Result<(AMQPUri, OwnedTLSConfig, String), RabbitError> {
         let shown = sealpost_core::secret::redact_url(url);
         let mut uri: AMQPUri = url
             .parse()
@@ -172,12 +220,7 @@ impl RabbitOptions {
             }
             uri.authority.userinfo.password = secret("rabbitmq.security.password_file", path)?;
         }
-        Ok(Target {
-            uri,
-            tls,
-            shown,
-            options: self.clone(),
-        })
+        Ok((uri, tls, shown))
     }
 
     /// What to check after a refused connect, in terms of these options.
@@ -282,19 +325,55 @@ pub(crate) async fn dial(
     target: &Target,
     properties: ConnectionProperties,
 ) -> Result<Connection, RabbitError> {
-    let runtime = lapin::runtime::default_runtime().map_err(|source| RabbitError::Connect {
-        url: target.shown.clone(),
-        hint: "no tokio runtime".into(),
-        source,
-    })?;
-    Connection::connect_uri_with_config(target.uri.clone(), properties, target.tls.clone(), runtime)
-        .await
-        .map_err(|source| RabbitError::Connect {
-            url: target.shown.clone(),
-            hint: target.options.hint(&source),
-            source,
-        })
+    let n = target.nodes.len();
+    let first = target.next.load(Ordering::Relaxed);
+    let mut last = None;
+    for k in 0..n {
+        let i = (first + k) % n;
+        let node = &target.nodes[i];
+        let runtime =
+            lapin::runtime::default_runtime().map_err(|source| RabbitError::Connect {
+                url: node.shown.clone(),
+                hint: "no tokio runtime".into(),
+                source,
+            })?;
+        let connect = Connection::connect_uri_with_config(
+            node.uri.clone(),
+            properties.clone(),
+            target.tls.clone(),
+            runtime,
+        );
+        let err = match tokio::time::timeout(CONNECT_TIMEOUT, connect).await {
+            Ok(Ok(c)) => {
+                target.next.store((i + 1) % n, Ordering::Relaxed);
+                if n > 1 {
+                    tracing::debug!(node = %node.shown, "RabbitMQ: connected");
+                }
+                return Ok(c);
+            }
+            Ok(Err(source)) => RabbitError::Connect {
+                url: node.shown.clone(),
+                hint: target.options.hint(&source),
+                source,
+            },
+            Err(_) => RabbitError::Connect {
+                url: node.shown.clone(),
+                hint: format!(
+                    "no answer within {CONNECT_TIMEOUT:?}; check that the node runs and is reachable"
+                ),
+                source: lapin::Error::from(std::io::Error::from(std::io::ErrorKind::TimedOut)),
+            },
+        };
+        if n > 1 {
+            tracing::warn!(node = %node.shown, error = %err, "RabbitMQ: a node refused the connection; trying the next");
+        }
+        last = Some(err);
+    }
+    Err(last.expect("a target has at least one node"))
 }
+
+/// How long one node may take to accept a connection before the next is tried.
+const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Opens a plain lapin connection to `url` with `options` (TLS, client certificate, password
 /// file), for a caller that consumes on its own channels (`sealpost consume`).
@@ -339,6 +418,27 @@ mod tests {
     }
 
     #[test]
+    fn the_nodes_of_one_cluster_are_each_checked_and_shown_without_passwords() {
+        let o = RabbitOptions::default();
+        let t = o
+            .prepare("amqp://u:pw1@a:5672/%2f, amqp://u:pw2@b:5673/%2f,")
+            .unwrap();
+        assert_eq!(t.nodes.len(), 2);
+        assert_eq!(t.nodes[1].uri.authority.port, 5673);
+        assert!(!t.shown.contains("pw1") && !t.shown.contains("pw2"), "{}", t.shown);
+        assert!(t.shown.contains("a:5672") && t.shown.contains("b:5673"));
+        // Each node is held to the same rules: an amqps:// node without a CA is refused.
+        let m = o
+            .prepare("amqp://u@a:5672/%2f,amqps://u@b:5671/%2f")
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(m.contains("rabbitmq.security.tls_ca_file"), "{m}");
+        let m = o.prepare(" , ").err().unwrap().to_string();
+        assert!(m.contains("rabbitmq.url") && m.contains("empty"), "{m}");
+    }
+
+    #[test]
     fn settings_that_do_not_go_together_are_named() {
         let dir = std::env::temp_dir().join(format!("sealpost-rabbit-opt-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
@@ -370,7 +470,7 @@ mod tests {
         );
         // The password file's line break is dropped.
         let t = o.prepare("amqp://u@localhost:5672/%2f").unwrap();
-        assert_eq!(t.uri.authority.userinfo.password, "s3cret-value");
+        assert_eq!(t.nodes[0].uri.authority.userinfo.password, "s3cret-value");
         assert!(!t.shown.contains("s3cret"));
         // A certificate without its key.
         let o = RabbitOptions {
