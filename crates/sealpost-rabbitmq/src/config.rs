@@ -7,7 +7,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use crate::{Rabbit, RabbitError, RabbitOptions};
+use crate::{LookupStream, Rabbit, RabbitError, RabbitOptions};
 
 /// Where and how to reach RabbitMQ. Its `Debug` shows the URL without a password.
 #[derive(Clone, PartialEq, Eq, serde::Deserialize)]
@@ -20,6 +20,9 @@ pub struct RabbitConfig {
     /// TLS and the password file (`RABBITMQ_TLS_CA_FILE`, `RABBITMQ_TLS_CERT_FILE`,
     /// `RABBITMQ_TLS_KEY_FILE`, `RABBITMQ_PASSWORD_FILE`).
     pub security: RabbitOptions,
+    /// The lookup stream (`[rabbitmq.lookup]`, `RABBITMQ_LOOKUP_STREAM`): whether the broker
+    /// can be asked, and how ([`LookupStream`]).
+    pub lookup: LookupStream,
 }
 
 impl Default for RabbitConfig {
@@ -28,6 +31,7 @@ impl Default for RabbitConfig {
             url: "amqp://guest:guest@127.0.0.1:5672/%2f".to_string(),
             cluster: "rabbitmq-local".to_string(),
             security: RabbitOptions::default(),
+            lookup: LookupStream::default(),
         }
     }
 }
@@ -38,6 +42,7 @@ impl std::fmt::Debug for RabbitConfig {
             .field("url", &sealpost_core::secret::redact_url(&self.url))
             .field("cluster", &self.cluster)
             .field("security", &self.security)
+            .field("lookup", &self.lookup)
             .finish()
     }
 }
@@ -59,6 +64,9 @@ impl RabbitConfig {
         if let Some(v) = var("RABBITMQ_CLUSTER") {
             self.cluster = v;
         }
+        if let Some(v) = var("RABBITMQ_LOOKUP_STREAM") {
+            self.lookup.enabled = matches!(v.trim(), "1" | "true" | "on" | "yes");
+        }
         let s = &mut self.security;
         for (name, slot) in [
             ("RABBITMQ_TLS_CA_FILE", &mut s.tls_ca_file),
@@ -75,6 +83,13 @@ impl RabbitConfig {
     /// Connects ([`Rabbit::connect_with`]); `ack_timeout` bounds one publish's confirm, and
     /// `name` names the connection at the broker so an operator can find it.
     pub async fn connect(&self, ack_timeout: Duration, name: &str) -> Result<Rabbit, RabbitError> {
-        Rabbit::connect_with(&self.url, &self.cluster, ack_timeout, name, &self.security).await
+        if self.lookup.enabled {
+            self.lookup.check()?;
+        }
+        Ok(
+            Rabbit::connect_with(&self.url, &self.cluster, ack_timeout, name, &self.security)
+                .await?
+                .with_lookup_stream(self.lookup.clone()),
+        )
     }
 }

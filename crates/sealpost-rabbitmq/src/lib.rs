@@ -28,12 +28,18 @@
 //! [`RefusalKind::Unencodable`] before it is published, and the rest of its batch is sent
 //! ([`sealpost_core::port::encode_request`]).
 //!
-//! **The broker that cannot be asked.** RabbitMQ has no read by message id: a queue is a
-//! buffer that forgets what its consumers took. The adapter declares
-//! `lookup_by_event_id: false`, no duplicate window and no create-if-absent, and
-//! [`Broker::lookup`] answers [`Lookup::Unqueryable`]. An unknown outcome is therefore retried
-//! to the same frozen destination under the same event id (R14); the consumers' inboxes
-//! absorb the second copy.
+//! **The broker that cannot be asked, unless it keeps a stream.** RabbitMQ has no read by
+//! message id: a queue is a buffer that forgets what its consumers took. By default the
+//! adapter declares `lookup_by_event_id: false`, no duplicate window and no create-if-absent,
+//! and [`Broker::lookup`] answers [`Lookup::Unqueryable`]. An unknown outcome is therefore
+//! retried to the same frozen destination under the same event id (R14); the consumers'
+//! inboxes absorb the second copy. With the **lookup stream** ([`LookupStream`],
+//! `[rabbitmq.lookup] enabled`) every destination also feeds a RabbitMQ stream queue, which
+//! keeps what it stored for its retention whatever its readers do: a lookup scans it (one
+//! scan answers a group of unknown events, [`Broker::lookup_many`]) and finds an event or
+//! proves it absent, and the verification pass (R31) runs on RabbitMQ too. Still no
+//! create-if-absent: a retry after "absent" can race nothing (the lease fenced the first
+//! send), but nothing at the broker refuses a second copy.
 //!
 //! **The position.** AMQP gives a published message no position (a confirm's delivery tag is
 //! a per-channel counter that restarts with every channel). The receipt's `stream` is the
@@ -68,7 +74,7 @@ use sealpost_core::port::{
     SendResult,
 };
 use sealpost_core::receipt::{Receipt, ReceiptSource};
-use sealpost_core::reconcile::Lookup;
+use sealpost_core::reconcile::{Lookup, LookupScan};
 /// Header: the dispatcher's signature (`sealpost_core::signature`).
 pub use sealpost_core::signature::H_SIGNATURE;
 use tokio::sync::{Mutex, Semaphore};
@@ -81,7 +87,10 @@ pub use subscription::{ConsumeError, RabbitSubscription};
 use options::Target;
 
 mod config;
+mod lookup;
 mod options;
+
+pub use lookup::{lookup_stream_name, LookupStream, H_LOOKUP_MARKER, H_MARKER_AT_MS};
 
 /// Header: event id.
 pub const H_EVENT_ID: &str = "Sealpost-Event-Id";
@@ -209,6 +218,8 @@ pub struct Rabbit {
     link: Arc<Mutex<Option<Link>>>,
     exchanges: Arc<std::sync::Mutex<HashSet<String>>>,
     inflight: Arc<Semaphore>,
+    /// The lookup stream's settings, when destinations have one ([`LookupStream`]).
+    lookup: Option<Arc<LookupStream>>,
 }
 
 async fn open(target: &Target, name: &str) -> Result<Link, RabbitError> {
@@ -265,7 +276,16 @@ impl Rabbit {
             link: Arc::new(Mutex::new(Some(link))),
             exchanges: Arc::default(),
             inflight: Arc::new(Semaphore::new(CONFIRMS_IN_FLIGHT_MAX)),
+            lookup: None,
         })
+    }
+
+    /// Answers lookups from each destination's lookup stream ([`LookupStream`], when
+    /// `enabled`): the adapter then declares `lookup_by_event_id` and a lookup scan, and
+    /// [`Rabbit::ensure_destination`] declares the stream.
+    pub fn with_lookup_stream(mut self, lookup: LookupStream) -> Rabbit {
+        self.lookup = lookup.enabled.then(|| Arc::new(lookup));
+        self
     }
 
     /// The connection name this adapter opens its connections with.
@@ -333,7 +353,8 @@ impl Rabbit {
     }
 
     /// Declares the durable topic exchange `topic` and, for each consumer, its durable quorum
-    /// queue ([`queue_name`]) bound with `#`. Idempotent; run it before dispatching (a
+    /// queue ([`queue_name`]) bound with `#`, and, with a [`LookupStream`], the destination's
+    /// lookup stream and its marker exchange ([`lookup_stream_name`]). Idempotent; run it before dispatching (a
     /// message with no bound queue is returned and counts as a refusal).
     pub async fn ensure_destination(
         &self,
@@ -351,6 +372,9 @@ impl Rabbit {
         for c in consumers {
             declare_queue(&ch, topic, c).await?;
         }
+        if let Some(l) = &self.lookup {
+            lookup::declare(&ch, topic, l).await?;
+        }
         let _ = ch.close(200, "done".into()).await;
         self.exchanges
             .lock()
@@ -359,7 +383,8 @@ impl Rabbit {
         Ok(())
     }
 
-    /// Deletes the exchange `topic` and the consumers' queues (tests, demos).
+    /// Deletes the exchange `topic`, the consumers' queues and the destination's lookup
+    /// stream with its marker exchange (tests, demos).
     pub async fn delete_destination(
         &self,
         topic: &str,
@@ -384,6 +409,26 @@ impl Rabbit {
                     )
                 })?;
         }
+        // The lookup stream and its marker exchange, if it has them ([`LookupStream`]).
+        let stream = lookup_stream_name(topic);
+        ch.queue_delete(stream.as_str().into(), QueueDeleteOptions::default())
+            .await
+            .map_err(|source| {
+                topology_error(
+                    format!("deleting lookup stream `{stream}`"),
+                    &format!("configure permission on `{stream}`"),
+                    source,
+                )
+            })?;
+        ch.exchange_delete(stream.as_str().into(), ExchangeDeleteOptions::default())
+            .await
+            .map_err(|source| {
+                topology_error(
+                    format!("deleting exchange `{stream}`"),
+                    &format!("configure permission on `{stream}`"),
+                    source,
+                )
+            })?;
         ch.exchange_delete(topic.into(), ExchangeDeleteOptions::default())
             .await
             .map_err(|source| {
@@ -475,7 +520,7 @@ impl Rabbit {
                 detail: returned_detail(&returned),
             },
             Ok(Ok(Confirmation::Nack(_))) => {
-                tracing::warn!(event_id = %r.event_id, "RabbitMQ nacked a publish: outcome unknown");
+                tracing::debug!(event_id = %r.event_id, "RabbitMQ nacked a publish: outcome unknown");
                 SendResult::NoAnswer
             }
             // Confirms are selected on every channel this adapter publishes on.
@@ -613,6 +658,14 @@ fn properties(r: &SendRequest) -> BasicProperties {
         .with_message_id(ShortString::from(msg_id))
         .with_delivery_mode(2)
         .with_app_id("sealpost".into())
+        // When it was published (seconds): a lookup stream's oldest message says how far
+        // back the stream can prove an absence ([`LookupStream`]).
+        .with_timestamp(
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(0),
+        )
         .with_headers(h)
 }
 
@@ -719,13 +772,17 @@ impl Broker for Rabbit {
 
     fn capabilities(&self) -> Capabilities {
         Capabilities {
-            lookup_by_event_id: false,
+            // Only with a lookup stream ([`LookupStream`]): a queue cannot be asked.
+            lookup_by_event_id: self.lookup.is_some(),
             duplicate_window_ms: None,
             create_if_absent: false,
             per_key_ordering: false,
             // The publish frames are written to the channel at once.
             handover_margin_ms: 0,
-            lookup_scan: None,
+            lookup_scan: self.lookup.as_ref().map(|l| LookupScan {
+                events_max: l.group_max,
+                window_ms: l.group_window_ms,
+            }),
         }
     }
 
@@ -826,16 +883,61 @@ impl Broker for Rabbit {
                 (i, c)
             }))
             .await;
+        let mut nacked = 0usize;
         for (i, c) in confirms {
+            nacked += usize::from(matches!(c, Ok(Ok(Confirmation::Nack(_)))));
             out[i] = Some(self.answer(&batch[i], c));
+        }
+        if nacked > 0 {
+            // A channel that published to a quorum queue while it had no leader (a node
+            // failover) can keep a stale view of the queue and be nacked after the queue has
+            // a new leader (seen on RabbitMQ 3.10 in `tests/rabbitmq_failover.rs`); a new
+            // channel asks afresh. Confirms still outstanding on it become unknown outcomes.
+            tracing::warn!(
+                nacked,
+                batch = batch.len(),
+                "RabbitMQ nacked publishes: their outcomes are unknown (the reconciler resolves them); reopening the publishing channel"
+            );
+            let _ = channel.close(200, "reopening after a nack".into()).await;
         }
         out.into_iter()
             .map(|r| r.unwrap_or(SendResult::NoAnswer))
             .collect()
     }
 
-    async fn lookup(&self, _destination: &Destination, _event_id: EventId, _member: u16) -> Lookup {
-        Lookup::Unqueryable
+    /// Without a lookup stream the broker cannot be asked ([`Lookup::Unqueryable`]: the
+    /// reconciler retries to the same exchange, R14); with one, a scan of it.
+    async fn lookup(&self, destination: &Destination, event_id: EventId, member: u16) -> Lookup {
+        self.lookup_many(destination, &[(event_id, member)])
+            .await
+            .pop()
+            .unwrap_or(Lookup::Unavailable)
+    }
+
+    /// One scan of the destination's lookup stream answers every event of `events`
+    /// ([`LookupStream`]).
+    async fn lookup_many(&self, destination: &Destination, events: &[(EventId, u16)]) -> Vec<Lookup> {
+        let Some(cfg) = self.lookup.clone() else {
+            return vec![Lookup::Unqueryable; events.len()];
+        };
+        if destination.cluster != self.cluster {
+            return vec![Lookup::Unavailable; events.len()];
+        }
+        let ch = match self.side_channel().await {
+            Ok(ch) => ch,
+            Err(e) => {
+                tracing::warn!(error = %e, "RabbitMQ lookup: no channel; nothing learned");
+                return vec![Lookup::Unavailable; events.len()];
+            }
+        };
+        let place = lookup::ScanPlace {
+            cluster: &self.cluster,
+            topic: &destination.topic,
+            ack_timeout: self.ack_timeout,
+        };
+        let out = lookup::scan(&ch, place, &cfg, events).await;
+        let _ = ch.close(200, "done".into()).await;
+        out
     }
 }
 

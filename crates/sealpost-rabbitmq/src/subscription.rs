@@ -263,7 +263,7 @@ impl RabbitSubscription {
 }
 
 /// The message's AMQP headers that are strings, by name.
-fn string_headers(d: &Delivery) -> HashMap<String, String> {
+pub(crate) fn string_headers(d: &Delivery) -> HashMap<String, String> {
     let Some(h) = d.properties.headers().as_ref() else {
         return HashMap::new();
     };

@@ -292,6 +292,11 @@ fn rabbitmqctl(args: &[&str]) -> Result<(), String> {
 impl Rights {
     /// `None` (the test is skipped) only outside CI when there is no `rabbitmqctl`.
     fn make() -> Option<Rights> {
+        Rights::make_with(false)
+    }
+
+    /// [`Rights::make`], the script told whether the exchange has a lookup stream.
+    fn make_with(lookup_stream: bool) -> Option<Rights> {
         if std::process::Command::new("rabbitmqctl")
             .arg("help")
             .output()
@@ -340,6 +345,7 @@ impl Rights {
             .env("SEALPOST_DISPATCHER_PASSWORD_FILE", dir.join(&dispatcher))
             .env("SEALPOST_CONSUMER_USER", &consumer)
             .env("SEALPOST_CONSUMER_PASSWORD_FILE", dir.join(&consumer))
+            .env("SEALPOST_LOOKUP_STREAM", if lookup_stream { "1" } else { "0" })
             .output()
             .expect("sh");
         assert!(
@@ -652,4 +658,80 @@ async fn rights_a_consumer_consumes_its_queue_but_may_not_publish_or_delete() {
         2,
         "nothing forged, nothing purged"
     );
+}
+
+/// With a lookup stream (`SEALPOST_LOOKUP_STREAM=1`) the script's dispatcher asks the stream
+/// (its reconciler appends a marker and reads the stream) and still reads no consumer's queue,
+/// declares nothing and cannot purge the stream.
+#[tokio::test]
+async fn rights_a_dispatcher_asks_its_lookup_stream_and_reads_nothing_else() {
+    use sealpost_rabbitmq::lapin::options::{QueueDeclareOptions, QueuePurgeOptions};
+    let Some(rights) = Rights::make_with(true) else {
+        return;
+    };
+    let lookup = sealpost_rabbitmq::LookupStream {
+        enabled: true,
+        clock_margin_ms: 0,
+        ..Default::default()
+    };
+    let fulfilment = vec!["fulfilment".to_string()];
+    let admin = rights.connect("guest").await.with_lookup_stream(lookup.clone());
+    admin
+        .ensure_destination("ORDERS", &fulfilment)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let dispatcher = rights
+        .connect(&rights.dispatcher)
+        .await
+        .with_lookup_stream(lookup);
+    let orders = destination(CLUSTER, "ORDERS", "o-1");
+    let sent = request(&orders, 1, b"{}");
+    let never = request(&orders, 2, b"{}");
+    let out = dispatcher.send_batch(vec![sent.clone()], later()).await;
+    assert!(matches!(out[0], SendResult::Receipt(_)), "{out:?}");
+    let answers = dispatcher
+        .lookup_many(&orders, &[(sent.event_id, 0), (never.event_id, 0)])
+        .await;
+    assert!(matches!(answers[0], Lookup::Copies(_)), "{answers:?}");
+    assert_eq!(answers[1], Lookup::Absent);
+    assert_eq!(rights.ready(&queue_name("ORDERS", "fulfilment")).await, 1);
+
+    let conn = rights.witness(&rights.dispatcher).await;
+    assert_refused(&conn, "the dispatcher reads the consumer's queue", |ch| async move {
+        ch.basic_consume(
+            queue_name("ORDERS", "fulfilment").as_str().into(),
+            "x".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+    })
+    .await;
+    assert_refused(&conn, "the dispatcher declares a queue", |ch| async move {
+        ch.queue_declare(
+            "sealpost.lookup.OTHER".into(),
+            QueueDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+    })
+    .await;
+    // A stream cannot be purged at all; the dispatcher is refused for want of the right
+    // or by the stream itself, and the stream keeps the event.
+    let ch = conn.create_channel().await.unwrap();
+    assert!(ch
+        .queue_purge(
+            sealpost_rabbitmq::lookup_stream_name("ORDERS").as_str().into(),
+            QueuePurgeOptions::default(),
+        )
+        .await
+        .is_err());
+    assert!(matches!(
+        dispatcher.lookup(&orders, sent.event_id, 0).await,
+        Lookup::Copies(_)
+    ));
 }
