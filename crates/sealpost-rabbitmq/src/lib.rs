@@ -916,7 +916,11 @@ impl Broker for Rabbit {
 
     /// One scan of the destination's lookup stream answers every event of `events`
     /// ([`LookupStream`]).
-    async fn lookup_many(&self, destination: &Destination, events: &[(EventId, u16)]) -> Vec<Lookup> {
+    async fn lookup_many(
+        &self,
+        destination: &Destination,
+        events: &[(EventId, u16)],
+    ) -> Vec<Lookup> {
         let Some(cfg) = self.lookup.clone() else {
             return vec![Lookup::Unqueryable; events.len()];
         };

@@ -35,9 +35,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use futures::StreamExt;
 use lapin::options::{
-    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicPublishOptions,
-    BasicQosOptions, ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions,
-    QueueDeclareOptions,
+    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
+    ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
 };
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel};
@@ -107,8 +106,11 @@ impl Default for LookupStream {
 
 impl LookupStream {
     /// Checks the values, naming the key and the rule broken.
+    // `RabbitError` carries lapin's error (over 100 bytes); this runs once per connect.
+    #[allow(clippy::result_large_err)]
     pub fn check(&self) -> Result<(), RabbitError> {
-        let bad = |option: &'static str, detail: String| Err(RabbitError::Setting { option, detail });
+        let bad =
+            |option: &'static str, detail: String| Err(RabbitError::Setting { option, detail });
         let (n, unit) = self.max_age.split_at(
             self.max_age
                 .find(|c: char| !c.is_ascii_digit())
@@ -173,10 +175,17 @@ fn appended_by_ms(props: &BasicProperties) -> Option<u64> {
 
 /// Declares `topic`'s lookup stream and its marker exchange, binds the stream to both, and
 /// appends a marker (so the stream's first message says when it began). Idempotent.
-pub(crate) async fn declare(ch: &Channel, topic: &str, cfg: &LookupStream) -> Result<(), RabbitError> {
+pub(crate) async fn declare(
+    ch: &Channel,
+    topic: &str,
+    cfg: &LookupStream,
+) -> Result<(), RabbitError> {
     let name = lookup_stream_name(topic);
     let mut args = FieldTable::default();
-    args.insert("x-queue-type".into(), AMQPValue::LongString("stream".into()));
+    args.insert(
+        "x-queue-type".into(),
+        AMQPValue::LongString("stream".into()),
+    );
     args.insert(
         "x-max-age".into(),
         AMQPValue::LongString(cfg.max_age.as_str().into()),
@@ -191,7 +200,13 @@ pub(crate) async fn declare(ch: &Channel, topic: &str, cfg: &LookupStream) -> Re
         args,
     )
     .await
-    .map_err(|source| topology_error(format!("declaring lookup stream `{name}`"), &configure, source))?;
+    .map_err(|source| {
+        topology_error(
+            format!("declaring lookup stream `{name}`"),
+            &configure,
+            source,
+        )
+    })?;
     ch.exchange_declare(
         name.as_str().into(),
         lapin::ExchangeKind::Fanout,
@@ -202,7 +217,13 @@ pub(crate) async fn declare(ch: &Channel, topic: &str, cfg: &LookupStream) -> Re
         FieldTable::default(),
     )
     .await
-    .map_err(|source| topology_error(format!("declaring marker exchange `{name}`"), &configure, source))?;
+    .map_err(|source| {
+        topology_error(
+            format!("declaring marker exchange `{name}`"),
+            &configure,
+            source,
+        )
+    })?;
     for (exchange, key) in [(name.as_str(), ""), (topic, "#")] {
         ch.queue_bind(
             name.as_str().into(),
@@ -222,7 +243,13 @@ pub(crate) async fn declare(ch: &Channel, topic: &str, cfg: &LookupStream) -> Re
     }
     ch.confirm_select(ConfirmSelectOptions::default())
         .await
-        .map_err(|source| topology_error(format!("appending a marker to `{name}`"), &configure, source))?;
+        .map_err(|source| {
+            topology_error(
+                format!("appending a marker to `{name}`"),
+                &configure,
+                source,
+            )
+        })?;
     append_marker(ch, &name, Duration::from_secs(10))
         .await
         .map_err(|why| RabbitError::Topology {
@@ -264,7 +291,9 @@ async fn append_marker(ch: &Channel, name: &str, timeout: Duration) -> Result<St
         .map_err(|e| format!("publishing the marker: {e}"))?;
     match tokio::time::timeout(timeout, confirm).await {
         Ok(Ok(lapin::Confirmation::Ack(None))) => Ok(id),
-        Ok(Ok(_)) => Err("the marker was returned or nacked (is the stream bound to its exchange?)".into()),
+        Ok(Ok(_)) => {
+            Err("the marker was returned or nacked (is the stream bound to its exchange?)".into())
+        }
         Ok(Err(e)) => Err(format!("the marker's confirm failed: {e}")),
         Err(_) => Err(format!("no confirm for the marker within {timeout:?}")),
     }
@@ -333,7 +362,8 @@ pub(crate) async fn scan(
     let mut unusable: HashSet<(EventId, u16)> = HashSet::new();
     let tag = format!("sealpost-lookup-{}", uuid::Uuid::new_v4());
     let consumer = async {
-        ch.basic_qos(SCAN_PREFETCH, BasicQosOptions::default()).await?;
+        ch.basic_qos(SCAN_PREFETCH, BasicQosOptions::default())
+            .await?;
         let mut args = FieldTable::default();
         args.insert("x-stream-offset".into(), offset);
         ch.basic_consume(
@@ -376,11 +406,8 @@ pub(crate) async fn scan(
             }
         };
         read += 1;
-        if read % u64::from(SCAN_PREFETCH / 2) == 0 {
-            let _ = d
-                .acker
-                .ack(BasicAckOptions { multiple: true })
-                .await;
+        if read.is_multiple_of(u64::from(SCAN_PREFETCH / 2)) {
+            let _ = d.acker.ack(BasicAckOptions { multiple: true }).await;
         }
         let props = &d.properties;
         if read == 1 {
@@ -463,7 +490,10 @@ pub(crate) async fn scan(
 async fn first_retained(ch: &Channel, name: &str) -> Result<(Option<u64>, Option<u64>), String> {
     let tag = format!("sealpost-lookup-first-{}", uuid::Uuid::new_v4());
     let mut args = FieldTable::default();
-    args.insert("x-stream-offset".into(), AMQPValue::LongString("first".into()));
+    args.insert(
+        "x-stream-offset".into(),
+        AMQPValue::LongString("first".into()),
+    );
     ch.basic_qos(1, BasicQosOptions::default())
         .await
         .map_err(|e| e.to_string())?;

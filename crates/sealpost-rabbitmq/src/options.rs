@@ -331,12 +331,11 @@ pub(crate) async fn dial(
     for k in 0..n {
         let i = (first + k) % n;
         let node = &target.nodes[i];
-        let runtime =
-            lapin::runtime::default_runtime().map_err(|source| RabbitError::Connect {
-                url: node.shown.clone(),
-                hint: "no tokio runtime".into(),
-                source,
-            })?;
+        let runtime = lapin::runtime::default_runtime().map_err(|source| RabbitError::Connect {
+            url: node.shown.clone(),
+            hint: "no tokio runtime".into(),
+            source,
+        })?;
         let connect = Connection::connect_uri_with_config(
             node.uri.clone(),
             properties.clone(),
@@ -425,7 +424,11 @@ mod tests {
             .unwrap();
         assert_eq!(t.nodes.len(), 2);
         assert_eq!(t.nodes[1].uri.authority.port, 5673);
-        assert!(!t.shown.contains("pw1") && !t.shown.contains("pw2"), "{}", t.shown);
+        assert!(
+            !t.shown.contains("pw1") && !t.shown.contains("pw2"),
+            "{}",
+            t.shown
+        );
         assert!(t.shown.contains("a:5672") && t.shown.contains("b:5673"));
         // Each node is held to the same rules: an amqps:// node without a CA is refused.
         let m = o

@@ -345,7 +345,10 @@ impl Rights {
             .env("SEALPOST_DISPATCHER_PASSWORD_FILE", dir.join(&dispatcher))
             .env("SEALPOST_CONSUMER_USER", &consumer)
             .env("SEALPOST_CONSUMER_PASSWORD_FILE", dir.join(&consumer))
-            .env("SEALPOST_LOOKUP_STREAM", if lookup_stream { "1" } else { "0" })
+            .env(
+                "SEALPOST_LOOKUP_STREAM",
+                if lookup_stream { "1" } else { "0" },
+            )
             .output()
             .expect("sh");
         assert!(
@@ -675,7 +678,10 @@ async fn rights_a_dispatcher_asks_its_lookup_stream_and_reads_nothing_else() {
         ..Default::default()
     };
     let fulfilment = vec!["fulfilment".to_string()];
-    let admin = rights.connect("guest").await.with_lookup_stream(lookup.clone());
+    let admin = rights
+        .connect("guest")
+        .await
+        .with_lookup_stream(lookup.clone());
     admin
         .ensure_destination("ORDERS", &fulfilment)
         .await
@@ -698,15 +704,19 @@ async fn rights_a_dispatcher_asks_its_lookup_stream_and_reads_nothing_else() {
     assert_eq!(rights.ready(&queue_name("ORDERS", "fulfilment")).await, 1);
 
     let conn = rights.witness(&rights.dispatcher).await;
-    assert_refused(&conn, "the dispatcher reads the consumer's queue", |ch| async move {
-        ch.basic_consume(
-            queue_name("ORDERS", "fulfilment").as_str().into(),
-            "x".into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-    })
+    assert_refused(
+        &conn,
+        "the dispatcher reads the consumer's queue",
+        |ch| async move {
+            ch.basic_consume(
+                queue_name("ORDERS", "fulfilment").as_str().into(),
+                "x".into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+        },
+    )
     .await;
     assert_refused(&conn, "the dispatcher declares a queue", |ch| async move {
         ch.queue_declare(
@@ -725,7 +735,9 @@ async fn rights_a_dispatcher_asks_its_lookup_stream_and_reads_nothing_else() {
     let ch = conn.create_channel().await.unwrap();
     assert!(ch
         .queue_purge(
-            sealpost_rabbitmq::lookup_stream_name("ORDERS").as_str().into(),
+            sealpost_rabbitmq::lookup_stream_name("ORDERS")
+                .as_str()
+                .into(),
             QueuePurgeOptions::default(),
         )
         .await

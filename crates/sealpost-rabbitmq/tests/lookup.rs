@@ -13,8 +13,8 @@ use std::time::Duration;
 
 use sealpost_core::envelope::{Destination, EventId, PartitionAlgorithm, PAYLOAD_DOMAIN};
 use sealpost_core::port::{Broker, SendRequest, SendResult};
-use sealpost_core::reconcile::Lookup;
 use sealpost_core::receipt::ReceiptSource;
+use sealpost_core::reconcile::Lookup;
 use sealpost_core::Digest;
 use sealpost_rabbitmq::lapin::options::{BasicPublishOptions, QueueDeclareOptions};
 use sealpost_rabbitmq::lapin::types::{AMQPValue, FieldTable, LongString};
@@ -115,7 +115,12 @@ async fn a_confirmed_event_is_found_a_never_sent_one_is_absent_and_one_scan_answ
     let d = destination(&t);
     let sent = request(&d, 7, b"{\"order\":1}");
     let never = request(&d, 8, b"{\"order\":2}");
-    let out = rabbit.send_batch(vec![sent.clone()], std::time::Instant::now() + Duration::from_secs(30)).await;
+    let out = rabbit
+        .send_batch(
+            vec![sent.clone()],
+            std::time::Instant::now() + Duration::from_secs(30),
+        )
+        .await;
     assert!(matches!(out[0], SendResult::Receipt(_)), "{out:?}");
 
     let found = rabbit.lookup(&d, sent.event_id, 0).await;
@@ -124,9 +129,16 @@ async fn a_confirmed_event_is_found_a_never_sent_one_is_absent_and_one_scan_answ
     };
     assert_eq!(copies.len(), 1);
     let r = &copies[0].receipt;
-    assert_eq!((r.event_id, r.attempt_id, r.sequence), (sent.event_id, 7, 7), "the position is the attempt id, as a confirm's");
+    assert_eq!(
+        (r.event_id, r.attempt_id, r.sequence),
+        (sent.event_id, 7, 7),
+        "the position is the attempt id, as a confirm's"
+    );
     assert_eq!(r.payload_digest, sent.payload_digest);
-    assert_eq!((r.stream.as_str(), r.partition, r.source), (t.as_str(), None, ReceiptSource::Lookup));
+    assert_eq!(
+        (r.stream.as_str(), r.partition, r.source),
+        (t.as_str(), None, ReceiptSource::Lookup)
+    );
     assert_eq!(rabbit.lookup(&d, never.event_id, 0).await, Lookup::Absent);
 
     let both = rabbit
@@ -193,7 +205,10 @@ async fn a_look_alike_is_read_with_the_digest_of_its_own_bytes() {
     .unwrap();
     let _ = c.close(200, "done".into()).await;
     rabbit
-        .send_batch(vec![genuine.clone()], std::time::Instant::now() + Duration::from_secs(30))
+        .send_batch(
+            vec![genuine.clone()],
+            std::time::Instant::now() + Duration::from_secs(30),
+        )
         .await;
     let Lookup::Copies(copies) = rabbit.lookup(&d, genuine.event_id, 0).await else {
         panic!("both copies must be read")
@@ -201,7 +216,10 @@ async fn a_look_alike_is_read_with_the_digest_of_its_own_bytes() {
     let digests: Vec<Digest> = copies.iter().map(|c| c.receipt.payload_digest).collect();
     assert_eq!(
         digests,
-        [Digest::of_bytes(PAYLOAD_DOMAIN, &forged), genuine.payload_digest],
+        [
+            Digest::of_bytes(PAYLOAD_DOMAIN, &forged),
+            genuine.payload_digest
+        ],
         "every copy, oldest first, each with the digest of the bytes stored"
     );
     rabbit
@@ -224,7 +242,10 @@ async fn what_the_stream_cannot_prove_is_cannot_be_asked_never_absent() {
         .ensure_destination(&t, &["c1".to_string()])
         .await
         .unwrap();
-    assert_eq!(rabbit.lookup(&d, early.event_id, 0).await, Lookup::Unqueryable);
+    assert_eq!(
+        rabbit.lookup(&d, early.event_id, 0).await,
+        Lookup::Unqueryable
+    );
     // An event minted after it: proven absent.
     let later = request(&d, 2, b"{}");
     assert_eq!(rabbit.lookup(&d, later.event_id, 0).await, Lookup::Absent);
@@ -243,7 +264,10 @@ async fn what_the_stream_cannot_prove_is_cannot_be_asked_never_absent() {
     // Without the lookup stream the adapter cannot be asked at all.
     let plain = connect(&bare, None).await;
     assert!(!plain.capabilities().lookup_by_event_id);
-    assert_eq!(plain.lookup(&d, later.event_id, 0).await, Lookup::Unqueryable);
+    assert_eq!(
+        plain.lookup(&d, later.event_id, 0).await,
+        Lookup::Unqueryable
+    );
 }
 
 #[test]
