@@ -18,9 +18,11 @@
 //! **A record lost at the broker (R31)** on Kafka, as `loops.rs::an_acknowledged_message_lost_at_the_broker_is_a_finding`
 //! has it on NATS: three events are published, the topic is deleted and made again empty
 //! behind Sealpost's back, and the verification pass finds all three missing
-//! (`published_missing_at_broker` in `status` and in the `reconcile` report). RabbitMQ
-//! cannot be asked (no lookup; a queue hands a message to one consumer and forgets it), so
-//! there the pass does not run and a loss is not detected: `docs/failure-matrix.md` says so.
+//! (`published_missing_at_broker` in `status` and in the `reconcile` report). On RabbitMQ
+//! the pass asks the destination's lookup stream (`[rabbitmq.lookup]`; a queue hands a
+//! message to one consumer and forgets it, so without the stream a loss is not detected):
+//! five events are confirmed, the stream lacks three of them, and the pass finds exactly
+//! those three.
 //!
 //! Each test has its own databases and its own exchange or topic, removed at the end, pass
 //! or fail.
@@ -490,6 +492,128 @@ async fn kafka_a_record_lost_at_the_broker_is_a_finding() {
         t.await.unwrap().unwrap();
     }
     assert!(counters.missing.load(std::sync::atomic::Ordering::Relaxed) >= 3);
+    let report = sealpost_cli::ops::reconcile(
+        &pg,
+        None::<&sealpost::ops::NoScan>,
+        &sealpost_cli::ops::ReconcileOptions {
+            pending_age_s: 3_600,
+            unconsumed_age_s: 3_600,
+            unknown_age_s: 3_600,
+            consumers: vec![],
+            streams: vec![],
+            scan_max: 0,
+        },
+    )
+    .await
+    .unwrap();
+    let f = report
+        .findings
+        .iter()
+        .find(|f| f.kind == "published_missing_at_broker")
+        .expect("the finding is in the reconcile report");
+    assert_eq!(f.count, 3);
+}
+
+/// R31 on RabbitMQ with the lookup stream (issue 25, item 2): five events are published and
+/// confirmed, but the stream, the broker's own record of what it stored, lacks three of
+/// them (the drill unbinds it from the exchange while those three are published: the same
+/// hole a lost stream segment leaves, with older and newer messages around it). The
+/// verification pass finds exactly those three missing (`published_missing_at_broker` in
+/// `status` and in the `reconcile` report), and not the two the stream holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rabbitmq_a_message_lost_at_the_broker_is_a_finding() {
+    use sealpost_rabbitmq::lapin::options::QueueBindOptions;
+    use sealpost_rabbitmq::lapin::types::FieldTable;
+    let topic = format!("sp-rloss-{}", runtime::owner_id() % 1_000_000);
+    let mut d = setup("rloss", common::RABBITMQ_CLUSTER, &topic).await;
+    d.cfg.verify_every_ms = 100;
+    let consumers = vec!["c1".to_string()];
+    let rabbit = sealpost_rabbitmq::Rabbit::connect(
+        &common::rabbitmq_url(),
+        common::RABBITMQ_CLUSTER,
+        Duration::from_secs(5),
+        "sealpost-test-rloss",
+    )
+    .await
+    .expect("RabbitMQ must be running at 127.0.0.1:5672 (guest/guest)")
+    .with_lookup_stream(sealpost_rabbitmq::LookupStream {
+        enabled: true,
+        clock_margin_ms: 0,
+        ..Default::default()
+    });
+    let _destination = teardown_rabbitmq::destination(&common::rabbitmq_url(), &topic, &consumers);
+    rabbit.ensure_destination(&topic, &consumers).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let mut pg = runtime::pg_connect(&d.outbox.database_url).await.unwrap();
+    let keys: Vec<String> = (0..5).map(|i| format!("o-{i}")).collect();
+    let events = sealpost_cli::demo::order_batch(&keys, br#"{"order_id":"r"}"#);
+    let tx = pg.transaction().await.unwrap();
+    store::enqueue_many(&tx, &d.route, &events).await.unwrap();
+    tx.commit().await.unwrap();
+    common::publish_claimed(&mut pg, &rabbit, 1, None).await;
+    let admin =
+        sealpost_rabbitmq::lapin::Connection::connect(&common::rabbitmq_url(), Default::default())
+            .await
+            .unwrap();
+    let ch = admin.create_channel().await.unwrap();
+    let stream = sealpost_rabbitmq::lookup_stream_name(&topic);
+    ch.queue_unbind(
+        stream.as_str().into(),
+        topic.as_str().into(),
+        "#".into(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    let lost = common::publish_claimed(&mut pg, &rabbit, 3, None).await;
+    ch.queue_bind(
+        stream.as_str().into(),
+        topic.as_str().into(),
+        "#".into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    common::publish_claimed(&mut pg, &rabbit, 1, None).await;
+
+    let stop = CancellationToken::new();
+    let counters = Arc::new(Counters::default());
+    let tasks = runtime::spawn_fleet(
+        &d.cfg,
+        &common::pg_source(&d.cfg),
+        &Arc::new(rabbit),
+        0,
+        true,
+        &stop,
+        &counters,
+    );
+    wait_for("the findings", Duration::from_secs(60), async || {
+        store::status(&pg).await.unwrap().missing_at_broker == 3
+    })
+    .await;
+    // A few more passes: the two the stream holds never become findings.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    stop.cancel();
+    for t in tasks {
+        t.await.unwrap().unwrap();
+    }
+    assert_eq!(store::status(&pg).await.unwrap().missing_at_broker, 3);
+    let missing: BTreeSet<uuid::Uuid> = pg
+        .query(
+            "SELECT event_id FROM sealpost.finding WHERE kind = 'published_missing_at_broker'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let expected: BTreeSet<uuid::Uuid> = lost
+        .iter()
+        .map(|r| uuid::Uuid::from_bytes(r.event_id.0))
+        .collect();
+    assert_eq!(missing, expected, "exactly the three the stream lacks");
     let report = sealpost_cli::ops::reconcile(
         &pg,
         None::<&sealpost::ops::NoScan>,

@@ -30,6 +30,8 @@ struct Drill {
     consumers: Vec<String>,
     dir: std::path::PathBuf,
     children: Vec<Child>,
+    /// Destinations have a lookup stream and the processes ask it (`[rabbitmq.lookup]`).
+    lookup: bool,
     /// The exchange and queues; like `cfg` (the database), removed after `Drop::drop` has
     /// stopped the processes.
     _destination: teardown_rabbitmq::Teardown,
@@ -47,7 +49,11 @@ impl Drop for Drill {
     }
 }
 
-async fn drill(tag: &str, n: usize, consumers: &[&str], bind: bool) -> Drill {
+/// The lookup stream of the drills that ask it: the scan starts half a second before an
+/// event's mint time (one machine, one clock).
+const LOOKUP: &str = "[rabbitmq.lookup]\nenabled = true\nclock_margin_ms = 500\n";
+
+async fn drill(tag: &str, n: usize, consumers: &[&str], bind: bool, lookup: bool) -> Drill {
     let r = runtime::owner_id() % 1_000_000_000;
     let db = format!("sealpost_rabbitmq_{tag}_{r}");
     let cfg = common::fresh_database(&db).await;
@@ -65,12 +71,20 @@ async fn drill(tag: &str, n: usize, consumers: &[&str], bind: bool) -> Drill {
         &format!("sealpost-test-{tag}-{r}"),
     )
     .await
-    .expect("RabbitMQ must be running at 127.0.0.1:5672 (guest/guest)");
+    .expect("RabbitMQ must be running at 127.0.0.1:5672 (guest/guest)")
+    .with_lookup_stream(sealpost_rabbitmq::LookupStream {
+        enabled: lookup,
+        ..Default::default()
+    });
     let consumers: Vec<String> = consumers.iter().map(|c| c.to_string()).collect();
     let bound = if bind { consumers.clone() } else { Vec::new() };
     // Every consumer's queue: `sealpost consume` declares an unbound one's too.
     let destination = teardown_rabbitmq::destination(&common::rabbitmq_url(), &topic, &consumers);
     rabbit.ensure_destination(&topic, &bound).await.unwrap();
+    if lookup {
+        // Events minted from now on lie inside the stream's reach with the drill's margin.
+        tokio::time::sleep(Duration::from_millis(600)).await;
+    }
     let payload = br#"{"order_id":"x","total_cents":1}"#.to_vec();
     let mut i = 0;
     while i < n {
@@ -91,6 +105,7 @@ async fn drill(tag: &str, n: usize, consumers: &[&str], bind: bool) -> Drill {
         consumers,
         dir,
         children: Vec::new(),
+        lookup,
         _destination: destination,
     }
 }
@@ -100,9 +115,10 @@ impl Drill {
     fn spawn(&mut self, extra: &str, args: &[&str]) -> usize {
         let path = self.dir.join(format!("c{}.toml", self.children.len()));
         let config = format!(
-            "database_url = \"{}\"\nbroker = \"rabbitmq\"\n{extra}\n[rabbitmq]\nurl = \"{}\"\n",
+            "database_url = \"{}\"\nbroker = \"rabbitmq\"\n{extra}\n[rabbitmq]\nurl = \"{}\"\n{}",
             self.cfg.database_url,
-            common::rabbitmq_url()
+            common::rabbitmq_url(),
+            if self.lookup { LOOKUP } else { "" }
         );
         std::fs::write(&path, config).unwrap();
         let log = match args[0] {
@@ -235,7 +251,7 @@ impl Drill {
 #[tokio::test]
 async fn dispatcher_killed_between_send_and_receipt_retries_to_the_same_exchange() {
     let n = 300;
-    let mut d = drill("kill", n, &["c1", "c2"], true).await;
+    let mut d = drill("kill", n, &["c1", "c2"], true, false).await;
     // Dispatcher A publishes (confirmed), then sits before its receipt transaction.
     let a = d.spawn(
         "lease_ms = 2000\nack_timeout_ms = 1000\ndrill_pause_after_publish_ms = 600000\n",
@@ -309,11 +325,74 @@ async fn dispatcher_killed_between_send_and_receipt_retries_to_the_same_exchange
     d.finish().await;
 }
 
+/// The same kill with the lookup stream (issue 25, item 2): the reconciler asks the stream
+/// instead of sending again, so each unknown event is found and accepted as it is: one
+/// attempt and one copy per event, nothing resent.
+#[tokio::test]
+async fn dispatcher_killed_between_send_and_receipt_is_resolved_by_the_lookup_stream() {
+    let n = 300;
+    let mut d = drill("killlookup", n, &["c1", "c2"], true, true).await;
+    let a = d.spawn(
+        "lease_ms = 2000\nack_timeout_ms = 1000\ndrill_pause_after_publish_ms = 600000\n",
+        &["dispatch", "--no-reconciler", "--broker", "rabbitmq"],
+    );
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while d.ready("c1").await < n as u32 {
+        assert!(Instant::now() < deadline, "dispatcher A never published");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(d.count("SELECT count(*) FROM sealpost.receipts").await, 0);
+    d.children[a].kill().unwrap();
+    d.children[a].wait().unwrap();
+    let killed = Instant::now();
+    d.spawn(
+        "lease_ms = 2000\nack_timeout_ms = 1000\n",
+        &["dispatch", "--broker", "rabbitmq"],
+    );
+    d.wait_for(
+        "published",
+        "SELECT count(*) FROM sealpost.outbox WHERE state = 'PUBLISHED'",
+        n as i64,
+        Duration::from_secs(120),
+    )
+    .await;
+    eprintln!(
+        "{n} unknown events found in the lookup stream and published {:.1} s after the kill (the lease is 2 s)",
+        killed.elapsed().as_secs_f64()
+    );
+    assert_eq!(
+        d.count("SELECT count(*) FROM sealpost.attempts").await,
+        n as i64,
+        "every unknown event was found in the stream: no second attempt"
+    );
+    assert_eq!(
+        d.ready("c1").await,
+        n as u32,
+        "one copy of each event at the broker"
+    );
+    d.consume();
+    d.assert_published_and_applied_once(n as i64).await;
+    let opts = sealpost_cli::ops::ReconcileOptions {
+        pending_age_s: 60,
+        unconsumed_age_s: 0,
+        unknown_age_s: 900,
+        consumers: d.consumers.clone(),
+        streams: Vec::new(),
+        scan_max: 0,
+    };
+    let report = sealpost_cli::ops::reconcile(&d.pg, None::<&sealpost::ops::NoScan>, &opts)
+        .await
+        .unwrap();
+    assert!(report.findings.is_empty(), "{:?}", report.findings);
+    assert_eq!(report.resent_after_unknown, 0, "nothing was sent twice");
+    d.finish().await;
+}
+
 #[tokio::test]
 async fn an_unroutable_event_is_refused_until_it_is_quarantined() {
     let n = 5;
     // The exchange exists; no queue is bound to it.
-    let mut d = drill("noroute", n, &[], false).await;
+    let mut d = drill("noroute", n, &[], false, false).await;
     d.spawn(
         "rejection_limit = 2\nidle_poll_ms = 20\n",
         &["dispatch", "--broker", "rabbitmq"],
@@ -370,7 +449,7 @@ fn close_connections(prefix: &str) -> usize {
 #[tokio::test]
 async fn four_dispatcher_processes_over_50k_events_with_connections_closed_mid_run() {
     let n = 50_000;
-    let mut d = drill("four", n, &["c1", "c2"], true).await;
+    let mut d = drill("four", n, &["c1", "c2"], true, false).await;
     d.consume();
     let cfg = "batch_size_max = 1000\n";
     d.spawn(cfg, &["dispatch", "--broker", "rabbitmq"]);
@@ -423,7 +502,7 @@ async fn four_dispatcher_processes_over_50k_events_with_connections_closed_mid_r
 #[tokio::test]
 async fn killed_and_frozen_dispatchers_converge_within_two_minutes_after_the_faults() {
     let n = 20_000;
-    let mut d = drill("chaos", n, &["c1", "c2"], true).await;
+    let mut d = drill("chaos", n, &["c1", "c2"], true, false).await;
     d.consume();
     let cfg = "batch_size_max = 200\nlease_ms = 3000\nack_timeout_ms = 1000\n";
     d.spawn(cfg, &["dispatch", "--broker", "rabbitmq"]);
