@@ -683,21 +683,7 @@ pub fn header_str(props: &BasicProperties, name: &str) -> Option<String> {
 /// queues count earlier deliveries in `x-delivery-count`; without it, a redelivered message
 /// counts as its second delivery.
 pub fn delivered_count(props: &BasicProperties, redelivered: bool) -> u64 {
-    let earlier = props
-        .headers()
-        .as_ref()
-        .and_then(|h| h.inner().get(H_DELIVERY_COUNT))
-        .and_then(|v| match v {
-            AMQPValue::LongLongInt(n) => u64::try_from(*n).ok(),
-            AMQPValue::LongInt(n) => u64::try_from(*n).ok(),
-            AMQPValue::LongUInt(n) => Some(u64::from(*n)),
-            AMQPValue::ShortInt(n) => u64::try_from(*n).ok(),
-            AMQPValue::ShortUInt(n) => Some(u64::from(*n)),
-            AMQPValue::ShortShortInt(n) => u64::try_from(*n).ok(),
-            AMQPValue::ShortShortUInt(n) => Some(u64::from(*n)),
-            _ => None,
-        });
-    match earlier {
+    match lookup::int_header(props, H_DELIVERY_COUNT) {
         Some(n) => n + 1,
         None => 1 + u64::from(redelivered),
     }

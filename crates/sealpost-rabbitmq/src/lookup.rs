@@ -148,7 +148,8 @@ fn now_ms() -> u64 {
         .unwrap_or(0)
 }
 
-/// A number header (RabbitMQ writes `x-stream-offset` as a signed 64-bit integer).
+/// A number header, whichever integer width the broker wrote it in (`x-stream-offset` is a
+/// signed 64-bit integer, a quorum queue's `x-delivery-count` may be narrower).
 pub(crate) fn int_header(props: &BasicProperties, name: &str) -> Option<u64> {
     match props.headers().as_ref()?.inner().get(name)? {
         AMQPValue::LongLongInt(n) => u64::try_from(*n).ok(),
@@ -158,7 +159,6 @@ pub(crate) fn int_header(props: &BasicProperties, name: &str) -> Option<u64> {
         AMQPValue::ShortUInt(n) => Some(u64::from(*n)),
         AMQPValue::ShortShortInt(n) => u64::try_from(*n).ok(),
         AMQPValue::ShortShortUInt(n) => Some(u64::from(*n)),
-        AMQPValue::Timestamp(n) => Some(*n),
         _ => None,
     }
 }
@@ -241,15 +241,6 @@ pub(crate) async fn declare(
             )
         })?;
     }
-    ch.confirm_select(ConfirmSelectOptions::default())
-        .await
-        .map_err(|source| {
-            topology_error(
-                format!("appending a marker to `{name}`"),
-                &configure,
-                source,
-            )
-        })?;
     append_marker(ch, &name, Duration::from_secs(10))
         .await
         .map_err(|why| RabbitError::Topology {
@@ -259,10 +250,14 @@ pub(crate) async fn declare(
     Ok(())
 }
 
-/// Appends a marker to the stream `name` (through its fanout exchange) on a confirm channel
-/// and waits for the confirm; returns the marker's id.
+/// Appends a marker to the stream `name` (through its fanout exchange), with publisher
+/// confirms selected on `ch`, and waits for the confirm; returns the marker's id.
 async fn append_marker(ch: &Channel, name: &str, timeout: Duration) -> Result<String, String> {
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .map_err(|e| format!("selecting publisher confirms: {e}"))?;
     let id = uuid::Uuid::new_v4().to_string();
+    let at_ms = now_ms();
     let mut h = FieldTable::default();
     h.insert(
         H_LOOKUP_MARKER.into(),
@@ -270,11 +265,11 @@ async fn append_marker(ch: &Channel, name: &str, timeout: Duration) -> Result<St
     );
     h.insert(
         H_MARKER_AT_MS.into(),
-        AMQPValue::LongString(LongString::from(now_ms().to_string())),
+        AMQPValue::LongString(LongString::from(at_ms.to_string())),
     );
     let props = BasicProperties::default()
         .with_app_id(ShortString::from("sealpost"))
-        .with_timestamp(now_ms() / 1000)
+        .with_timestamp(at_ms / 1000)
         .with_headers(h);
     let confirm = ch
         .basic_publish(
@@ -317,11 +312,7 @@ pub(crate) async fn scan(
     let all = |l: Lookup| vec![l; events.len()];
     let name = lookup_stream_name(place.topic);
     let scan_started = now_ms();
-    let marker = match ch.confirm_select(ConfirmSelectOptions::default()).await {
-        Ok(()) => append_marker(ch, &name, place.ack_timeout).await,
-        Err(e) => Err(e.to_string()),
-    };
-    let marker = match marker {
+    let marker = match append_marker(ch, &name, place.ack_timeout).await {
         Ok(m) => m,
         Err(why) if why.contains("NOT_FOUND") || why.contains("404") => {
             tracing::warn!(stream = %name, "RabbitMQ lookup: no lookup stream for this exchange, so it cannot be asked (declare it: Rabbit::ensure_destination with [rabbitmq.lookup] enabled); the event is retried to the same exchange");
