@@ -6,6 +6,7 @@
 
 pub mod cdc;
 pub mod consumer;
+pub mod contract;
 pub mod inbox;
 pub mod observe;
 pub mod ops;

@@ -55,6 +55,28 @@ pub async fn enqueue(
     )?;
     let txid: i64 = p.try_get(7)?;
     let keying = keying_of(&p.try_get::<String, _>(9)?)?;
+    if p.try_get::<bool, _>(10)? {
+        let text: Option<String> = match crate::contract::parse_schema_id(ev.payload_schema) {
+            Some((ty, v)) if ty == ev.event_type => {
+                sqlx::query_scalar(crate::contract::SCHEMA_FOR_ENQUEUE_SQL)
+                    .bind(ty)
+                    .bind(v as i32)
+                    .fetch_optional(&mut *conn)
+                    .await?
+            }
+            _ => None,
+        };
+        crate::contract::check_payload(
+            ev.event_type,
+            ev.payload_schema,
+            text.as_deref(),
+            ev.payload,
+        )
+        .map_err(|e| StoreError::Contract {
+            index: 0,
+            reason: e.to_string(),
+        })?;
+    }
     let sealed = match payload_subject(keying, 0, ev)? {
         None => None,
         Some(subject) => {

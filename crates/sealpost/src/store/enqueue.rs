@@ -15,7 +15,19 @@ pub async fn enqueue(
     routing_key: &str,
 ) -> Result<SealedEnvelope> {
     check_input(0, ev, routing_key)?;
-    let (policy, txid, keying) = load_policy(tx, route).await?;
+    let LoadedPolicy {
+        policy,
+        txid,
+        keying,
+        contracts,
+    } = load_policy(tx, route).await?;
+    if contracts {
+        crate::contract::check_payloads(
+            tx,
+            std::iter::once((0, ev.event_type, ev.payload_schema, ev.payload)),
+        )
+        .await?;
+    }
     let sealed = keyed_payload(tx, keying, 0, ev, &mut HashMap::new()).await?;
     let ev = NewEvent {
         creating_txid: txid,
@@ -94,7 +106,22 @@ pub async fn enqueue_many(
     for (index, (_, ev, key)) in events.iter().enumerate() {
         check_input(index, ev, key)?;
     }
-    let (policy, txid, keying) = load_policy(tx, route).await?;
+    let LoadedPolicy {
+        policy,
+        txid,
+        keying,
+        contracts,
+    } = load_policy(tx, route).await?;
+    if contracts {
+        crate::contract::check_payloads(
+            tx,
+            events
+                .iter()
+                .enumerate()
+                .map(|(i, (_, ev, _))| (i, ev.event_type, ev.payload_schema, ev.payload)),
+        )
+        .await?;
+    }
     let mut keys = HashMap::new();
     let mut payloads: Vec<Vec<u8>> = Vec::with_capacity(events.len());
     for (index, (_, ev, _)) in events.iter().enumerate() {
@@ -182,11 +209,20 @@ pub async fn enqueue_many(
     Ok(envs)
 }
 
+/// What `enqueue` reads of a route in the caller's transaction.
+pub(super) struct LoadedPolicy {
+    pub(super) policy: RoutePolicy,
+    pub(super) txid: u64,
+    pub(super) keying: Keying,
+    /// Payloads must match a registered contract (R26, [`crate::contract`]).
+    pub(super) contracts: bool,
+}
+
 /// Reads a route policy and the current transaction id, locking the policy row against a
 /// concurrent revision until the caller's transaction ends (shared with the sqlx flavour).
 pub(crate) const POLICY_SQL: &str =
     "SELECT generation, cluster, topic, partition_algorithm, serializer, durability, required_ack,
-            txid_current(), ordering, payload_key
+            txid_current(), ordering, payload_key, contracts
      FROM sealpost.route_for_enqueue($1)";
 
 /// Inserts one sealed envelope and its `PENDING` work row in one statement (shared with the
@@ -235,10 +271,7 @@ pub(crate) fn keying_of(name: &str) -> Result<Keying> {
     Keying::parse(name).ok_or_else(|| StoreError::Corrupt(format!("route payload_key `{name}`")))
 }
 
-pub(super) async fn load_policy(
-    tx: &Transaction<'_>,
-    route: &str,
-) -> Result<(RoutePolicy, u64, Keying)> {
+pub(super) async fn load_policy(tx: &Transaction<'_>, route: &str) -> Result<LoadedPolicy> {
     let p = tx
         .query_opt(POLICY_SQL, &[&route])
         .await?
@@ -254,7 +287,12 @@ pub(super) async fn load_policy(
         p.get(6),
         p.get::<_, &str>(8),
     )?;
-    Ok((policy, p.get::<_, i64>(7) as u64, keying_of(p.get(9))?))
+    Ok(LoadedPolicy {
+        policy,
+        txid: p.get::<_, i64>(7) as u64,
+        keying: keying_of(p.get(9))?,
+        contracts: p.get(10),
+    })
 }
 
 async fn insert_envelope(

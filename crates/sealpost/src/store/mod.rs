@@ -61,6 +61,7 @@ pub const MIGRATIONS: &[(i32, &str)] = &[
     (6, include_str!("../../migrations/0006_roles.sql")),
     (7, include_str!("../../migrations/0007_lifecycle.sql")),
     (8, include_str!("../../migrations/0008_cdc.sql")),
+    (9, include_str!("../../migrations/0009_contracts.sql")),
 ];
 
 /// Statements the store has sent to PostgreSQL in this process (each query, `BEGIN` and
@@ -126,6 +127,15 @@ pub enum StoreError {
         index: usize,
         /// Why.
         source: crate::payload_key::KeyError,
+    },
+    /// The route checks payloads against registered contracts (R26) and this event's was
+    /// refused ([`crate::contract`]); nothing was written.
+    #[error("event {index} refused at enqueue: {reason}; nothing was written (the caller's transaction is still open)")]
+    Contract {
+        /// Position of the event in the call (0 for `enqueue`).
+        index: usize,
+        /// The schema id, and what is wrong with it or with the payload.
+        reason: String,
     },
     /// A core step refused its inputs or broke its own postcondition: a bug in the store's
     /// query or in the core, never bad data from a user. The transaction was rolled back.
@@ -270,6 +280,7 @@ impl StoreError {
             | StoreError::PayloadTooLarge { .. }
             | StoreError::InvalidInput { .. }
             | StoreError::PayloadKey { .. }
+            | StoreError::Contract { .. }
             | StoreError::UnknownEvent(_)
             | StoreError::NotQuarantined { .. } => ErrorKind::Input,
             StoreError::Corrupt(_) | StoreError::Migration(..) | StoreError::NotMigrated => {

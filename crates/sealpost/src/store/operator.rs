@@ -90,7 +90,7 @@ pub async fn migrate_event(
             "no envelope for event {event_id} member {member}"
         )));
     };
-    let (policy, _, _) = load_policy(&tx, route).await?;
+    let policy = load_policy(&tx, route).await?.policy;
     let key: String = tx
         .query_one(
             "SELECT dest_routing_key FROM sealpost.envelope
