@@ -11,6 +11,7 @@ use sealpost_cli::brokers::{self, BrokerKind};
 use sealpost_cli::config::Settings;
 use sealpost_nats::Nats;
 
+mod schema;
 mod simulate;
 
 /// mimalloc instead of the system allocator: a dispatcher allocates and frees many small
@@ -79,6 +80,12 @@ enum Cmd {
         /// give each outbox database in a cluster its own) [default: `sealpost_`].
         #[arg(long, env = "SEALPOST_ROLE_PREFIX")]
         role_prefix: Option<String>,
+        /// Payload contracts of the `--route` policies (R26): `required` (enqueue refuses an
+        /// event whose payload_schema is not a registered `EVENT_TYPE@VERSION` of its type,
+        /// or whose payload is not one Avro datum of it) or `off` [default: the route's
+        /// setting, `off` when new].
+        #[arg(long)]
+        contracts: Option<String>,
     },
     /// Run dispatcher tasks and a reconciler until Ctrl-C.
     Dispatch {
@@ -352,6 +359,12 @@ enum Cmd {
     /// The status web page: states and ages, latency and backlog chart, quarantined rows
     /// with an audited release (behind the operator token), findings, trace search.
     Serve(sealpost_cli::web::ServeArgs),
+    /// Payload contracts (R26): register, check, list and show the Avro schemas of event
+    /// types (docs/contracts.md).
+    Schema {
+        #[command(subcommand)]
+        cmd: schema::SchemaCmd,
+    },
     /// Write a new Ed25519 key pair for signed envelopes: DIR/ID.pem (the dispatchers'
     /// private key, mode 0600: `signing_key_file`) and DIR/ID.pub.pem (for every reader's
     /// `verify_keys_dir`). Never overwrites a file.
@@ -512,7 +525,14 @@ async fn run(cmd: Cmd, cfg: Settings) -> Result<i32, String> {
             role_prefix,
             payload_key,
             max_age_s,
+            contracts,
         } => {
+            let contracts = match contracts.as_deref() {
+                None => None,
+                Some("required") => Some(true),
+                Some("off") => Some(false),
+                Some(c) => return Err(format!("--contracts `{c}`: expected `required` or `off`")),
+            };
             let keying = match payload_key.as_deref() {
                 None => None,
                 Some(k) => Some(sealpost::payload_key::Keying::parse(k).ok_or_else(|| {
@@ -605,6 +625,18 @@ async fn run(cmd: Cmd, cfg: Settings) -> Result<i32, String> {
                         .map_err(|x| x.to_string())?
                         .ok_or_else(|| format!("route `{name}` vanished while setting its partitions; run the command again"))?;
                     println!("route {name} partitions {} (generation {g})", alg.name());
+                }
+                if let Some(required) = contracts {
+                    if !sealpost::contract::set_route_contracts(&pg, name, required)
+                        .await
+                        .map_err(|x| x.to_string())?
+                    {
+                        return Err(format!("route `{name}` vanished while setting its contracts; run the command again"));
+                    }
+                    println!(
+                        "route {name} contracts {}",
+                        if required { "required" } else { "off" }
+                    );
                 }
                 if let Some(d) = &durability {
                     let g = store::set_route_durability(&pg, name, d)
@@ -1080,6 +1112,7 @@ async fn run(cmd: Cmd, cfg: Settings) -> Result<i32, String> {
             println!("released {n} row(s) of {id} to PENDING (audited: by {operator}: {reason})");
             Ok(0)
         }
+        Cmd::Schema { cmd } => schema::run(cmd, &cfg).await,
         Cmd::Serve(args) => {
             sealpost_cli::web::serve(&cfg, args).await?;
             Ok(0)
