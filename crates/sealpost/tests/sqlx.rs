@@ -120,3 +120,81 @@ async fn sqlx_enqueue_refuses_hostile_strings_naming_the_field() {
         .get(0);
     assert_eq!(n, 0, "nothing written");
 }
+
+/// The contract check (R26) of the tokio-postgres flavour, on a sqlx transaction: a route
+/// that requires contracts refuses a payload that is not a datum of its registered version,
+/// and takes one that is.
+#[tokio::test]
+async fn sqlx_enqueue_checks_contracts_like_the_tokio_postgres_flavour() {
+    let cfg = common::fresh_database("sealpost_sqlx_contract").await;
+    let mut pg = runtime::pg_connect(&cfg.database_url)
+        .await
+        .expect("PostgreSQL must be running");
+    store::migrate(&pg).await.expect("migrate");
+    store::set_route(&pg, "orders", common::NATS_CLUSTER, "TSQLXC")
+        .await
+        .expect("route");
+    sealpost::contract::set_route_contracts(&pg, "orders", true)
+        .await
+        .unwrap();
+    let (v1, _) = sealpost::contract::register(
+        &mut pg,
+        "order.created",
+        r#"{"type": "record", "name": "O", "fields": [{"name": "total", "type": "long"}]}"#,
+    )
+    .await
+    .unwrap();
+    let good = v1
+        .encode(sealpost::contract::apache_avro::types::Value::Record(vec![
+            (
+                "total".into(),
+                sealpost::contract::apache_avro::types::Value::Long(12),
+            ),
+        ]))
+        .unwrap();
+    let mut conn =
+        sqlx::PgConnection::connect("postgres://postgres@127.0.0.1:5432/sealpost_sqlx_contract")
+            .await
+            .unwrap();
+    let event = |schema: &'static str, payload: &'static [u8]| NewEvent {
+        event_type: "order.created",
+        payload_schema: schema,
+        ..new_event("o-c", payload)
+    };
+    let id = EventId(*uuid::Uuid::now_v7().as_bytes());
+    for (schema, payload, says) in [
+        (
+            "order.created@1",
+            &b"{}"[..],
+            "does not match `order.created@1`",
+        ),
+        (
+            "order.created@2",
+            &b""[..],
+            "no version 2 of `order.created`",
+        ),
+        ("order.created.v1", &b""[..], "is not `EVENT_TYPE@VERSION`"),
+    ] {
+        let err =
+            sealpost::sqlx_store::enqueue(&mut conn, "orders", id, &event(schema, payload), "k")
+                .await
+                .unwrap_err();
+        assert!(err.to_string().contains(says), "{schema}: {err}");
+    }
+    let good: &'static [u8] = Box::leak(good.into_boxed_slice());
+    sealpost::sqlx_store::enqueue(
+        &mut conn,
+        "orders",
+        id,
+        &event("order.created@1", good),
+        "k",
+    )
+    .await
+    .unwrap();
+    let n: i64 = pg
+        .query_one("SELECT count(*) FROM sealpost.outbox", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(n, 1, "only the matching payload was written");
+}
