@@ -41,6 +41,11 @@ fn sealpost(args: &[&str], database_url: &str) -> (i32, String) {
     )
 }
 
+/// `sealpost schema VERB --event-type TY --file FILE`.
+fn schema(verb: &str, ty: &str, file: &str, url: &str) -> (i32, String) {
+    sealpost(&["schema", verb, "--event-type", ty, "--file", file], url)
+}
+
 /// The base version of the table's event types: one field for each kind of change.
 fn base() -> Json {
     json!({"type": "record", "name": "OrderCreated", "namespace": "shop", "fields": [
@@ -199,26 +204,13 @@ async fn schema_check_names_every_breaking_change_and_passes_the_compatible_ones
     let base_file = write(&dir, "base.avsc", &base());
     for (i, (what, rule, change)) in BREAKING.iter().enumerate() {
         let ty = format!("table.breaking{i}");
-        let (code, said) = sealpost(
-            &[
-                "schema",
-                "register",
-                "--event-type",
-                &ty,
-                "--file",
-                &base_file,
-            ],
-            &url,
-        );
+        let (code, said) = schema("register", &ty, &base_file, &url);
         assert_eq!(code, 0, "{said}");
         assert!(said.contains(&format!("registered {ty}@1")), "{said}");
         let mut s = base();
         change(&mut s);
         let file = write(&dir, &format!("breaking{i}.avsc"), &s);
-        let (code, said) = sealpost(
-            &["schema", "check", "--event-type", &ty, "--file", &file],
-            &url,
-        );
+        let (code, said) = schema("check", &ty, &file, &url);
         assert_eq!(code, 1, "{what}: schema check must refuse it:\n{said}");
         assert!(
             said.contains(&format!("  {rule}: ")),
@@ -226,10 +218,7 @@ async fn schema_check_names_every_breaking_change_and_passes_the_compatible_ones
         );
         assert!(said.contains("against version 1"), "{what}:\n{said}");
         // Register refuses it too, and registers nothing.
-        let (code, said) = sealpost(
-            &["schema", "register", "--event-type", &ty, "--file", &file],
-            &url,
-        );
+        let (code, said) = schema("register", &ty, &file, &url);
         assert_eq!(code, 2, "{what}: register must refuse it:\n{said}");
         assert!(said.contains("nothing registered"), "{said}");
         let (_, listed) = sealpost(&["schema", "list", "--event-type", &ty], &url);
@@ -241,41 +230,22 @@ async fn schema_check_names_every_breaking_change_and_passes_the_compatible_ones
     }
     for (i, (what, change)) in COMPATIBLE.iter().enumerate() {
         let ty = format!("table.compatible{i}");
-        let (code, said) = sealpost(
-            &[
-                "schema",
-                "register",
-                "--event-type",
-                &ty,
-                "--file",
-                &base_file,
-            ],
-            &url,
-        );
+        let (code, said) = schema("register", &ty, &base_file, &url);
         assert_eq!(code, 0, "{said}");
         let mut s = base();
         change(&mut s);
         let file = write(&dir, &format!("compatible{i}.avsc"), &s);
-        let (code, said) = sealpost(
-            &["schema", "check", "--event-type", &ty, "--file", &file],
-            &url,
-        );
+        let (code, said) = schema("check", &ty, &file, &url);
         assert_eq!(code, 0, "{what}: must pass:\n{said}");
         assert!(
             said.contains(&format!("may be registered as {ty}@2")),
             "{said}"
         );
-        let (code, said) = sealpost(
-            &["schema", "register", "--event-type", &ty, "--file", &file],
-            &url,
-        );
+        let (code, said) = schema("register", &ty, &file, &url);
         assert_eq!(code, 0, "{what}: {said}");
         assert!(said.contains(&format!("registered {ty}@2")), "{said}");
         // The same text again is that version, not a new one.
-        let (code, said) = sealpost(
-            &["schema", "register", "--event-type", &ty, "--file", &file],
-            &url,
-        );
+        let (code, said) = schema("register", &ty, &file, &url);
         assert_eq!(code, 0, "{said}");
         assert!(
             said.contains(&format!("already registered as {ty}@2")),
@@ -285,32 +255,16 @@ async fn schema_check_names_every_breaking_change_and_passes_the_compatible_ones
     // Transitive: version 3 is checked against version 1 as well as 2. Version 2 gave the
     // status enum a default; a new symbol then still breaks version 1's readers.
     let ty = "table.transitive";
-    sealpost(
-        &[
-            "schema",
-            "register",
-            "--event-type",
-            ty,
-            "--file",
-            &base_file,
-        ],
-        &url,
-    );
+    schema("register", ty, &base_file, &url);
     let mut v2 = base();
     field(&mut v2, "status")["type"]["default"] = json!("NEW");
     let f2 = write(&dir, "transitive2.avsc", &v2);
-    let (code, said) = sealpost(
-        &["schema", "register", "--event-type", ty, "--file", &f2],
-        &url,
-    );
+    let (code, said) = schema("register", ty, &f2, &url);
     assert_eq!(code, 0, "{said}");
     let mut v3 = v2.clone();
     field(&mut v3, "status")["type"]["symbols"] = json!(["NEW", "PAID", "REFUNDED"]);
     let f3 = write(&dir, "transitive3.avsc", &v3);
-    let (code, said) = sealpost(
-        &["schema", "check", "--event-type", ty, "--file", &f3],
-        &url,
-    );
+    let (code, said) = schema("check", ty, &f3, &url);
     assert_eq!(code, 1, "{said}");
     assert!(
         said.contains("enum-symbol-without-default") && said.contains("against version 1"),
@@ -341,17 +295,7 @@ async fn schema_check_names_every_breaking_change_and_passes_the_compatible_ones
         said.contains("table.transitive\tlatest version 2"),
         "{said}"
     );
-    let (code, said) = sealpost(
-        &[
-            "schema",
-            "check",
-            "--event-type",
-            ty,
-            "--file",
-            "/nonexistent.avsc",
-        ],
-        &url,
-    );
+    let (code, said) = schema("check", ty, "/nonexistent.avsc", &url);
     assert_eq!(code, 2);
     assert!(
         said.contains("cannot read schema file `/nonexistent.avsc`"),

@@ -49,7 +49,7 @@ use apache_avro::types::Value;
 use apache_avro::writer::datum::GenericDatumWriter;
 use apache_avro::Schema;
 use sealpost_core::encoding::Digest;
-use sealpost_core::envelope::SCHEMA_DOMAIN;
+use sealpost_core::envelope::{NewEvent, SCHEMA_DOMAIN};
 use tokio_postgres::GenericClient;
 
 use crate::store::StoreError;
@@ -925,29 +925,31 @@ pub(crate) fn check_payload(
     parsed(ty, version, text)?.validate(payload)
 }
 
-/// The enqueue check with tokio-postgres: each event of `events` (index, event type, schema
-/// id, payload), the schemas fetched once per distinct id.
-pub(crate) async fn check_payloads(
+/// The enqueue check with tokio-postgres of each of `events` (its index in the call names a
+/// refused one), the schemas fetched once per distinct id.
+pub(crate) async fn check_payloads<'e, 'a: 'e>(
     client: &impl GenericClient,
-    events: impl Iterator<Item = (usize, &str, &str, &[u8])>,
+    events: impl Iterator<Item = &'e NewEvent<'a>>,
 ) -> crate::store::Result<()> {
-    let mut texts: HashMap<String, Option<String>> = HashMap::new();
-    for (index, ty, id, payload) in events {
-        let fail = |e: ContractError| StoreError::Contract {
-            index,
-            reason: e.to_string(),
-        };
+    let mut texts: HashMap<&str, Option<String>> = HashMap::new();
+    for (index, ev) in events.enumerate() {
+        let id = ev.payload_schema;
         if !texts.contains_key(id) {
             let text = match parse_schema_id(id) {
-                Some((t, v)) if t == ty => client
+                Some((t, v)) if t == ev.event_type => client
                     .query_opt(SCHEMA_FOR_ENQUEUE_SQL, &[&t, &(v as i32)])
                     .await?
                     .map(|r| r.get::<_, String>(0)),
                 _ => None,
             };
-            texts.insert(id.to_string(), text);
+            texts.insert(id, text);
         }
-        check_payload(ty, id, texts[id].as_deref(), payload).map_err(fail)?;
+        check_payload(ev.event_type, id, texts[id].as_deref(), ev.payload).map_err(|e| {
+            StoreError::Contract {
+                index,
+                reason: e.to_string(),
+            }
+        })?;
     }
     Ok(())
 }

@@ -19,15 +19,8 @@ pub async fn enqueue(
         policy,
         txid,
         keying,
-        contracts,
-    } = load_policy(tx, route).await?;
-    if contracts {
-        crate::contract::check_payloads(
-            tx,
-            std::iter::once((0, ev.event_type, ev.payload_schema, ev.payload)),
-        )
-        .await?;
-    }
+        ..
+    } = load_policy_checking(tx, route, std::slice::from_ref(ev).iter()).await?;
     let sealed = keyed_payload(tx, keying, 0, ev, &mut HashMap::new()).await?;
     let ev = NewEvent {
         creating_txid: txid,
@@ -110,18 +103,8 @@ pub async fn enqueue_many(
         policy,
         txid,
         keying,
-        contracts,
-    } = load_policy(tx, route).await?;
-    if contracts {
-        crate::contract::check_payloads(
-            tx,
-            events
-                .iter()
-                .enumerate()
-                .map(|(i, (_, ev, _))| (i, ev.event_type, ev.payload_schema, ev.payload)),
-        )
-        .await?;
-    }
+        ..
+    } = load_policy_checking(tx, route, events.iter().map(|(_, ev, _)| ev)).await?;
     let mut keys = HashMap::new();
     let mut payloads: Vec<Vec<u8>> = Vec::with_capacity(events.len());
     for (index, (_, ev, _)) in events.iter().enumerate() {
@@ -216,6 +199,20 @@ pub(super) struct LoadedPolicy {
     pub(super) keying: Keying,
     /// Payloads must match a registered contract (R26, [`crate::contract`]).
     pub(super) contracts: bool,
+}
+
+/// [`load_policy`], then, on a route that requires contracts, the payload check of each of
+/// `events` (R26, [`crate::contract`]), before anything is written.
+async fn load_policy_checking<'e, 'a: 'e>(
+    tx: &Transaction<'_>,
+    route: &str,
+    events: impl Iterator<Item = &'e NewEvent<'a>>,
+) -> Result<LoadedPolicy> {
+    let loaded = load_policy(tx, route).await?;
+    if loaded.contracts {
+        crate::contract::check_payloads(tx, events).await?;
+    }
+    Ok(loaded)
 }
 
 /// Reads a route policy and the current transaction id, locking the policy row against a
