@@ -595,7 +595,7 @@ fn diff_records(
                         Rule::of_annotation(key),
                         path.clone(),
                         Direction::Meaning,
-                        format!("field `{path}`: {key} {was} -> {now}, the type unchanged"),
+                        format!("field `{path}`: {key} {was} -> {now}"),
                     );
                 }
             }
@@ -902,6 +902,15 @@ pub async fn set_route_contracts(
 pub(crate) const SCHEMA_FOR_ENQUEUE_SQL: &str =
     "SELECT schema_text FROM sealpost.contract WHERE event_type = $1 AND version = $2";
 
+/// The registered version `enqueue` fetches for `ev` on a route that requires contracts: its
+/// `payload_schema`'s (event type, version), when that names `ev`'s own event type (else
+/// nothing is fetched and [`check_payload`] says what is wrong). Shared with the sqlx flavour.
+pub(crate) fn schema_to_fetch<'a>(ev: &NewEvent<'a>) -> Option<(&'a str, i32)> {
+    parse_schema_id(ev.payload_schema)
+        .filter(|(ty, _)| *ty == ev.event_type)
+        .map(|(ty, v)| (ty, v as i32))
+}
+
 /// The enqueue check of one event on a route that requires contracts: its `payload_schema`
 /// names a version of its own event type, `text` is that version's registered schema (`None`:
 /// not registered), and the payload is one datum of it.
@@ -935,12 +944,12 @@ pub(crate) async fn check_payloads<'e, 'a: 'e>(
     for (index, ev) in events.enumerate() {
         let id = ev.payload_schema;
         if !texts.contains_key(id) {
-            let text = match parse_schema_id(id) {
-                Some((t, v)) if t == ev.event_type => client
-                    .query_opt(SCHEMA_FOR_ENQUEUE_SQL, &[&t, &(v as i32)])
+            let text = match schema_to_fetch(ev) {
+                Some((t, v)) => client
+                    .query_opt(SCHEMA_FOR_ENQUEUE_SQL, &[&t, &v])
                     .await?
                     .map(|r| r.get::<_, String>(0)),
-                _ => None,
+                None => None,
             };
             texts.insert(id, text);
         }

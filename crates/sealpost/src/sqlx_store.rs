@@ -56,15 +56,15 @@ pub async fn enqueue(
     let txid: i64 = p.try_get(7)?;
     let keying = keying_of(&p.try_get::<String, _>(9)?)?;
     if p.try_get::<bool, _>(10)? {
-        let text: Option<String> = match crate::contract::parse_schema_id(ev.payload_schema) {
-            Some((ty, v)) if ty == ev.event_type => {
+        let text: Option<String> = match crate::contract::schema_to_fetch(ev) {
+            Some((ty, v)) => {
                 sqlx::query_scalar(crate::contract::SCHEMA_FOR_ENQUEUE_SQL)
                     .bind(ty)
-                    .bind(v as i32)
+                    .bind(v)
                     .fetch_optional(&mut *conn)
                     .await?
             }
-            _ => None,
+            None => None,
         };
         crate::contract::check_payload(
             ev.event_type,
