@@ -1,5 +1,6 @@
-//! The producer API for sqlx users: the same `enqueue` as [`crate::store::enqueue`], on a
-//! sqlx connection or transaction. Enabled by the `sqlx` feature.
+//! The producer API for sqlx users: the same `enqueue` and `enqueue_set` as
+//! [`crate::store::enqueue`] and [`crate::store::enqueue_set`], on a sqlx connection or
+//! transaction. Enabled by the `sqlx` feature.
 //!
 //! ```ignore
 //! let mut tx = pool.begin().await?;
@@ -8,13 +9,14 @@
 //! tx.commit().await?;
 //! ```
 
+use sealpost_core::delivery_set::{check_members, CompletionRule};
 use sealpost_core::envelope::{EventId, NewEvent, SealedEnvelope};
 use sqlx::Row;
 
 use crate::payload_key;
 use crate::store::{
     check_input, keying_of, payload_subject, policy_from_parts, StoreError, INSERT_ENVELOPE_SQL,
-    POLICY_SQL,
+    INSERT_SET_SQL, POLICY_SQL,
 };
 
 /// Errors of the sqlx flavour.
@@ -37,6 +39,54 @@ pub async fn enqueue(
     routing_key: &str,
 ) -> Result<SealedEnvelope, SqlxStoreError> {
     check_input(0, ev, routing_key)?;
+    let (env, payload) = seal_for_route(conn, route, event_id, ev, routing_key).await?;
+    insert_envelope(conn, &env, 0, &payload).await?;
+    Ok(env)
+}
+
+/// [`crate::store::enqueue_set`] on a sqlx connection: `ev` as a delivery set (R16), one
+/// member per route in that order, and the set row with its completion `rule`, in the
+/// caller's transaction; refused whole, writing nothing, when the routes do not make a set.
+pub async fn enqueue_set(
+    conn: &mut sqlx::PgConnection,
+    routes: &[&str],
+    rule: CompletionRule,
+    event_id: EventId,
+    ev: &NewEvent<'_>,
+    routing_key: &str,
+) -> Result<Vec<SealedEnvelope>, SqlxStoreError> {
+    check_input(0, ev, routing_key)?;
+    let mut sealed = Vec::with_capacity(routes.len());
+    for route in routes {
+        sealed.push(seal_for_route(conn, route, event_id, ev, routing_key).await?);
+    }
+    let named: Vec<(&str, &sealpost_core::envelope::Destination)> = routes
+        .iter()
+        .zip(&sealed)
+        .map(|(r, (env, _))| (*r, &env.destination))
+        .collect();
+    check_members(&named).map_err(StoreError::from)?;
+    sqlx::query(INSERT_SET_SQL)
+        .bind(uuid::Uuid::from_bytes(event_id.0))
+        .bind(rule.name())
+        .bind(routes)
+        .execute(&mut *conn)
+        .await?;
+    for (member, (env, payload)) in sealed.iter().enumerate() {
+        insert_envelope(conn, env, member as i16, payload).await?;
+    }
+    Ok(sealed.into_iter().map(|(env, _)| env).collect())
+}
+
+/// Reads `route` in the caller's transaction, checks `ev` against it (contracts) and seals
+/// it: the envelope and the payload as stored (encrypted on a keyed route).
+async fn seal_for_route(
+    conn: &mut sqlx::PgConnection,
+    route: &str,
+    event_id: EventId,
+    ev: &NewEvent<'_>,
+    routing_key: &str,
+) -> Result<(SealedEnvelope, Vec<u8>), SqlxStoreError> {
     let p = sqlx::query(POLICY_SQL)
         .bind(route)
         .fetch_optional(&mut *conn)
@@ -99,10 +149,20 @@ pub async fn enqueue(
         ..ev.clone()
     };
     let env = SealedEnvelope::seal(event_id, &ev, &policy, routing_key);
+    Ok((env, ev.payload.to_vec()))
+}
+
+/// Inserts one sealed member and its `PENDING` work row.
+async fn insert_envelope(
+    conn: &mut sqlx::PgConnection,
+    env: &SealedEnvelope,
+    member: i16,
+    payload: &[u8],
+) -> Result<(), SqlxStoreError> {
     let d = &env.destination;
     sqlx::query(INSERT_ENVELOPE_SQL)
         .bind(uuid::Uuid::from_bytes(env.event_id.0))
-        .bind(0i16)
+        .bind(member)
         .bind(env.envelope_generation as i32)
         .bind(&env.aggregate_type)
         .bind(&env.aggregate_id)
@@ -123,7 +183,7 @@ pub async fn enqueue(
         .bind(&d.required_ack)
         .bind(env.destination_digest.0.as_slice())
         .bind(env.digest().0.as_slice())
-        .bind(ev.payload)
+        .bind(payload)
         .bind(d.ordering.name())
         .bind(sealpost_core::envelope::ordering_key(
             d.ordering,
@@ -132,5 +192,5 @@ pub async fn enqueue(
         ))
         .execute(&mut *conn)
         .await?;
-    Ok(env)
+    Ok(())
 }

@@ -13,8 +13,10 @@ use crate::store::{self, Result};
 /// One reconciliation finding.
 #[derive(Clone, Debug, Serialize)]
 pub struct Finding {
-    /// `pending_over_age`, `published_unconsumed`, `unknown_over_age`, `out_of_band` or
-    /// `published_missing_at_broker` (R31, from the reconciler's verification pass).
+    /// `pending_over_age`, `published_unconsumed`, `unknown_over_age`, `out_of_band`,
+    /// `published_missing_at_broker` (R31, from the reconciler's verification pass) or
+    /// `set_incomplete` (R16: a delivery set blocked, or not complete `pending_age_s` after it
+    /// committed).
     pub kind: String,
     /// The consumer, for `published_unconsumed`.
     pub consumer: Option<String>,
@@ -29,7 +31,8 @@ pub struct Finding {
 /// Thresholds of the report.
 #[derive(Clone, Debug)]
 pub struct ReconcileOptions {
-    /// PENDING older than this is a finding (a dispatcher missed it).
+    /// PENDING older than this is a finding (a dispatcher missed it), and so is a delivery
+    /// set not complete this long after it committed.
     pub pending_age_s: u64,
     /// PUBLISHED without a critical consumer's receipt for longer than this.
     pub unconsumed_age_s: u64,
@@ -152,6 +155,15 @@ pub async fn reconcile<S: StreamScan>(
         let count = rows.first().map_or(0, |r| r.get::<_, i64>(1));
         add(kind, None, count, ids(&rows), threshold_s);
     }
+    // Delivery sets stuck incomplete: the core's `set_stuck` over `set_status`.
+    let (count, stuck) = store::stuck_sets(pg, opts.pending_age_s.saturating_mul(1000), 20).await?;
+    add(
+        "set_incomplete",
+        None,
+        count,
+        stuck.into_iter().map(|v| v.event_id).collect(),
+        opts.pending_age_s,
+    );
     let consumers: Vec<String> = if opts.consumers.is_empty() {
         pg.query(
             "SELECT DISTINCT consumer_id FROM sealpost.consumer_watermark ORDER BY 1",

@@ -5,7 +5,7 @@ use sealpost_core::envelope::EventId;
 use serde_json::{json, Value};
 use uuid::Uuid;
 
-use crate::store::Result;
+use crate::store::{self, Result};
 
 /// The causal chain of one business fact (R22), by event id or `aggregate-type/aggregate-id`.
 pub async fn trace(pg: &tokio_postgres::Client, key: &str) -> Result<Value> {
@@ -132,7 +132,21 @@ pub async fn trace_bounded(
             "audit": audit,
         }));
     }
-    let mut answer = json!({ "query": key, "found": !out.is_empty(), "events": out });
+    // Delivery sets (R16): each event enqueued as a set, with the core's verdict on it.
+    let mut sets = Vec::new();
+    let mut seen = std::collections::HashSet::new();
+    for e in &out {
+        let Some(id) = e["event_id"].as_str().and_then(EventId::parse) else {
+            continue;
+        };
+        if seen.insert(id) {
+            if let Some(set) = store::delivery_set(pg, id).await? {
+                sets.push(serde_json::to_value(set).unwrap_or(Value::Null));
+            }
+        }
+    }
+    let mut answer =
+        json!({ "query": key, "found": !out.is_empty(), "events": out, "sets": sets });
     if max_events.is_some() {
         answer["truncated"] = Value::Bool(truncated);
     }

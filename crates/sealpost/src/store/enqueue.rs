@@ -48,7 +48,7 @@ pub(crate) fn payload_subject(
 
 /// `ev`'s payload encrypted under its subject's key when the route is keyed (the key made
 /// in the caller's transaction if the subject has none; `keys` remembers the call's keys).
-async fn keyed_payload(
+pub(super) async fn keyed_payload(
     tx: &impl GenericClient,
     keying: Keying,
     index: usize,
@@ -203,7 +203,7 @@ pub(super) struct LoadedPolicy {
 
 /// [`load_policy`], then, on a route that requires contracts, the payload check of each of
 /// `events` (R26, [`crate::contract`]), before anything is written.
-async fn load_policy_checking<'e, 'a: 'e>(
+pub(super) async fn load_policy_checking<'e, 'a: 'e>(
     tx: &Transaction<'_>,
     route: &str,
     events: impl Iterator<Item = &'e NewEvent<'a>>,
@@ -292,7 +292,7 @@ pub(super) async fn load_policy(tx: &Transaction<'_>, route: &str) -> Result<Loa
     })
 }
 
-async fn insert_envelope(
+pub(super) async fn insert_envelope(
     tx: &impl GenericClient,
     env: &SealedEnvelope,
     member: i16,

@@ -34,6 +34,7 @@ mod operator;
 mod reconcile;
 mod rows;
 mod schema;
+mod sets;
 mod status;
 mod verify;
 
@@ -45,6 +46,7 @@ pub use reconcile::*;
 pub use rows::NOW_MS_SQL;
 use rows::*;
 pub use schema::*;
+pub use sets::*;
 pub use status::*;
 pub use verify::*;
 
@@ -62,6 +64,7 @@ pub const MIGRATIONS: &[(i32, &str)] = &[
     (7, include_str!("../../migrations/0007_lifecycle.sql")),
     (8, include_str!("../../migrations/0008_cdc.sql")),
     (9, include_str!("../../migrations/0009_contracts.sql")),
+    (10, include_str!("../../migrations/0010_delivery_sets.sql")),
 ];
 
 /// Statements the store has sent to PostgreSQL in this process (each query, `BEGIN` and
@@ -137,6 +140,10 @@ pub enum StoreError {
         /// The schema id, and what is wrong with it or with the payload.
         reason: String,
     },
+    /// A delivery set's routes do not make a set (R16, [`sealpost_core::delivery_set`]);
+    /// nothing was written.
+    #[error("delivery set refused at enqueue: {0}; nothing was written (the caller's transaction is still open)")]
+    DeliverySet(#[from] sealpost_core::delivery_set::SetError),
     /// A core step refused its inputs or broke its own postcondition: a bug in the store's
     /// query or in the core, never bad data from a user. The transaction was rolled back.
     #[error("internal invariant broken, nothing was written: {0}; please report it with `sealpost trace` of the event")]
@@ -281,6 +288,7 @@ impl StoreError {
             | StoreError::InvalidInput { .. }
             | StoreError::PayloadKey { .. }
             | StoreError::Contract { .. }
+            | StoreError::DeliverySet(_)
             | StoreError::UnknownEvent(_)
             | StoreError::NotQuarantined { .. } => ErrorKind::Input,
             StoreError::Corrupt(_) | StoreError::Migration(..) | StoreError::NotMigrated => {

@@ -7,7 +7,7 @@ use super::*;
 /// The work row's `phase` codes ([`Phase::code`]): the SQL below is generated from them.
 pub(super) const DISPATCHABLE: i16 = Phase::Dispatchable.code();
 pub(super) const UNKNOWN: i16 = Phase::Unknown.code();
-const SETTLED: i16 = Phase::Settled.code();
+pub(super) const SETTLED: i16 = Phase::Settled.code();
 
 /// A list of selected columns as an enum: the variants are the columns in select order, so a
 /// column's index in the row ([`at`](RowCol::at)) and its place in the select list

@@ -26,6 +26,9 @@ pub struct Status {
     /// The CDC publishers' slots (R32): one entry per slot `sealpost.cdc_progress` records
     /// (empty without CDC, or for a login that may not read that table).
     pub cdc: Vec<CdcSlotStatus>,
+    /// Delivery sets (R16): how many are complete, in progress or blocked, and the oldest
+    /// open ones with their members.
+    pub sets: SetSummary,
 }
 
 /// One CDC publisher's slot, as the server and its progress row tell.
@@ -215,6 +218,7 @@ pub async fn status(client: &impl GenericClient) -> Result<Status> {
         .await?
         .get(0);
     s.cdc = cdc_status(client).await?;
+    s.sets = set_summary(client).await?;
     Ok(s)
 }
 
