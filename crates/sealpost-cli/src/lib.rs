@@ -42,6 +42,34 @@ pub fn print_status(s: &store::Status) {
             s.missing_at_broker
         );
     }
+    if s.sets.total > 0 {
+        println!(
+            "delivery sets     {:>10}  ({} complete, {} in progress, {} blocked)",
+            s.sets.total, s.sets.complete, s.sets.in_progress, s.sets.blocked
+        );
+        for v in &s.sets.open {
+            let members: Vec<String> = v
+                .members
+                .iter()
+                .map(|m| {
+                    format!(
+                        "{}={}",
+                        m.route,
+                        m.state.as_deref().unwrap_or("removed")
+                    )
+                })
+                .collect();
+            println!(
+                "  SET {} {} ({}, {}/{} needed published): {}",
+                v.event_id,
+                v.status.to_uppercase(),
+                v.rule,
+                v.published,
+                v.needed,
+                members.join(", ")
+            );
+        }
+    }
     for c in &s.cdc {
         println!(
             "CDC slot {} ({}): {}{}, {} unconfirmed log bytes, {} retained, confirmed {:.1}s ago, {} rows in its window",

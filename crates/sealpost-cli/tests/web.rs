@@ -515,6 +515,33 @@ async fn the_status_page_needs_a_token_shows_the_status_and_releases_only_for_an
     }
     // Rows nobody dispatches stay PENDING; a published row is reported missing (R31).
     let pending = enqueue(&mut pg, "late", b"{}", 3).await;
+    // And a delivery set (R16) nobody dispatches either: in progress, both members PENDING.
+    store::set_route(&pg, "audit", common::NATS_CLUSTER, &format!("{stream}AUDIT"))
+        .await
+        .unwrap();
+    let set_id = EventId(*uuid::Uuid::now_v7().as_bytes());
+    let tx = pg.transaction().await.unwrap();
+    store::enqueue_set(
+        &tx,
+        &["orders", "audit"],
+        sealpost_core::delivery_set::CompletionRule::All,
+        set_id,
+        &NewEvent {
+            aggregate_type: "order",
+            aggregate_id: "o-set",
+            aggregate_version: 1,
+            event_type: "order.created.v1",
+            payload_schema: "order.created.v1",
+            payload: b"{}",
+            tenant: "t",
+            occurred_at_ms: 1,
+            creating_txid: 0,
+        },
+        "o-set",
+    )
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
     let item = store::published_after_cursor(&mut pg, 1).await.unwrap();
     assert_eq!(item.len(), 1);
     assert!(store::record_missing(&pg, &item[0]).await.unwrap());
@@ -729,7 +756,38 @@ async fn the_status_page_needs_a_token_shows_the_status_and_releases_only_for_an
     }
     // And they are the figures of this database, not an empty one.
     assert_eq!(after["states"]["PUBLISHED"], published.len() as i64);
-    assert_eq!(after["states"]["PENDING"], pending.len() as i64);
+    assert_eq!(after["states"]["PENDING"], pending.len() as i64 + 2);
+    // The delivery set: the page's table and caption say what `status --json` says.
+    assert_eq!(
+        (
+            after["sets"]["total"].as_i64(),
+            after["sets"]["in_progress"].as_i64()
+        ),
+        (Some(1), Some(1)),
+        "{after}"
+    );
+    assert_eq!(
+        text(&c, "#sets-summary").await,
+        "delivery sets: 1 (0 complete, 1 in progress, 0 blocked)"
+    );
+    let set_row = format!("#sets tr[data-event-id='{set_id}']");
+    let cells: Vec<String> = {
+        let tr = c.find(Locator::Css(&set_row)).await.unwrap();
+        let mut cells = Vec::new();
+        for td in tr.find_all(Locator::Css("td")).await.unwrap() {
+            cells.push(td.text().await.unwrap());
+        }
+        cells
+    };
+    assert_eq!(
+        cells,
+        vec![
+            set_id.to_string(),
+            "all (0/2)".to_string(),
+            "in progress".to_string(),
+            "orders: PENDING, audit: PENDING".to_string()
+        ]
+    );
     assert_eq!(after["states"]["QUARANTINED"], 1);
     assert_eq!(after["missing_at_broker"], 1);
     assert_eq!(after["quarantined_rows"][0][0], poison.to_string());

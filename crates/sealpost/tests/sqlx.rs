@@ -198,3 +198,69 @@ async fn sqlx_enqueue_checks_contracts_like_the_tokio_postgres_flavour() {
         .get(0);
     assert_eq!(n, 1, "only the matching payload was written");
 }
+
+#[tokio::test]
+async fn sqlx_enqueue_set_writes_what_the_tokio_postgres_flavour_writes() {
+    let cfg = common::fresh_database("sealpost_sqlx_set").await;
+    let mut pg = runtime::pg_connect(&cfg.database_url)
+        .await
+        .expect("PostgreSQL must be running");
+    store::migrate(&pg).await.expect("migrate");
+    for (route, topic) in [("a", "TSQLXSA"), ("b", "TSQLXSB"), ("a2", "TSQLXSA")] {
+        store::set_route(&pg, route, common::NATS_CLUSTER, topic)
+            .await
+            .expect("route");
+    }
+    use sealpost_core::delivery_set::CompletionRule;
+    let mut conn =
+        sqlx::PgConnection::connect("postgres://postgres@127.0.0.1:5432/sealpost_sqlx_set")
+            .await
+            .unwrap();
+    let ev = new_event("o-s", b"{}");
+    // Refused whole, as the tokio-postgres flavour refuses it.
+    let id = EventId(*uuid::Uuid::now_v7().as_bytes());
+    for (routes, says) in [
+        (&["a"][..], "at least two routes, got 1"),
+        (&["a", "a2"][..], "routes `a` and `a2` both deliver to topic `TSQLXSA`"),
+    ] {
+        let err = sealpost::sqlx_store::enqueue_set(
+            &mut conn,
+            routes,
+            CompletionRule::All,
+            id,
+            &ev,
+            "o-s",
+        )
+        .await
+        .unwrap_err();
+        assert!(err.to_string().contains(says), "{routes:?}: {err}");
+    }
+    assert_eq!(common::count(&pg, "SELECT count(*) FROM sealpost.work").await, 0);
+    // The same set through both flavours seals the same members.
+    let mut tx = conn.begin().await.unwrap();
+    let by_sqlx =
+        sealpost::sqlx_store::enqueue_set(&mut tx, &["a", "b"], CompletionRule::Any, id, &ev, "o-s")
+            .await
+            .unwrap();
+    tx.commit().await.unwrap();
+    let other = EventId(*uuid::Uuid::now_v7().as_bytes());
+    let tx = pg.transaction().await.unwrap();
+    let by_tokio = store::enqueue_set(&tx, &["a", "b"], CompletionRule::Any, other, &ev, "o-s")
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(by_sqlx.len(), 2);
+    for (s, t) in by_sqlx.iter().zip(&by_tokio) {
+        assert_eq!(s.destination, t.destination);
+        assert_eq!(s.destination_digest, t.destination_digest);
+        assert_eq!(s.payload_digest, t.payload_digest);
+    }
+    for id in [id, other] {
+        let v = store::delivery_set(&pg, id).await.unwrap().unwrap();
+        assert_eq!((v.rule.as_str(), v.status.as_str(), v.needed), ("any", "in_progress", 1));
+        assert_eq!(
+            v.members.iter().map(|m| m.route.as_str()).collect::<Vec<_>>(),
+            vec!["a", "b"]
+        );
+    }
+}

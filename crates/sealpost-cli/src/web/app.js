@@ -103,6 +103,22 @@ function renderStatus(s) {
   for (const [id, tries, why] of s.stuck_rows) {
     stuck.appendChild(el("p", "cannot leave: " + id + " (" + tries + " tries; last: " + why + ")", "bad"));
   }
+  // Delivery sets (R16): counts, and the open sets with each member's route and state.
+  const sets = $("sets");
+  const ss = s.sets || { total: 0, open: [] };
+  sets.hidden = ss.total === 0;
+  $("sets-summary").textContent = "delivery sets: " + ss.total + " (" + ss.complete + " complete, " +
+    ss.in_progress + " in progress, " + ss.blocked + " blocked)";
+  sets.tBodies[0].replaceChildren();
+  for (const v of ss.open) {
+    const tr = el("tr");
+    tr.dataset.eventId = v.event_id;
+    tr.appendChild(el("td", v.event_id, "id"));
+    tr.appendChild(el("td", v.rule + " (" + v.published + "/" + v.needed + ")"));
+    tr.appendChild(el("td", v.status.replace("_", " "), v.status === "blocked" ? "bad" : ""));
+    tr.appendChild(el("td", v.members.map((m) => m.route + ": " + (m.state || "removed")).join(", ")));
+    sets.tBodies[0].appendChild(tr);
+  }
   const cdc = $("cdc-slots");
   const slots = s.cdc || [];
   cdc.hidden = slots.length === 0;
