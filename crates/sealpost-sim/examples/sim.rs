@@ -87,6 +87,10 @@ fn main() {
         c.sweeps,
         c.confirms
     );
+    println!(
+        "  delivery sets: {} run, {} complete, {} blocked at the end",
+        s.sets, s.sets_complete, s.sets_blocked
+    );
     for (i, ts) in &report.failing {
         println!("  failing trace {i} (trace seed {ts})");
     }

@@ -5,6 +5,7 @@
 use sealpost_core::cdc::{self as cdc, RowCheck};
 use sealpost_core::claim::{self, BeginSend, ClaimToken};
 use sealpost_core::cleanup::{self, PurgeRefusal, RetentionPolicy, Watermark};
+use sealpost_core::delivery_set::{self, CompletionRule, SetStatus};
 use sealpost_core::dispatcher::OutcomeReport;
 use sealpost_core::encoding::Digest;
 use sealpost_core::envelope::EventId;
@@ -637,6 +638,13 @@ impl Protocol {
             }
         }
         from
+    }
+
+    /// A delivery set's status over its members' states: the core's
+    /// [`delivery_set::set_status`], the one `status`, `trace`, the page and the reconciler
+    /// ask.
+    pub fn set_status(&self, members: &[State], rule: CompletionRule) -> SetStatus {
+        delivery_set::set_status(members, rule)
     }
 
     /// True when cleanup should also run right at acceptance (only the purge-at-ack mutant).

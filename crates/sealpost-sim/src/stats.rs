@@ -44,11 +44,14 @@ pub enum Violation {
     /// dispatchable phase (a restarted reader resumes after it: the log would never name it
     /// again).
     CdcConfirmedUnsettled,
+    /// R16: a delivery set reported complete while fewer of its members than its completion
+    /// rule needs were held at their brokers.
+    SetCompletedEarly,
 }
 
 impl Violation {
     /// Every class, in JSON order.
-    pub const ALL: [Violation; 15] = [
+    pub const ALL: [Violation; 16] = [
         Violation::LostEvents,
         Violation::SecondEventIds,
         Violation::CrossDestinationRetries,
@@ -64,6 +67,7 @@ impl Violation {
         Violation::ForgeryApplied,
         Violation::ForgedCopyAdopted,
         Violation::CdcConfirmedUnsettled,
+        Violation::SetCompletedEarly,
     ];
 
     /// JSON key.
@@ -84,6 +88,7 @@ impl Violation {
             Violation::ForgeryApplied => "forgery_applied",
             Violation::ForgedCopyAdopted => "forged_copy_adopted",
             Violation::CdcConfirmedUnsettled => "cdc_confirmed_unsettled",
+            Violation::SetCompletedEarly => "set_completed_early",
         }
     }
 }
@@ -436,6 +441,12 @@ pub struct TraceStats {
     pub forgeries_reported: u64,
     /// CDC: the reader's counts.
     pub cdc: CdcCounts,
+    /// Delivery sets (R16) committed and still in the store at the end of the trace.
+    pub sets: u64,
+    /// Of those, complete at the end (`delivery_set::set_status`).
+    pub sets_complete: u64,
+    /// Of those, blocked at the end (a member parked for an operator).
+    pub sets_blocked: u64,
 }
 
 /// What the CDC log reader did (traces with a CDC publisher only).
@@ -513,6 +524,9 @@ impl TraceStats {
         self.duplicate_acks_not_this_message += o.duplicate_acks_not_this_message;
         self.forgeries_reported += o.forgeries_reported;
         self.cdc.merge(&o.cdc);
+        self.sets += o.sets;
+        self.sets_complete += o.sets_complete;
+        self.sets_blocked += o.sets_blocked;
         self.inbox_duplicates += o.inbox_duplicates;
         self.inbox_quarantined += o.inbox_quarantined;
         self.effect_retries += o.effect_retries;

@@ -18,6 +18,7 @@ use sealpost_core::claim::{apply_release_quarantine, ClaimToken, SendOutcome};
 use sealpost_core::cleanup::{
     apply_retention, PurgeRefusal, RetentionDecision, RetentionPolicy, Watermark,
 };
+use sealpost_core::delivery_set::{CompletionRule, SetStatus, MEMBERS_MAX};
 use sealpost_core::dispatcher::{
     Claimed, ClaimedSend, DispatchAction, DispatcherConfig, DispatcherMachine, OutcomeReport,
     Submission,
@@ -347,6 +348,8 @@ enum Ev {
 struct Fact {
     event_id: EventId,
     members: u16,
+    /// The completion rule of a delivery set (`members > 1`), half `all`, half `any`.
+    rule: Option<CompletionRule>,
     poison: bool,
     /// The adapter cannot encode it (a header value its wire cannot carry, written before
     /// `enqueue` checked producer strings) while faults are on; afterwards the operator
@@ -372,6 +375,18 @@ struct Db {
     log: Vec<LogTxn>,
     /// The end position of the log transaction that inserted each row.
     row_lsn: Vec<u64>,
+    /// The delivery sets (R16), written in their rows' transaction (a restore takes them
+    /// back with the rows).
+    sets: Vec<SetRows>,
+}
+
+/// One committed delivery set: its fact, completion rule and member rows (member `k` is
+/// `rows[k]`).
+#[derive(Clone, Debug)]
+struct SetRows {
+    fact: u32,
+    rule: CompletionRule,
+    rows: Vec<u32>,
 }
 
 /// One committed transaction as the log carries it.
@@ -959,12 +974,18 @@ impl World {
             self.rng.fill_bytes(&mut random);
             // From bytes already drawn (no new draw: every other trace stays as it was).
             let unencodable = !poison && random[9] % 64 == 0;
+            let rule = (members > 1).then_some(if random[8] % 2 == 0 {
+                CompletionRule::All
+            } else {
+                CompletionRule::Any
+            });
             let t = range(&mut self.rng, 0, end * 3 / 4);
             // R3: the id is minted once, when the command is first accepted; every retry
             // of the command carries it.
             self.facts.push(Fact {
                 event_id: EventId::mint(1_700_000_000_000 + t, random),
                 members,
+                rule,
                 poison,
                 unencodable,
                 committed: false,
@@ -1331,8 +1352,11 @@ impl World {
         let event_id = facts.event_id;
         let payload = Digest::of_bytes(PAYLOAD_DOMAIN, &fact.to_be_bytes());
         let members = facts.members;
-        // One transaction: business row and every member's PENDING envelope (R4).
+        let rule = facts.rule;
+        // One transaction: business row and every member's PENDING envelope (R4), and the
+        // delivery set naming them (R16).
         self.db.business.push(fact);
+        let first_row = self.db.rows.len() as u32;
         let mut named = Vec::new();
         let end_lsn = self.next_lsn + 16 + 8 * u64::from(members);
         for m in 0..members {
@@ -1353,6 +1377,13 @@ impl World {
                 .push(EventRow::new_pending(event_id, m, payload, dest));
             self.db.row_fact.push(fact);
             self.unknown_since.push(None);
+        }
+        if let Some(rule) = rule {
+            self.db.sets.push(SetRows {
+                fact,
+                rule,
+                rows: (first_row..first_row + u32::from(members)).collect(),
+            });
         }
         self.facts[f].committed = true;
         if self.cdc.is_some() {
@@ -2915,6 +2946,17 @@ impl World {
             })
     }
 
+    /// Ghost: does stream `s` hold a genuine copy of this event (anywhere: the simulated
+    /// brokers never lose a stored message)?
+    fn genuine_held(&self, s: Option<u8>, event_id: EventId, member: u16) -> bool {
+        s.and_then(|s| self.streams.get(s as usize))
+            .is_some_and(|st| {
+                st.msgs
+                    .iter()
+                    .any(|m| !m.forged && m.event_id == event_id && m.member == member)
+            })
+    }
+
     /// Ghost: does stream `s` hold a forged message under this event id and member?
     fn forged_on(&self, s: Option<u8>, event_id: EventId, member: u16) -> bool {
         s.and_then(|s| self.streams.get(s as usize))
@@ -4149,6 +4191,67 @@ impl World {
             });
         }
         self.check_cdc();
+        self.check_sets();
+    }
+
+    /// The member states of delivery set `k` (the first `members` entries).
+    fn set_states(&self, k: usize) -> ([State; MEMBERS_MAX], usize) {
+        let mut states = [State::Pending; MEMBERS_MAX];
+        let rows = &self.db.sets[k].rows;
+        for (s, &r) in states.iter_mut().zip(rows) {
+            *s = self.db.rows[r as usize].state;
+        }
+        (states, rows.len())
+    }
+
+    /// R16: every committed delivery set's status, as the protocol reports it
+    /// (`delivery_set::set_status`), against the brokers: a set reported complete has at
+    /// least as many members genuinely stored at their destinations as its rule needs; a
+    /// set reported blocked has quarantined members, and too many for the rule.
+    fn check_sets(&mut self) {
+        for k in 0..self.db.sets.len() {
+            let (states, n) = self.set_states(k);
+            let states = &states[..n];
+            let (fact, rule) = (self.db.sets[k].fact, self.db.sets[k].rule);
+            let needed = rule.needed(n as u16);
+            match self.proto.set_status(states, rule) {
+                SetStatus::Complete => {
+                    let held = self.db.sets[k]
+                        .rows
+                        .iter()
+                        .filter(|&&r| {
+                            let row = &self.db.rows[r as usize];
+                            let s = self.stream_of(&row.destination);
+                            self.genuine_held(s, row.event_id, row.member)
+                        })
+                        .count() as u16;
+                    if held < needed {
+                        let eid = self.facts[fact as usize].event_id;
+                        self.violation_of(Violation::SetCompletedEarly, fact, || {
+                            format!(
+                                "set {eid} (rule {}) reported complete with {held} of {n} \
+                                 members held at their brokers, {needed} needed; states {states:?}",
+                                rule.name()
+                            )
+                        });
+                    }
+                }
+                SetStatus::Blocked => {
+                    let parked = states.iter().filter(|s| **s == State::Quarantined).count();
+                    if parked == 0 || n - parked >= usize::from(needed) {
+                        let eid = self.facts[fact as usize].event_id;
+                        self.violation_of(Violation::Liveness, 9_000_000 + fact, || {
+                            format!(
+                                "set {eid} (rule {}) reported blocked with {parked} of {n} \
+                                 members quarantined; states {states:?}",
+                                rule.name()
+                            )
+                        });
+                    }
+                }
+                SetStatus::InProgress { .. } => {}
+            }
+        }
     }
 
     /// CDC: the slot's confirmed position never passes a row its log named that has not
@@ -4262,6 +4365,54 @@ impl World {
         }
         if self.facts.iter().any(|f| !f.committed) {
             self.stats.violations.add(Violation::Liveness);
+        }
+        self.finish_sets();
+    }
+
+    /// R16 at the end: every committed set whose members are all published is complete, and
+    /// a set that is not complete waits for a member parked for an operator (a conflict, or
+    /// ordered behind one): the exits the row check above excuses.
+    fn finish_sets(&mut self) {
+        for k in 0..self.db.sets.len() {
+            let (states, n) = self.set_states(k);
+            let states = &states[..n];
+            let (fact, rule) = (self.db.sets[k].fact, self.db.sets[k].rule);
+            let status = self.proto.set_status(states, rule);
+            self.stats.sets += 1;
+            match status {
+                SetStatus::Complete => {
+                    self.stats.sets_complete += 1;
+                    continue;
+                }
+                SetStatus::Blocked => self.stats.sets_blocked += 1,
+                SetStatus::InProgress { .. } => {}
+            }
+            let eid = self.facts[fact as usize].event_id;
+            if states.iter().all(|s| s.is_published()) {
+                self.violation_of(Violation::Liveness, 9_100_000 + fact, || {
+                    format!(
+                        "set {eid} (rule {}) ended {} with every member published",
+                        rule.name(),
+                        status.name()
+                    )
+                });
+                continue;
+            }
+            let waits = self.db.sets[k].rows.iter().any(|&r| {
+                (self.db.rows[r as usize].state == State::Quarantined
+                    && self.conflicts.contains(&r))
+                    || self.behind_conflict(r as usize)
+            });
+            if !waits {
+                self.violation_of(Violation::Liveness, 9_100_000 + fact, || {
+                    format!(
+                        "set {eid} (rule {}) ended {} with no member parked for an operator; \
+                         states {states:?}",
+                        rule.name(),
+                        status.name()
+                    )
+                });
+            }
         }
     }
 }

@@ -75,6 +75,12 @@ fn gate_100k_traces_zero_violations() {
             && cdc.confirms > 0,
         "the CDC log reader must be exercised: {cdc:?}"
     );
+    assert!(
+        s.sets > 0 && s.sets_complete > 0,
+        "delivery sets must be run to completion: {} sets, {} complete",
+        s.sets,
+        s.sets_complete
+    );
     for f in sealpost_sim::Fault::ALL {
         assert!(
             s.faults.get(f) > 0,
