@@ -104,11 +104,15 @@ pub enum Mutant {
     /// offered again and again that no claim can take (ordered behind an earlier version the
     /// log no longer names) keep the sweep away for ever.
     CdcSweepOnlyWhenWindowEmpty,
+    /// A delivery set's completion counts members on their way (sending, unknown,
+    /// reconciling) as published: the set reports complete while a member's copy may never
+    /// have reached its broker.
+    SetCompletesEarly,
 }
 
 impl Mutant {
     /// Every mutant, in `--list-mutants` order.
-    pub const ALL: [Mutant; 27] = [
+    pub const ALL: [Mutant; 28] = [
         Mutant::AcceptWithoutDigestCheck,
         Mutant::RetryToOtherDestination,
         Mutant::AcceptUnregisteredAttempt,
@@ -136,6 +140,7 @@ impl Mutant {
         Mutant::PermissionRefusalIsPoison,
         Mutant::CdcConfirmBeforeAccept,
         Mutant::CdcSweepOnlyWhenWindowEmpty,
+        Mutant::SetCompletesEarly,
     ];
 
     /// The CLI name.
@@ -168,6 +173,7 @@ impl Mutant {
             Mutant::PermissionRefusalIsPoison => "permission-refusal-is-poison",
             Mutant::CdcConfirmBeforeAccept => "cdc-confirm-before-accept",
             Mutant::CdcSweepOnlyWhenWindowEmpty => "cdc-sweep-only-when-window-empty",
+            Mutant::SetCompletesEarly => "set-completes-early",
         }
     }
 
@@ -642,9 +648,21 @@ impl Protocol {
 
     /// A delivery set's status over its members' states: the core's
     /// [`delivery_set::set_status`], the one `status`, `trace`, the page and the reconciler
-    /// ask.
+    /// ask. The set-completes-early mutant hands it the members on their way (sending,
+    /// unknown, reconciling) as published.
     pub fn set_status(&self, members: &[State], rule: CompletionRule) -> SetStatus {
-        delivery_set::set_status(members, rule)
+        if !self.is(Mutant::SetCompletesEarly) {
+            return delivery_set::set_status(members, rule);
+        }
+        let mut seen = [State::Pending; delivery_set::MEMBERS_MAX];
+        let seen = &mut seen[..members.len()];
+        for (s, m) in seen.iter_mut().zip(members) {
+            *s = match m {
+                State::Sending | State::DispatchUnknown | State::Reconciling => State::Published,
+                other => *other,
+            };
+        }
+        delivery_set::set_status(seen, rule)
     }
 
     /// True when cleanup should also run right at acceptance (only the purge-at-ack mutant).

@@ -120,6 +120,7 @@ fn expected_class(m: Mutant) -> Option<Violation> {
         Mutant::PermissionRefusalIsPoison => Some(Violation::Liveness),
         Mutant::CdcConfirmBeforeAccept => Some(Violation::CdcConfirmedUnsettled),
         Mutant::CdcSweepOnlyWhenWindowEmpty => Some(Violation::Liveness),
+        Mutant::SetCompletesEarly => Some(Violation::SetCompletedEarly),
     }
 }
 
