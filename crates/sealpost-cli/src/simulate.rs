@@ -188,6 +188,9 @@ fn print_table(s: &TraceStats, elapsed_s: f64) {
         ),
         ("ordered deliveries held", s.ordering_holds),
         ("ordered gaps a restore left", s.ordering_gaps_parked),
+        ("delivery sets run", s.sets),
+        ("  complete at the end", s.sets_complete),
+        ("  blocked at the end", s.sets_blocked),
     ];
     for (k, v) in rows {
         println!("  {k:<30}{v:>10}");
