@@ -3,7 +3,8 @@
 //! fleet of its own broker, the completion rule (`all`, `any`) decided by the core's
 //! `set_status` as the members settle, a member refused for good (quarantined) blocking an
 //! `all` set, and `status`, `trace` and the reconciliation report showing it; and sets that
-//! are not sets refused whole, with nothing written and the caller's transaction still open.
+//! are not sets refused whole, with nothing written and the caller's transaction still open
+//! (and a member not migrated onto another member's destination).
 //! Each test has its own database, stream and exchange.
 
 use std::sync::Arc;
@@ -113,7 +114,10 @@ async fn a_set_across_nats_and_rabbitmq_completes_by_its_rule_member_by_member()
     .expect("RabbitMQ must be running at 127.0.0.1:5672 (guest/guest)");
     let readers = vec!["audit-reader".to_string()];
     let _exchange = teardown_rabbitmq::destination(&common::rabbitmq_url(), &exchange, &readers);
-    rabbit.ensure_destination(&exchange, &readers).await.unwrap();
+    rabbit
+        .ensure_destination(&exchange, &readers)
+        .await
+        .unwrap();
     store::set_route(&pg, "orders", common::NATS_CLUSTER, &stream)
         .await
         .unwrap();
@@ -139,9 +143,16 @@ async fn a_set_across_nats_and_rabbitmq_completes_by_its_rule_member_by_member()
         tx.execute("INSERT INTO orders_t VALUES ($1)", &[&key])
             .await
             .unwrap();
-        let envs = store::enqueue_set(&tx, &["orders", "audit"], rule, id, &order(key, payload), key)
-            .await
-            .unwrap();
+        let envs = store::enqueue_set(
+            &tx,
+            &["orders", "audit"],
+            rule,
+            id,
+            &order(key, payload),
+            key,
+        )
+        .await
+        .unwrap();
         assert_eq!(envs.len(), 2);
         assert_eq!(envs[0].destination.cluster, common::NATS_CLUSTER);
         assert_eq!(envs[1].destination.cluster, common::RABBITMQ_CLUSTER);
@@ -149,7 +160,10 @@ async fn a_set_across_nats_and_rabbitmq_completes_by_its_rule_member_by_member()
         assert_ne!(envs[0].destination_digest, envs[1].destination_digest);
     }
     tx.commit().await.unwrap();
-    assert_eq!(common::count(&pg, "SELECT count(*) FROM sealpost.work").await, 6);
+    assert_eq!(
+        common::count(&pg, "SELECT count(*) FROM sealpost.work").await,
+        6
+    );
 
     // Nothing sent yet: every set in progress, none stuck within the threshold.
     let v = store::delivery_set(&pg, all).await.unwrap().unwrap();
@@ -162,11 +176,20 @@ async fn a_set_across_nats_and_rabbitmq_completes_by_its_rule_member_by_member()
             .iter()
             .map(|m| (m.member, m.route.as_str(), m.state.as_deref()))
             .collect::<Vec<_>>(),
-        vec![(0, "orders", Some("PENDING")), (1, "audit", Some("PENDING"))]
+        vec![
+            (0, "orders", Some("PENDING")),
+            (1, "audit", Some("PENDING"))
+        ]
     );
-    assert_eq!(v.members[0].destination, format!("{}/{stream}", common::NATS_CLUSTER));
+    assert_eq!(
+        v.members[0].destination,
+        format!("{}/{stream}", common::NATS_CLUSTER)
+    );
     let s = store::status(&pg).await.unwrap().sets;
-    assert_eq!((s.total, s.complete, s.in_progress, s.blocked), (3, 0, 3, 0));
+    assert_eq!(
+        (s.total, s.complete, s.in_progress, s.blocked),
+        (3, 0, 3, 0)
+    );
     assert_eq!(set_findings(&pg, 3_600).await.0, 0);
 
     // Only NATS's dispatchers run: the `orders` members settle, the `audit` ones wait.
@@ -198,13 +221,22 @@ async fn a_set_across_nats_and_rabbitmq_completes_by_its_rule_member_by_member()
     assert_eq!(set_status_of(&pg, all).await, "in_progress");
     assert_eq!(set_status_of(&pg, blocked).await, "blocked");
     let s = store::status(&pg).await.unwrap().sets;
-    assert_eq!((s.total, s.complete, s.in_progress, s.blocked), (3, 1, 1, 1));
     assert_eq!(
-        s.open.iter().map(|v| v.event_id.clone()).collect::<Vec<_>>(),
+        (s.total, s.complete, s.in_progress, s.blocked),
+        (3, 1, 1, 1)
+    );
+    assert_eq!(
+        s.open
+            .iter()
+            .map(|v| v.event_id.clone())
+            .collect::<Vec<_>>(),
         vec![all.to_string(), blocked.to_string()]
     );
     // The report: a blocked set is stuck at once; one in progress only past the threshold.
-    assert_eq!(set_findings(&pg, 3_600).await, (1, vec![blocked.to_string()]));
+    assert_eq!(
+        set_findings(&pg, 3_600).await,
+        (1, vec![blocked.to_string()])
+    );
     let (n, ids) = set_findings(&pg, 0).await;
     assert_eq!(n, 2);
     assert!(ids.contains(&all.to_string()) && ids.contains(&blocked.to_string()));
@@ -255,7 +287,10 @@ async fn a_set_across_nats_and_rabbitmq_completes_by_its_rule_member_by_member()
     // Published elsewhere does not complete an `all` set whose member is quarantined.
     assert_eq!(set_status_of(&pg, blocked).await, "blocked");
     let s = store::status(&pg).await.unwrap().sets;
-    assert_eq!((s.total, s.complete, s.in_progress, s.blocked), (3, 2, 0, 1));
+    assert_eq!(
+        (s.total, s.complete, s.in_progress, s.blocked),
+        (3, 2, 0, 1)
+    );
     assert_eq!(set_findings(&pg, 0).await, (1, vec![blocked.to_string()]));
     assert_eq!(common::count(&pg, "SELECT count(*) FROM orders_t").await, 3);
     // Every member was sent to its own destination once (one attempt each; the refused
@@ -298,9 +333,14 @@ async fn a_set_that_is_not_a_set_is_refused_whole_and_writes_nothing() {
         .await
         .unwrap();
     // A route that checks contracts, with none registered for the event's type.
-    store::set_route(&pg, "checked", common::NATS_CLUSTER, &format!("REFUSED{tag}C"))
-        .await
-        .unwrap();
+    store::set_route(
+        &pg,
+        "checked",
+        common::NATS_CLUSTER,
+        &format!("REFUSED{tag}C"),
+    )
+    .await
+    .unwrap();
     sealpost::contract::set_route_contracts(&pg, "checked", true)
         .await
         .unwrap();
@@ -318,7 +358,10 @@ async fn a_set_that_is_not_a_set_is_refused_whole_and_writes_nothing() {
         (&[], "at least two routes, got 0"),
         (&["a"], "at least two routes, got 1; use enqueue"),
         (&["a", "a"], "routes `a` and `a` both deliver to topic"),
-        (&["a", "b", "a-again"], "routes `a` and `a-again` both deliver to topic"),
+        (
+            &["a", "b", "a-again"],
+            "routes `a` and `a-again` both deliver to topic",
+        ),
         (&many, "at most 16 routes, got 17"),
         (&["a", "nowhere"], "nowhere"),
         (&["a", "checked"], "order.created.v1"),
@@ -337,7 +380,10 @@ async fn a_set_that_is_not_a_set_is_refused_whole_and_writes_nothing() {
         assert_eq!(e.kind(), ErrorKind::Input, "{routes:?}: {e}");
         assert!(e.to_string().contains(says), "{routes:?}: {e}");
         if routes.len() < 2 {
-            assert!(matches!(e, StoreError::DeliverySet(SetError::TooFew(_))), "{e}");
+            assert!(
+                matches!(e, StoreError::DeliverySet(SetError::TooFew(_))),
+                "{e}"
+            );
         }
         for table in ["envelope", "work", "delivery_set"] {
             let n: i64 = tx
@@ -367,9 +413,32 @@ async fn a_set_that_is_not_a_set_is_refused_whole_and_writes_nothing() {
     .await
     .unwrap();
     tx.rollback().await.unwrap();
-    assert_eq!(common::count(&pg, "SELECT count(*) FROM sealpost.work").await, 2);
+    assert_eq!(
+        common::count(&pg, "SELECT count(*) FROM sealpost.work").await,
+        2
+    );
     let v = store::delivery_set(&pg, id).await.unwrap().unwrap();
     assert_eq!((v.rule.as_str(), v.needed), ("any", 1));
+    // A member is not migrated (R15) onto another member's destination.
+    store::set_route(&pg, "b-again", common::NATS_CLUSTER, &t2)
+        .await
+        .unwrap();
+    let e = store::migrate_event(&mut pg, id, 0, "b-again")
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(e, StoreError::DeliverySet(SetError::SameDestination { .. })),
+        "{e}"
+    );
+    assert!(
+        e.to_string()
+            .contains("routes `b-again` and `b` both deliver to topic"),
+        "{e}"
+    );
+    assert_eq!(
+        common::count(&pg, "SELECT count(*) FROM sealpost.migration").await,
+        0
+    );
     // An ordinary event is no set.
     let single = sealpost_cli::demo::mint_event_id();
     let tx = pg.transaction().await.unwrap();

@@ -104,6 +104,9 @@ pub async fn migrate_event(
         .await?
         .get(0);
     let to = policy.resolve(&key);
+    // A delivery set's members stay distinct destinations (R16): refused before anything
+    // is written when the new one is another member's.
+    check_set_migration(&tx, event_id, member, route, &to).await?;
     let grant = match sealpost_core::migration::decide_migration(row, &to) {
         Ok(g) => g,
         Err(refusal) => {

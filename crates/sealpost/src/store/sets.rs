@@ -3,7 +3,9 @@
 //! the views (`delivery_set`, `set_summary`, `stuck_sets`) load the members' states and ask
 //! the core's [`set_status`] whether the set is complete. Nothing stores completion.
 
-use sealpost_core::delivery_set::{check_members, set_status, set_stuck, CompletionRule, SetStatus};
+use sealpost_core::delivery_set::{
+    check_members, set_status, set_stuck, CompletionRule, SetStatus,
+};
 
 use super::enqueue::{check_input, insert_envelope, keyed_payload, load_policy_checking};
 use super::*;
@@ -65,6 +67,49 @@ pub async fn enqueue_set(
         insert_envelope(tx, env, member as i16, payload).await?;
     }
     Ok(sealed.into_iter().map(|(env, _)| env).collect())
+}
+
+/// Refuses to migrate `member` of a delivery set to `to` (through `route`) when another
+/// member's current destination has the same cluster and topic: [`check_members`] over the
+/// set as it would be after the migration. Locks the set's other members (the migration
+/// holds its own already). No set, or one member left after retention: nothing to check.
+pub(super) async fn check_set_migration(
+    tx: &Transaction<'_>,
+    event_id: EventId,
+    member: u16,
+    route: &str,
+    to: &Destination,
+) -> Result<()> {
+    let Some(set) = tx
+        .query_opt(
+            "SELECT routes FROM sealpost.delivery_set WHERE event_id = $1",
+            &[&uuid_of(event_id)],
+        )
+        .await?
+    else {
+        return Ok(());
+    };
+    let routes: Vec<String> = set.get(0);
+    let keys: Vec<(EventId, u16)> = (0..routes.len() as u16).map(|m| (event_id, m)).collect();
+    let rows = lock_rows(tx, &keys).await?;
+    if rows.len() < 2 {
+        return Ok(());
+    }
+    let named: Vec<(&str, &Destination)> = rows
+        .iter()
+        .map(|r| {
+            if r.member == member {
+                (route, to)
+            } else {
+                let name = routes
+                    .get(usize::from(r.member))
+                    .map_or("?", |s| s.as_str());
+                (name, &r.destination)
+            }
+        })
+        .collect();
+    check_members(&named)?;
+    Ok(())
 }
 
 /// Inserts a set row: event id, rule name, routes (shared with the sqlx flavour).
@@ -197,13 +242,11 @@ pub async fn delivery_set(
     client: &impl GenericClient,
     event_id: EventId,
 ) -> Result<Option<SetView>> {
-    Ok(
-        load_sets(client, "s.event_id = $1", &[&uuid_of(event_id)])
-            .await?
-            .into_iter()
-            .next()
-            .map(|(v, _)| v),
-    )
+    Ok(load_sets(client, "s.event_id = $1", &[&uuid_of(event_id)])
+        .await?
+        .into_iter()
+        .next()
+        .map(|(v, _)| v))
 }
 
 /// The delivery sets at a glance, for `status` and the page.
