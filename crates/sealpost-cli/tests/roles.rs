@@ -982,3 +982,56 @@ async fn the_page_reads_as_the_reader_login_and_refuses_a_login_without_the_role
     assert!(err.contains("SQLSTATE 42501"), "{err}");
     assert!(err.contains(&env.login(Kind::Producer)), "{err}");
 }
+
+/// Delivery sets (migration 10) under the roles: the producer writes a set with its members
+/// and may not read or change set rows; every other role reads it (the reader's status and
+/// trace judge it); nobody but the owner updates or deletes one.
+#[tokio::test]
+async fn the_producer_writes_a_delivery_set_and_only_reads_follow() {
+    let topic = format!("ROLESET{}", runtime::owner_id() % 1_000_000);
+    let route = format!("r-{topic}");
+    let env = setup("sets", &route, &topic).await;
+    let owner = runtime::pg_connect(&env.db.database_url).await.unwrap();
+    store::set_route(
+        &owner,
+        "audit",
+        common::NATS_CLUSTER,
+        &format!("{topic}AUDIT"),
+    )
+    .await
+    .unwrap();
+    let mut producer = env.connect(Kind::Producer).await;
+    let id = sealpost_cli::demo::mint_event_id();
+    let tx = producer.transaction().await.unwrap();
+    store::enqueue_set(
+        &tx,
+        &[route.as_str(), "audit"],
+        sealpost_core::delivery_set::CompletionRule::All,
+        id,
+        &sealpost_cli::demo::order_created("o-set", b"{}"),
+        "o-set",
+    )
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    refused(&producer, "SELECT rule FROM sealpost.delivery_set").await;
+    for k in Kind::ALL {
+        let pg = env.connect(k).await;
+        refused(&pg, "UPDATE sealpost.delivery_set SET rule = 'any'").await;
+        refused(&pg, "DELETE FROM sealpost.delivery_set").await;
+        if k != Kind::Producer {
+            let n: i64 = pg
+                .query_one("SELECT count(*) FROM sealpost.delivery_set", &[])
+                .await
+                .unwrap()
+                .get(0);
+            assert_eq!(n, 1, "{}", k.name());
+        }
+    }
+    let reader = env.connect(Kind::Reader).await;
+    let s = store::status(&reader).await.unwrap().sets;
+    assert_eq!((s.total, s.in_progress), (1, 1), "{s:?}");
+    let t = ops::trace(&reader, &id.to_string()).await.unwrap();
+    assert_eq!(t["sets"][0]["status"], "in_progress", "{t}");
+    assert_eq!(t["sets"][0]["members"][0]["route"], route.as_str(), "{t}");
+}
