@@ -51,13 +51,7 @@ pub fn print_status(s: &store::Status) {
             let members: Vec<String> = v
                 .members
                 .iter()
-                .map(|m| {
-                    format!(
-                        "{}={}",
-                        m.route,
-                        m.state.as_deref().unwrap_or("removed")
-                    )
-                })
+                .map(|m| format!("{}={}", m.route, m.state.as_deref().unwrap_or("removed")))
                 .collect();
             println!(
                 "  SET {} {} ({}, {}/{} needed published): {}",

@@ -516,9 +516,14 @@ async fn the_status_page_needs_a_token_shows_the_status_and_releases_only_for_an
     // Rows nobody dispatches stay PENDING; a published row is reported missing (R31).
     let pending = enqueue(&mut pg, "late", b"{}", 3).await;
     // And a delivery set (R16) nobody dispatches either: in progress, both members PENDING.
-    store::set_route(&pg, "audit", common::NATS_CLUSTER, &format!("{stream}AUDIT"))
-        .await
-        .unwrap();
+    store::set_route(
+        &pg,
+        "audit",
+        common::NATS_CLUSTER,
+        &format!("{stream}AUDIT"),
+    )
+    .await
+    .unwrap();
     let set_id = EventId(*uuid::Uuid::now_v7().as_bytes());
     let tx = pg.transaction().await.unwrap();
     store::enqueue_set(

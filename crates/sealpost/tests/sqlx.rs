@@ -221,7 +221,10 @@ async fn sqlx_enqueue_set_writes_what_the_tokio_postgres_flavour_writes() {
     let id = EventId(*uuid::Uuid::now_v7().as_bytes());
     for (routes, says) in [
         (&["a"][..], "at least two routes, got 1"),
-        (&["a", "a2"][..], "routes `a` and `a2` both deliver to topic `TSQLXSA`"),
+        (
+            &["a", "a2"][..],
+            "routes `a` and `a2` both deliver to topic `TSQLXSA`",
+        ),
     ] {
         let err = sealpost::sqlx_store::enqueue_set(
             &mut conn,
@@ -235,13 +238,22 @@ async fn sqlx_enqueue_set_writes_what_the_tokio_postgres_flavour_writes() {
         .unwrap_err();
         assert!(err.to_string().contains(says), "{routes:?}: {err}");
     }
-    assert_eq!(common::count(&pg, "SELECT count(*) FROM sealpost.work").await, 0);
+    assert_eq!(
+        common::count(&pg, "SELECT count(*) FROM sealpost.work").await,
+        0
+    );
     // The same set through both flavours seals the same members.
     let mut tx = conn.begin().await.unwrap();
-    let by_sqlx =
-        sealpost::sqlx_store::enqueue_set(&mut tx, &["a", "b"], CompletionRule::Any, id, &ev, "o-s")
-            .await
-            .unwrap();
+    let by_sqlx = sealpost::sqlx_store::enqueue_set(
+        &mut tx,
+        &["a", "b"],
+        CompletionRule::Any,
+        id,
+        &ev,
+        "o-s",
+    )
+    .await
+    .unwrap();
     tx.commit().await.unwrap();
     let other = EventId(*uuid::Uuid::now_v7().as_bytes());
     let tx = pg.transaction().await.unwrap();
@@ -257,9 +269,15 @@ async fn sqlx_enqueue_set_writes_what_the_tokio_postgres_flavour_writes() {
     }
     for id in [id, other] {
         let v = store::delivery_set(&pg, id).await.unwrap().unwrap();
-        assert_eq!((v.rule.as_str(), v.status.as_str(), v.needed), ("any", "in_progress", 1));
         assert_eq!(
-            v.members.iter().map(|m| m.route.as_str()).collect::<Vec<_>>(),
+            (v.rule.as_str(), v.status.as_str(), v.needed),
+            ("any", "in_progress", 1)
+        );
+        assert_eq!(
+            v.members
+                .iter()
+                .map(|m| m.route.as_str())
+                .collect::<Vec<_>>(),
             vec!["a", "b"]
         );
     }

@@ -145,8 +145,7 @@ pub async fn trace_bounded(
             }
         }
     }
-    let mut answer =
-        json!({ "query": key, "found": !out.is_empty(), "events": out, "sets": sets });
+    let mut answer = json!({ "query": key, "found": !out.is_empty(), "events": out, "sets": sets });
     if max_events.is_some() {
         answer["truncated"] = Value::Bool(truncated);
     }
