@@ -139,6 +139,10 @@ fn describe() {
         observe::MISSING_AT_BROKER,
         "open published-but-missing-at-the-broker findings"
     );
+    describe_gauge!(
+        observe::DELIVERY_SETS,
+        "delivery sets by status: complete, in_progress, blocked (sealpost status sets)"
+    );
     describe_counter!(observe::STATUS_SAMPLES, "status samples taken");
     describe_gauge!(
         observe::PURGE_ELIGIBLE,

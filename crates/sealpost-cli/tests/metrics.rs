@@ -267,6 +267,13 @@ async fn dispatch_metrics_match_status_and_the_published_events() {
         sum(&m, "sealpost_missing_at_broker", &[]),
         status["missing_at_broker"].as_f64().unwrap()
     );
+    for s in ["complete", "in_progress", "blocked"] {
+        assert_eq!(
+            sum(&m, "sealpost_delivery_sets", &[("status", s)]),
+            status["sets"][s].as_f64().unwrap(),
+            "delivery sets {s}"
+        );
+    }
     // Ages: the sample was taken before `status` ran, so it is not older than status says,
     // and it is not zero (both rows have been waiting since before the dispatcher started).
     for (gauge, field) in [

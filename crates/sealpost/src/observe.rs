@@ -79,6 +79,9 @@ pub const OLDEST_UNKNOWN_AGE: &str = "sealpost_oldest_unknown_age_seconds";
 pub const QUARANTINED: &str = "sealpost_quarantined";
 /// Open "published but missing at the broker" findings (gauge), from [`store::status`].
 pub const MISSING_AT_BROKER: &str = "sealpost_missing_at_broker";
+/// Delivery sets by the core's verdict (gauge; label `status` = `complete` | `in_progress` |
+/// `blocked`), from [`store::status`] (its `sets`).
+pub const DELIVERY_SETS: &str = "sealpost_delivery_sets";
 /// Status samples taken (counter; label `result` = `ok` | `error`).
 pub const STATUS_SAMPLES: &str = "sealpost_status_samples_total";
 
@@ -287,6 +290,13 @@ pub fn record_status(s: &Status) {
     gauge!(OLDEST_UNKNOWN_AGE).set(s.oldest_unknown_s);
     gauge!(QUARANTINED).set(s.quarantined as f64);
     gauge!(MISSING_AT_BROKER).set(s.missing_at_broker as f64);
+    for (status, n) in [
+        ("complete", s.sets.complete),
+        ("in_progress", s.sets.in_progress),
+        ("blocked", s.sets.blocked),
+    ] {
+        gauge!(DELIVERY_SETS, "status" => status).set(n as f64);
+    }
 }
 
 /// Reads [`store::status`] once and sets the table-state gauges; a failed read counts as an
