@@ -19,6 +19,7 @@ pub mod port;
 pub mod receipt;
 pub mod reconcile;
 pub mod reconciler;
+pub mod rollout;
 pub mod row;
 pub mod secret;
 pub mod signature;

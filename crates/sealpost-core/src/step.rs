@@ -39,6 +39,7 @@ use crate::dispatcher::OutcomeReport;
 use crate::envelope::EventOrdering;
 use crate::receipt::{self, DuplicateKind, Receipt, ReceiptSource, ReceiptVerdict};
 use crate::reconcile::{self, Lookup, ReconcileDecision, ReconcilePolicy};
+use crate::rollout::{self, AliasCheck, ClaimFacts};
 use crate::row::{AttemptStatus, EventRow};
 use crate::state::{Phase, State, TransitionError};
 
@@ -166,11 +167,14 @@ pub struct ClaimInput<'a> {
     pub lease_ms: u64,
     /// The most rows one claim takes (the scan's `LIMIT`).
     pub batch_max: usize,
+    /// The claiming implementation and the rollout aliases read in the claim's own
+    /// transaction (R25): a picked row must be one [`rollout::may_claim`] gives it.
+    pub alias: AliasCheck<'a>,
 }
 
 /// What the store read beside a picked row.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Pick {
+pub struct Pick<'a> {
     /// The row's commit position (the claim index's order within its cluster).
     pub position: u64,
     /// "An earlier version of this aggregate is unresolved" ([`holds_back`]), read so that
@@ -178,6 +182,8 @@ pub struct Pick {
     pub earlier_unresolved: bool,
     /// The attempt id the store drew for the row, used if the row is sent.
     pub attempt_id: u64,
+    /// The row's event type, aggregate share bucket and protocol (the alias's inputs).
+    pub facts: ClaimFacts<'a>,
 }
 
 /// A send the claim authorised: the attempt is registered and the row is `SENDING`.
@@ -249,12 +255,13 @@ const CLAIM: &str = "claim step";
 ///
 /// Preconditions: one [`Pick`] per row, no more than `batch_max` rows, commit positions
 /// never decreasing within each cluster, and every row one that [`picks`] takes at
-/// `now_ms` (a row the store's SQL picked that the core would skip means the SQL and the core
-/// disagree: the step refuses before it changes anything). Postconditions: every sent row is
+/// `now_ms` and [`rollout::may_claim`] gives the claiming implementation (a row the store's
+/// SQL picked that the core would skip means the SQL and the core disagree: the step
+/// refuses before it changes anything). Postconditions: every sent row is
 /// `SENDING` with the drawn attempt as its open attempt; waiting rows are unchanged.
 pub fn step_claim<R: BorrowMut<EventRow>>(
     rows: &mut [R],
-    picked: &[Pick],
+    picked: &[Pick<'_>],
     input: &ClaimInput<'_>,
     rules: &mut impl ClaimRules,
 ) -> Result<ClaimStep, StepError> {
@@ -282,6 +289,15 @@ pub fn step_claim<R: BorrowMut<EventRow>>(
                 format!(
                     "event {} ({}, position {}) was picked but the claim rule does not take it at {} ms",
                     row.event_id, row.state, picked[i].position, input.now_ms
+                ),
+            ));
+        }
+        if let Err(why) = rollout::may_claim(input.alias, &row.destination, picked[i].facts) {
+            return Err(pre(
+                CLAIM,
+                format!(
+                    "event {} was picked but {} may not claim it: {why:?}",
+                    row.event_id, input.alias.implementation.id
                 ),
             ));
         }
@@ -820,11 +836,12 @@ mod tests {
         EventRow::new_pending(EventId([n; 16]), 0, crate::Digest([n; 32]), destination)
     }
 
-    fn pick(position: u64) -> Pick {
+    fn pick(position: u64) -> Pick<'static> {
         Pick {
             position,
             earlier_unresolved: false,
             attempt_id: 100 + position,
+            facts: ClaimFacts::PLAIN,
         }
     }
 
@@ -835,6 +852,10 @@ mod tests {
             now_ms: 1_000,
             lease_ms: 500,
             batch_max,
+            alias: AliasCheck {
+                implementation: rollout::Implementation::this_build(),
+                aliases: &[],
+            },
         }
     }
 
@@ -847,6 +868,35 @@ mod tests {
             assert_eq!(s.is_published(), s.phase() == Phase::Settled, "{s}");
             assert_eq!(s.is_unknown(), s.phase() == Phase::Unknown, "{s}");
         }
+    }
+
+    #[test]
+    fn a_claim_refuses_a_row_the_alias_gives_another_implementation() {
+        use crate::rollout::{Alias, Implementation, Switch};
+        let mut rows = vec![row(1, "c")];
+        let a0 = Alias::new("orders", &rows[0].destination, "old");
+        let Ok(Switch::To(shadow)) = a0.shadow("new") else {
+            panic!()
+        };
+        let aliases = [shadow];
+        let new = Implementation::new("new").unwrap();
+        let old = Implementation::new("old").unwrap();
+        let mut inp = input(10);
+        inp.alias = AliasCheck {
+            implementation: &new,
+            aliases: &aliases,
+        };
+        let e = step_claim(&mut rows, &[pick(1)], &inp, &mut CoreRules).unwrap_err();
+        assert!(e.to_string().contains("new may not claim"), "{e}");
+        assert_eq!(rows[0].state, State::Pending, "refused before any change");
+        inp.alias.implementation = &old;
+        let step = step_claim(&mut rows, &[pick(1)], &inp, &mut CoreRules).unwrap();
+        assert_eq!(step.sends().count(), 1);
+        // A row of a later protocol is nobody's here.
+        let mut later = vec![row(2, "c")];
+        let mut p = pick(2);
+        p.facts.protocol = rollout::PROTOCOL_VERSION + 1;
+        assert!(step_claim(&mut later, &[p], &inp, &mut CoreRules).is_err());
     }
 
     #[test]
