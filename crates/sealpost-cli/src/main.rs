@@ -11,6 +11,7 @@ use sealpost_cli::brokers::{self, BrokerKind};
 use sealpost_cli::config::Settings;
 use sealpost_nats::Nats;
 
+mod rollout;
 mod schema;
 mod simulate;
 
@@ -364,6 +365,12 @@ enum Cmd {
     Schema {
         #[command(subcommand)]
         cmd: schema::SchemaCmd,
+    },
+    /// Roll out a new dispatcher implementation route by route (R25): shadow, takeover of a
+    /// share, promote, rollback, status (docs/operations.md).
+    Rollout {
+        #[command(subcommand)]
+        cmd: rollout::RolloutCmd,
     },
     /// Write a new Ed25519 key pair for signed envelopes: DIR/ID.pem (the dispatchers'
     /// private key, mode 0600: `signing_key_file`) and DIR/ID.pub.pem (for every reader's
@@ -1113,6 +1120,7 @@ async fn run(cmd: Cmd, cfg: Settings) -> Result<i32, String> {
             Ok(0)
         }
         Cmd::Schema { cmd } => schema::run(cmd, &cfg).await,
+        Cmd::Rollout { cmd } => rollout::run(cmd, &cfg).await,
         Cmd::Serve(args) => {
             sealpost_cli::web::serve(&cfg, args).await?;
             Ok(0)

@@ -17,6 +17,7 @@ use sealpost_core::reconcile::{Lookup, ReconcilePolicy};
 use sealpost_core::reconciler::{
     ReconcileAction, ReconcileItem, ReconcilerConfig, ReconcilerMachine, VerifyItem,
 };
+use sealpost_core::rollout::Implementation;
 use sealpost_core::signature::SignaturePolicy;
 use sealpost_core::ReceiptVerdict;
 
@@ -118,6 +119,10 @@ pub struct Config {
     /// dispatchers start signing) or `require`. Empty: `require` when `verify_keys_dir` is
     /// set, `off` otherwise.
     pub signatures: String,
+    /// The implementation id this process announces and claims as
+    /// (`SEALPOST_IMPLEMENTATION`; R25, `sealpost rollout`): a route's rollout alias names
+    /// which implementation claims its rows. Empty: `sealpost-<version>` of this build.
+    pub implementation: String,
     /// The CDC publisher (`sealpost cdc`, [`crate::cdc`]): slot, publication and window
     /// (the `[cdc]` table of the file).
     pub cdc: crate::cdc::CdcConfig,
@@ -180,6 +185,7 @@ impl Default for Config {
             signing_key_file: String::new(),
             verify_keys_dir: String::new(),
             signatures: String::new(),
+            implementation: String::new(),
             cdc: crate::cdc::CdcConfig::default(),
             keys: LoadedKeys::default(),
         }
@@ -221,6 +227,7 @@ impl fmt::Debug for Config {
             signing_key_file,
             verify_keys_dir,
             signatures,
+            implementation,
             cdc,
             keys,
         } = self;
@@ -257,6 +264,7 @@ impl fmt::Debug for Config {
             .field("signing_key_file", signing_key_file)
             .field("verify_keys_dir", verify_keys_dir)
             .field("signatures", signatures)
+            .field("implementation", implementation)
             .field("cdc", cdc)
             .field("keys", keys)
             .finish()
@@ -298,11 +306,24 @@ impl Config {
             ("SEALPOST_SIGNING_KEY_FILE", &mut self.signing_key_file),
             ("SEALPOST_VERIFY_KEYS_DIR", &mut self.verify_keys_dir),
             ("SEALPOST_SIGNATURES", &mut self.signatures),
+            ("SEALPOST_IMPLEMENTATION", &mut self.implementation),
         ] {
             if let Ok(v) = std::env::var(var) {
                 *field = v;
             }
         }
+    }
+
+    /// The implementation this process claims as (`implementation`; empty: this build's
+    /// default id).
+    pub fn implementation(&self) -> Result<Implementation, ConfigError> {
+        if self.implementation.is_empty() {
+            return Ok(Implementation::this_build().clone());
+        }
+        Implementation::new(&self.implementation).map_err(|e| ConfigError::Invalid {
+            key: "implementation",
+            message: e.to_string(),
+        })
     }
 
     /// The readers' signature policy (`signatures`; empty: `require` with a keys directory,
@@ -702,12 +723,22 @@ pub(crate) async fn dispatch_loop<B: Broker>(
     cfg.dispatcher_config()
         .fits(&broker.capabilities())
         .map_err(|e| RunError::Config(format!("cluster `{}`: {e}", broker.cluster())))?;
+    let implementation = cfg
+        .implementation()
+        .map_err(|e| RunError::Config(e.to_string()))?;
     let mut pg = Some(db.connect().await?);
     let owner = owner_id();
     let cluster = broker.cluster().to_string();
     let epoch = Instant::now();
     let mut m = DispatcherMachine::new(cfg.dispatcher_config(), 0);
-    tracing::info!(owner, %cluster, "dispatcher started");
+    if let Some(client) = pg.as_ref() {
+        let role = match &log {
+            Some(_) => store::Role::Cdc,
+            None => store::Role::Dispatcher,
+        };
+        store::announce(&**client, owner, &implementation, role, &cluster).await?;
+    }
+    tracing::info!(owner, %cluster, implementation = %implementation.id, "dispatcher started");
     // Actions the machine returned from a `handle_*` call, performed before polling again.
     let mut next: VecDeque<DispatchAction> = VecDeque::new();
     // The rows this dispatcher claimed, as its claims wrote them (guarded acceptance).
@@ -791,6 +822,7 @@ pub(crate) async fn dispatch_loop<B: Broker>(
                 }
                 let started = ms_since(epoch);
                 let scan = store::ClaimRequest::new(owner, batch_size_max, cfg.lease_ms)
+                    .implementation(&implementation)
                     .cluster(Some(&cluster))
                     .from_position(from_position);
                 let claimed = match &log {
@@ -995,8 +1027,21 @@ pub async fn reconciler<B: Broker>(
 ) -> Result<(), RunError> {
     let cfg = cfg.with_keys()?;
     let keyring = cfg.keys.keyring.clone();
+    let implementation = cfg
+        .implementation()
+        .map_err(|e| RunError::Config(e.to_string()))?;
     let mut pg = Some(db.connect().await?);
     let owner = owner_id();
+    if let Some(client) = pg.as_ref() {
+        store::announce(
+            &**client,
+            owner,
+            &implementation,
+            store::Role::Reconciler,
+            broker.cluster(),
+        )
+        .await?;
+    }
     let epoch = Instant::now();
     let mut m = ReconcilerMachine::new(cfg.reconciler_config(), broker.capabilities(), 0)
         .with_clusters(vec![broker.cluster().to_string()]);

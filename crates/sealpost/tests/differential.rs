@@ -22,6 +22,7 @@ use sealpost_core::dispatcher::Submission;
 use sealpost_core::envelope::NewEvent;
 use sealpost_core::receipt::{decide_receipt, Receipt, ReceiptSource, ReceiptVerdict};
 use sealpost_core::reconcile::{Lookup, ReconcilePolicy};
+use sealpost_core::rollout::{AliasCheck, ClaimFacts, Implementation};
 use sealpost_core::row::EventRow;
 use sealpost_core::step::{self, ClaimInput, CoreRules, Pick, Served};
 use sealpost_core::{Digest, EventId};
@@ -187,12 +188,13 @@ async fn random_fault_sequences_persist_exactly_what_the_core_decides() {
                             .find(|o| o.event_id == model[i].event_id)
                             .map_or(0, |o| o.attempt_id)
                     };
-                    let picked: Vec<Pick> = idx
+                    let picked: Vec<Pick<'_>> = idx
                         .iter()
                         .map(|&i| Pick {
                             position: i as u64,
                             earlier_unresolved: false,
                             attempt_id: attempt_of(i),
+                            facts: ClaimFacts::PLAIN,
                         })
                         .collect();
                     let mut rows: Vec<EventRow> = idx.iter().map(|&i| model[i].clone()).collect();
@@ -202,6 +204,10 @@ async fn random_fault_sequences_persist_exactly_what_the_core_decides() {
                         now_ms: now,
                         lease_ms: LEASE_MS,
                         batch_max: max,
+                        alias: AliasCheck {
+                            implementation: Implementation::this_build(),
+                            aliases: &[],
+                        },
                     };
                     let st = step::step_claim(&mut rows, &picked, &input, &mut CoreRules).unwrap();
                     let sent: Vec<_> = st

@@ -2,6 +2,7 @@
 //! attempts it opened, and hand the dispatcher its sends.
 
 use super::*;
+use sealpost_core::rollout::{self, AliasCheck, ClaimFacts, Implementation};
 
 /// A send this dispatcher is now authorised to make.
 #[derive(Clone, Debug)]
@@ -117,6 +118,10 @@ pub struct ClaimRequest<'a> {
     /// a committed transaction inserted; the pick, the ordering rule and the step are the
     /// same as for a scan.
     pub only: Option<&'a [(EventId, u16)]>,
+    /// The implementation claiming (`None`: this build under its default id,
+    /// [`Implementation::this_build`]). It claims only rows whose protocol it speaks and
+    /// that the routes' rollout aliases give it (R25).
+    pub implementation: Option<&'a Implementation>,
 }
 
 impl<'a> ClaimRequest<'a> {
@@ -129,7 +134,14 @@ impl<'a> ClaimRequest<'a> {
             batch_size_max,
             lease_ms,
             only: None,
+            implementation: None,
         }
+    }
+
+    /// Claims as `implementation` (R25).
+    pub fn implementation(mut self, implementation: &'a Implementation) -> Self {
+        self.implementation = Some(implementation);
+        self
     }
 
     /// Only rows bound for `cluster` (`None`: every cluster).
@@ -266,6 +278,7 @@ column_list! {
     Position => "w.committed_seq",
     Xid => "(SELECT pg_current_xact_id()::xid::text::bigint)",
     CreatedAtMs => "w.created_at_ms",
+    Protocol => "w.protocol",
     EarlierUnresolved => earlier_unresolved_sql(),
     Envelope => WIRE_ENVELOPE_COLS,
 }
@@ -282,7 +295,9 @@ async fn claim_in(
         batch_size_max,
         lease_ms,
         only,
+        implementation,
     } = *req;
+    let implementation = implementation.unwrap_or_else(|| Implementation::this_build());
     let claim_local_start = std::time::Instant::now();
     let tx = client.transaction().await?;
     // The claim must walk the claim index in commit order and stop after one batch. With
@@ -293,12 +308,8 @@ async fn claim_in(
     // are prepared once per connection, but planned for their parameters every time (a
     // generic plan could not use the cluster and position as index bounds). These settings
     // end with the transaction.
-    counted(1);
-    tx.batch_execute(
-        "SET LOCAL enable_bitmapscan = off; SET LOCAL enable_seqscan = off;
-         SET LOCAL plan_cache_mode = force_custom_plan",
-    )
-    .await?;
+    let aliases = claim_settings_and_aliases(&tx).await?;
+    let slices = slices_param(&aliases, implementation);
     // One statement reads the clock, picks and locks the batch, joins the sealed envelope
     // (destination, digests, payload) and draws an attempt id per row.
     // The pick is `step::picks` in SQL (the step checks every picked row against it).
@@ -311,7 +322,9 @@ async fn claim_in(
                     (SELECT * FROM unnest($4::uuid[], $5::int2[])))
                AND (w.state = 'PENDING' OR w.lease_until_ms IS NULL OR w.lease_until_ms <= {NOW_MS_SQL})
                AND (w.state <> 'PENDING' OR w.not_before_ms <= {NOW_MS_SQL})
-             ORDER BY w.dest_cluster, w.committed_seq LIMIT $1 FOR UPDATE OF w SKIP LOCKED"
+               {alias_filter}
+             ORDER BY w.dest_cluster, w.committed_seq LIMIT $1 FOR UPDATE OF w SKIP LOCKED",
+            alias_filter = alias_filter_sql(),
         ),
         &format!(", {}", ClaimCol::select()),
         "",
@@ -329,6 +342,9 @@ async fn claim_in(
                 &(from_position as i64),
                 &only_ids,
                 &only_members,
+                &(implementation.protocol_min as i16),
+                &(implementation.protocol_max as i16),
+                &slices,
             ],
         )
         .await?;
@@ -350,15 +366,25 @@ async fn claim_in(
     };
     let served: Vec<String> = cluster.map(str::to_string).into_iter().collect();
     let mut payloads = Vec::with_capacity(found.len());
-    let mut picked = Vec::with_capacity(found.len());
+    let mut envelopes = Vec::with_capacity(found.len());
     for r in &found {
         payloads.push(r.get::<_, Vec<u8>>(ClaimCol::Payload.at()));
-        picked.push(Pick {
+        envelopes.push(wire_envelope(r, ClaimCol::Envelope.at())?);
+    }
+    let picked: Vec<Pick<'_>> = found
+        .iter()
+        .zip(&envelopes)
+        .map(|(r, env)| Pick {
             position: r.get::<_, i64>(ClaimCol::Position.at()) as u64,
             earlier_unresolved: r.get::<_, bool>(ClaimCol::EarlierUnresolved.at()),
             attempt_id: r.get::<_, i64>(ClaimCol::AttemptId.at()) as u64,
-        });
-    }
+            facts: ClaimFacts {
+                event_type: &env.event_type,
+                share_bucket: rollout::share_bucket(&env.aggregate_type, &env.aggregate_id),
+                protocol: r.get::<_, i16>(ClaimCol::Protocol.at()).max(0) as u16,
+            },
+        })
+        .collect();
     let before = finish_load(&tx, &found).await?;
     let mut after = before.clone();
     let input = ClaimInput {
@@ -370,6 +396,10 @@ async fn claim_in(
         now_ms,
         lease_ms,
         batch_max: batch_size_max,
+        alias: AliasCheck {
+            implementation,
+            aliases: &aliases,
+        },
     };
     let step = step::step_claim(&mut after, &picked, &input, &mut CoreRules)?;
     let mut batch = ClaimBatch {
@@ -393,7 +423,7 @@ async fn claim_in(
             destination_digest: sent.begin.destination_digest,
             payload: std::mem::take(&mut payloads[i]),
             lease_until_ms: sent.lease_until_ms,
-            envelope: wire_envelope(&found[i], ClaimCol::Envelope.at())?,
+            envelope: envelopes[i].clone(),
         });
     }
     persist_guarded(

@@ -32,6 +32,7 @@ mod claim;
 mod enqueue;
 mod operator;
 mod reconcile;
+mod rollout;
 mod rows;
 mod schema;
 mod sets;
@@ -43,6 +44,7 @@ pub use claim::*;
 pub use enqueue::*;
 pub use operator::*;
 pub use reconcile::*;
+pub use rollout::*;
 pub use rows::NOW_MS_SQL;
 use rows::*;
 pub use schema::*;
@@ -65,6 +67,7 @@ pub const MIGRATIONS: &[(i32, &str)] = &[
     (8, include_str!("../../migrations/0008_cdc.sql")),
     (9, include_str!("../../migrations/0009_contracts.sql")),
     (10, include_str!("../../migrations/0010_delivery_sets.sql")),
+    (11, include_str!("../../migrations/0011_rollout.sql")),
 ];
 
 /// Statements the store has sent to PostgreSQL in this process (each query, `BEGIN` and
@@ -144,6 +147,10 @@ pub enum StoreError {
     /// nothing was written.
     #[error("delivery set refused at enqueue: {0}; nothing was written (the caller's transaction is still open)")]
     DeliverySet(#[from] sealpost_core::delivery_set::SetError),
+    /// A rollout command the route's alias does not allow (R25,
+    /// [`sealpost_core::rollout`]); the alias is unchanged.
+    #[error("rollout refused, the alias is unchanged: {0}")]
+    Rollout(String),
     /// A core step refused its inputs or broke its own postcondition: a bug in the store's
     /// query or in the core, never bad data from a user. The transaction was rolled back.
     #[error("internal invariant broken, nothing was written: {0}; please report it with `sealpost trace` of the event")]
@@ -289,6 +296,7 @@ impl StoreError {
             | StoreError::PayloadKey { .. }
             | StoreError::Contract { .. }
             | StoreError::DeliverySet(_)
+            | StoreError::Rollout(_)
             | StoreError::UnknownEvent(_)
             | StoreError::NotQuarantined { .. } => ErrorKind::Input,
             StoreError::Corrupt(_) | StoreError::Migration(..) | StoreError::NotMigrated => {

@@ -1,0 +1,478 @@
+//! Rolling out a dispatcher implementation (R25) against the real PostgreSQL and NATS: two
+//! dispatcher fleets with two implementation ids over one outbox, the route's alias moved
+//! through shadow, a takeover of a share of one event type, rollback and promotion, every
+//! event sent by the implementation the alias named when it was claimed and stored once;
+//! a rollback while the takeover's sends are in flight; the claim's SQL filter taking
+//! exactly the rows the core's rule gives each implementation; a switch waiting for the
+//! claims under way; and rows of a protocol an implementation does not speak left alone.
+//! Each test has its own database and stream.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+#[path = "../../sealpost/tests/common/mod.rs"]
+mod common;
+#[path = "../../sealpost/tests/common/teardown_nats.rs"]
+mod teardown_nats;
+
+use sealpost::runtime::{self, CancellationToken, Config, Counters};
+use sealpost::store::{self, ErrorKind, RolloutCommand};
+use sealpost_core::envelope::NewEvent;
+use sealpost_core::rollout::{self, Alias, Implementation, Stage};
+use sealpost_nats::async_nats::jetstream;
+use sealpost_nats::Nats;
+
+const CREATED: &str = "order.created.v1";
+const PAID: &str = "order.paid.v1";
+
+/// Enqueues one event per id in one transaction, alternating created and paid.
+async fn enqueue(pg: &mut tokio_postgres::Client, route: &str, prefix: &str, n: usize) {
+    let tx = pg.transaction().await.unwrap();
+    for i in 0..n {
+        let id = format!("{prefix}-{i}");
+        let ev = NewEvent {
+            aggregate_id: &id,
+            event_type: if i % 2 == 0 { CREATED } else { PAID },
+            ..sealpost_cli::demo::order_created("", br#"{"total":1}"#)
+        };
+        store::enqueue(&tx, route, sealpost_cli::demo::mint_event_id(), &ev, &id)
+            .await
+            .unwrap();
+    }
+    tx.commit().await.unwrap();
+}
+
+/// Per event of `prefix`: (event type, aggregate id, state, implementation of its latest
+/// attempt's owner).
+async fn senders(
+    pg: &tokio_postgres::Client,
+    prefix: &str,
+) -> Vec<(String, String, String, Option<String>)> {
+    pg.query(
+        "SELECT e.event_type, e.aggregate_id, w.state, i.implementation
+           FROM sealpost.work w
+           JOIN sealpost.envelope e ON e.event_id = w.event_id AND e.member = w.member
+           LEFT JOIN sealpost.implementation i ON i.owner = w.attempt_owner
+          WHERE e.aggregate_id LIKE $1 || '-%' ORDER BY e.aggregate_id",
+        &[&prefix],
+    )
+    .await
+    .unwrap()
+    .iter()
+    .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
+    .collect()
+}
+
+async fn all_published(pg: &tokio_postgres::Client, prefix: &str) -> bool {
+    senders(pg, prefix)
+        .await
+        .iter()
+        .all(|(_, _, state, _)| state == "PUBLISHED")
+}
+
+async fn alias(pg: &tokio_postgres::Client, route: &str) -> Alias {
+    let s = store::rollout_status(pg).await.unwrap();
+    let a = s.aliases.iter().find(|a| a.route == route).unwrap();
+    Alias {
+        route: a.route.clone(),
+        cluster: a.cluster.clone(),
+        topic: a.topic.clone(),
+        incumbent: a.incumbent.clone(),
+        candidate: a.candidate.clone(),
+        stage: Stage::parse(&a.stage).unwrap(),
+        types: a.types.clone(),
+        share: a.share,
+        generation: a.generation,
+    }
+}
+
+async fn switch(pg: &mut tokio_postgres::Client, route: &str, cmd: RolloutCommand) -> Alias {
+    let c = store::rollout(pg, route, &cmd).await.unwrap();
+    assert!(c.changed, "{cmd:?} should switch the alias: {c:?}");
+    alias(pg, route).await
+}
+
+/// Every event of `prefix` is published, by the implementation `expected` names for it.
+async fn sent_as(
+    pg: &tokio_postgres::Client,
+    prefix: &str,
+    expected: impl Fn(&str, &str) -> String,
+) -> HashMap<String, usize> {
+    let mut by = HashMap::new();
+    for (ty, agg, state, who) in senders(pg, prefix).await {
+        assert_eq!(state, "PUBLISHED", "{agg}");
+        let who = who.unwrap_or_else(|| panic!("{agg}: no announced sender"));
+        assert_eq!(
+            who,
+            expected(&ty, &agg),
+            "{agg} ({ty}) sent by the wrong implementation"
+        );
+        *by.entry(who).or_insert(0) += 1;
+    }
+    by
+}
+
+fn fleet(
+    cfg: &Config,
+    implementation: &str,
+    nats: &Nats,
+    stop: &CancellationToken,
+) -> Vec<tokio::task::JoinHandle<Result<(), runtime::RunError>>> {
+    let cfg = Config {
+        implementation: implementation.to_string(),
+        ..cfg.clone()
+    };
+    runtime::spawn_fleet(
+        &cfg,
+        &common::pg_source(&cfg),
+        &Arc::new(nats.clone()),
+        2,
+        false,
+        stop,
+        &Arc::new(Counters::default()),
+    )
+}
+
+async fn stop(
+    stop: CancellationToken,
+    tasks: Vec<tokio::task::JoinHandle<Result<(), runtime::RunError>>>,
+) {
+    stop.cancel();
+    for t in tasks {
+        t.await.unwrap().unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_implementations_claim_what_the_alias_names_through_shadow_takeover_rollback_and_promotion(
+) {
+    let tag = runtime::owner_id() % 1_000_000;
+    let db = common::fresh_database(&format!("sealpost_rollout_{tag}")).await;
+    let cfg = db.config();
+    let mut pg = runtime::pg_connect(&cfg.database_url).await.unwrap();
+    store::migrate(&pg).await.unwrap();
+    let stream = format!("ROLLOUT{tag}");
+    let nats = Nats::connect(
+        &common::nats_url(),
+        common::NATS_CLUSTER,
+        Duration::from_millis(cfg.ack_timeout_ms),
+    )
+    .await
+    .expect("NATS must be running");
+    nats.js
+        .create_stream(jetstream::stream::Config {
+            name: stream.clone(),
+            subjects: vec![format!("sp.{stream}.>")],
+            ..Default::default()
+        })
+        .await
+        .expect("create the test stream");
+    let _stream = teardown_nats::stream(&common::nats_url(), &stream);
+    store::set_route(&pg, "orders", common::NATS_CLUSTER, &stream)
+        .await
+        .unwrap();
+    let wait = |what: &'static str| (what, Duration::from_secs(60));
+
+    // The incumbent v1 runs alone and announces itself; a shadow of v2 names it.
+    let stop1 = CancellationToken::new();
+    let v1 = fleet(&cfg, "v1", &nats, &stop1);
+    let (what, limit) = wait("v1 to announce itself");
+    common::wait_for(what, limit, async || {
+        common::count(
+            &pg,
+            "SELECT count(*) FROM sealpost.implementation WHERE implementation = 'v1'",
+        )
+        .await
+            == 2
+    })
+    .await;
+    let refused = store::rollout(
+        &mut pg,
+        "orders",
+        &RolloutCommand::Takeover {
+            candidate: "v2".into(),
+            types: vec![CREATED.into()],
+            share: 50,
+        },
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(refused.kind(), ErrorKind::Input);
+    assert!(
+        refused.to_string().contains("has not run in shadow"),
+        "{refused}"
+    );
+    let shadow = switch(
+        &mut pg,
+        "orders",
+        RolloutCommand::Shadow {
+            candidate: "v2".into(),
+            incumbent: None,
+        },
+    )
+    .await;
+    assert_eq!(
+        (shadow.incumbent.as_str(), shadow.stage, shadow.generation),
+        ("v1", Stage::Shadow, 1)
+    );
+
+    // Shadow: v2's dispatchers run beside v1's and claim nothing.
+    let stop2 = CancellationToken::new();
+    let v2 = fleet(&cfg, "v2", &nats, &stop2);
+    enqueue(&mut pg, "orders", "a", 40).await;
+    let (what, limit) = wait("the shadow batch to publish");
+    common::wait_for(what, limit, async || all_published(&pg, "a").await).await;
+    let by = sent_as(&pg, "a", |_, _| "v1".into()).await;
+    assert_eq!(by.get("v1"), Some(&40));
+
+    // Takeover of half the aggregates of `order.created`: v2 sends exactly those.
+    let takeover = switch(
+        &mut pg,
+        "orders",
+        RolloutCommand::Takeover {
+            candidate: "v2".into(),
+            types: vec![CREATED.into()],
+            share: 50,
+        },
+    )
+    .await;
+    enqueue(&mut pg, "orders", "b", 200).await;
+    let (what, limit) = wait("the takeover batch to publish");
+    common::wait_for(what, limit, async || all_published(&pg, "b").await).await;
+    let by = sent_as(&pg, "b", |ty, agg| {
+        takeover
+            .claimant(ty, rollout::share_bucket("order", agg))
+            .to_string()
+    })
+    .await;
+    let (n1, n2) = (
+        by.get("v1").copied().unwrap_or(0),
+        by.get("v2").copied().unwrap_or(0),
+    );
+    assert!(
+        n2 > 20 && n1 > n2,
+        "v1 {n1}, v2 {n2}: v2 takes about half of the 100 created"
+    );
+
+    // A rollback while a takeover batch is on its way: whatever v2 claimed before the switch
+    // converges into its slot; nothing after the switch is v2's.
+    enqueue(&mut pg, "orders", "c", 400).await;
+    let back = switch(&mut pg, "orders", RolloutCommand::Rollback).await;
+    assert_eq!(
+        (back.stage, back.candidate.as_deref()),
+        (Stage::Incumbent, None)
+    );
+    let (what, limit) = wait("the batch of the rollback to publish");
+    common::wait_for(what, limit, async || all_published(&pg, "c").await).await;
+    for (ty, agg, _, who) in senders(&pg, "c").await {
+        let who = who.unwrap();
+        if who == "v2" {
+            assert_eq!(
+                takeover.claimant(&ty, rollout::share_bucket("order", &agg)),
+                "v2",
+                "{agg}: v2 sent a row the takeover never gave it"
+            );
+        } else {
+            assert_eq!(who, "v1");
+        }
+    }
+    enqueue(&mut pg, "orders", "d", 40).await;
+    let (what, limit) = wait("the batch after the rollback to publish");
+    common::wait_for(what, limit, async || all_published(&pg, "d").await).await;
+    sent_as(&pg, "d", |_, _| "v1".into()).await;
+
+    // Shadow, takeover, promote: v2 claims every row, v1 none.
+    switch(
+        &mut pg,
+        "orders",
+        RolloutCommand::Shadow {
+            candidate: "v2".into(),
+            incumbent: None,
+        },
+    )
+    .await;
+    switch(
+        &mut pg,
+        "orders",
+        RolloutCommand::Takeover {
+            candidate: "v2".into(),
+            types: vec![CREATED.into(), PAID.into()],
+            share: 5,
+        },
+    )
+    .await;
+    let promoted = switch(&mut pg, "orders", RolloutCommand::Promote).await;
+    assert_eq!(promoted.stage, Stage::Promoted);
+    enqueue(&mut pg, "orders", "e", 40).await;
+    let (what, limit) = wait("the promoted batch to publish");
+    common::wait_for(what, limit, async || all_published(&pg, "e").await).await;
+    sent_as(&pg, "e", |_, _| "v2".into()).await;
+
+    // With v2's dispatchers gone, a promoted route waits for them; a rollback alone
+    // brings v1 back.
+    stop(stop2, v2).await;
+    enqueue(&mut pg, "orders", "f", 10).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(senders(&pg, "f")
+        .await
+        .iter()
+        .all(|(_, _, s, who)| s == "PENDING" && who.is_none()));
+    switch(&mut pg, "orders", RolloutCommand::Rollback).await;
+    let (what, limit) = wait("the batch after the second rollback to publish");
+    common::wait_for(what, limit, async || all_published(&pg, "f").await).await;
+    sent_as(&pg, "f", |_, _| "v1".into()).await;
+    stop(stop1, v1).await;
+
+    // Every event is in the stream once (a subject per event, create-if-absent), each with
+    // one attempt, and the log holds every switch.
+    let info = nats
+        .js
+        .get_stream(&stream)
+        .await
+        .unwrap()
+        .cached_info()
+        .clone();
+    let events = common::count(&pg, "SELECT count(*) FROM sealpost.work").await;
+    assert_eq!(events, 40 + 200 + 400 + 40 + 40 + 10);
+    assert_eq!(info.state.messages as i64, events);
+    assert_eq!(
+        common::count(
+            &pg,
+            "SELECT count(*) FROM sealpost.work WHERE attempt_generation <> 1"
+        )
+        .await,
+        0
+    );
+    let s = store::rollout_status(&pg).await.unwrap();
+    let commands: Vec<&str> = s.log.iter().rev().map(|l| l.command.as_str()).collect();
+    assert_eq!(
+        commands,
+        ["shadow", "takeover", "rollback", "shadow", "takeover", "promote", "rollback"]
+    );
+    assert_eq!(s.aliases[0].generation, 7);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_claim_filter_takes_what_the_core_gives_a_switch_waits_for_claims_and_unspoken_protocols_wait(
+) {
+    let tag = runtime::owner_id() % 1_000_000;
+    let db = common::fresh_database(&format!("sealpost_rollout_f_{tag}")).await;
+    let cfg = db.config();
+    let mut pg = runtime::pg_connect(&cfg.database_url).await.unwrap();
+    store::migrate(&pg).await.unwrap();
+    store::set_route(&pg, "orders", "c1", "ORDERS")
+        .await
+        .unwrap();
+    store::set_route(&pg, "other", "c1", "OTHER").await.unwrap();
+    enqueue(&mut pg, "orders", "o", 300).await;
+    enqueue(&mut pg, "other", "x", 10).await;
+    let v1 = Implementation::new("v1").unwrap();
+    let v2 = Implementation::new("v2").unwrap();
+    for cmd in [
+        RolloutCommand::Shadow {
+            candidate: "v2".into(),
+            incumbent: Some("v1".into()),
+        },
+        RolloutCommand::Takeover {
+            candidate: "v2".into(),
+            types: vec![CREATED.into()],
+            share: 40,
+        },
+    ] {
+        store::rollout(&mut pg, "orders", &cmd).await.unwrap();
+    }
+    let a = alias(&pg, "orders").await;
+
+    // v2's claim takes exactly the `orders` rows the core gives v2 (and the other route's
+    // rows, which no rollout touches); v1's the rest. The SQL filter computes the share
+    // bucket itself; the claim step checks every row against the core's.
+    let claim_as = |imp: Implementation| {
+        let url = cfg.database_url.clone();
+        async move {
+            let mut c = runtime::pg_connect(&url).await.unwrap();
+            let b = store::claim(
+                &mut c,
+                &store::ClaimRequest::new(1, 10_000, 60_000).implementation(&imp),
+                None,
+            )
+            .await
+            .unwrap();
+            b.outgoing
+                .iter()
+                .map(|o| {
+                    (
+                        o.envelope.event_type.clone(),
+                        o.envelope.aggregate_id.clone(),
+                    )
+                })
+                .collect::<Vec<_>>()
+        }
+    };
+    let got2 = claim_as(v2.clone()).await;
+    let want2: Vec<(String, String)> = senders(&pg, "o")
+        .await
+        .into_iter()
+        .filter(|(ty, agg, _, _)| a.claimant(ty, rollout::share_bucket("order", agg)) == "v2")
+        .map(|(ty, agg, _, _)| (ty, agg))
+        .collect();
+    let mut got2_orders: Vec<_> = got2
+        .iter()
+        .filter(|(_, agg)| agg.starts_with("o-"))
+        .cloned()
+        .collect();
+    got2_orders.sort_by(|x, y| x.1.cmp(&y.1));
+    assert!(
+        want2.len() > 20,
+        "{} of 150 created in a 40% share",
+        want2.len()
+    );
+    assert_eq!(got2_orders, want2);
+    assert_eq!(got2.len(), want2.len() + 10, "the other route's rows too");
+    let got1 = claim_as(v1.clone()).await;
+    assert_eq!(got1.len(), 300 - want2.len());
+
+    // A switch waits for the claims under way: a transaction that read the aliases as a
+    // claim does holds the switch back until it ends.
+    let mut claimer = runtime::pg_connect(&cfg.database_url).await.unwrap();
+    let tx = claimer.transaction().await.unwrap();
+    tx.query("SELECT * FROM sealpost.rollout_aliases()", &[])
+        .await
+        .unwrap();
+    let url = cfg.database_url.clone();
+    let switching = tokio::spawn(async move {
+        let mut c = runtime::pg_connect(&url).await.unwrap();
+        store::rollout(&mut c, "orders", &RolloutCommand::Rollback)
+            .await
+            .unwrap()
+    });
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert!(
+        !switching.is_finished(),
+        "the switch must wait for the claim"
+    );
+    assert_eq!(alias(&pg, "orders").await.generation, 2);
+    tx.commit().await.unwrap();
+    let c = switching.await.unwrap();
+    assert!(c.changed);
+    assert_eq!(alias(&pg, "orders").await.generation, 3);
+
+    // A row written under a protocol this build does not speak is never claimed by it; an
+    // implementation that speaks it claims it.
+    enqueue(&mut pg, "orders", "p", 2).await;
+    pg.execute(
+        "UPDATE sealpost.work w SET protocol = $1 FROM sealpost.envelope e
+          WHERE e.event_id = w.event_id AND e.aggregate_id = 'p-0'",
+        &[&((rollout::PROTOCOL_VERSION + 1) as i16)],
+    )
+    .await
+    .unwrap();
+    let got = claim_as(v1.clone()).await;
+    assert_eq!(got, vec![(PAID.to_string(), "p-1".to_string())]);
+    let newer = Implementation {
+        protocol_max: rollout::PROTOCOL_VERSION + 1,
+        ..v1.clone()
+    };
+    let got = claim_as(newer).await;
+    assert_eq!(got, vec![(CREATED.to_string(), "p-0".to_string())]);
+}
