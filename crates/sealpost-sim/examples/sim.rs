@@ -91,6 +91,21 @@ fn main() {
         "  delivery sets: {} run, {} complete, {} blocked at the end",
         s.sets, s.sets_complete, s.sets_blocked
     );
+    let r = &s.rollout;
+    println!(
+        "  rollout: traces {}, switches {} (to shadow {}, takeover {}, promoted {}, rollback {}), refused {}, unchanged {}, sends a {} / b {}, rows skipped by the alias {}",
+        r.traces,
+        r.switches,
+        r.to_stage[0],
+        r.to_stage[1],
+        r.to_stage[2],
+        r.to_stage[3],
+        r.refused,
+        r.unchanged,
+        r.sends[0],
+        r.sends[1],
+        r.skipped
+    );
     for (i, ts) in &report.failing {
         println!("  failing trace {i} (trace seed {ts})");
     }

@@ -108,11 +108,16 @@ pub enum Mutant {
     /// reconciling) as published: the set reports complete while a member's copy may never
     /// have reached its broker.
     SetCompletesEarly,
+    /// R25: the claim does not read the rollout aliases in its own transaction: it filters
+    /// its pick and checks its rows against the copy its process read earlier (at its
+    /// previous claim, or when it started), so a switch committed since is not seen and an
+    /// implementation that lost the alias starts a send.
+    ClaimWithoutAliasFence,
 }
 
 impl Mutant {
     /// Every mutant, in `--list-mutants` order.
-    pub const ALL: [Mutant; 28] = [
+    pub const ALL: [Mutant; 29] = [
         Mutant::AcceptWithoutDigestCheck,
         Mutant::RetryToOtherDestination,
         Mutant::AcceptUnregisteredAttempt,
@@ -141,6 +146,7 @@ impl Mutant {
         Mutant::CdcConfirmBeforeAccept,
         Mutant::CdcSweepOnlyWhenWindowEmpty,
         Mutant::SetCompletesEarly,
+        Mutant::ClaimWithoutAliasFence,
     ];
 
     /// The CLI name.
@@ -174,6 +180,7 @@ impl Mutant {
             Mutant::CdcConfirmBeforeAccept => "cdc-confirm-before-accept",
             Mutant::CdcSweepOnlyWhenWindowEmpty => "cdc-sweep-only-when-window-empty",
             Mutant::SetCompletesEarly => "set-completes-early",
+            Mutant::ClaimWithoutAliasFence => "claim-without-alias-fence",
         }
     }
 
@@ -221,13 +228,25 @@ impl Protocol {
         fact && !self.is(Mutant::OrderingIgnoresEarlierEvent)
     }
 
+    /// The rollout aliases ([`sealpost_core::rollout::Alias`]) a claim applies (R25): those read in the claim's own transaction
+    /// (`current`, under the lock a switch conflicts with), or, with the
+    /// `claim-without-alias-fence` mutant, the copy the process read earlier (`cached`). The
+    /// store's pick filter and the claim step's check both take what this returns.
+    pub fn claim_aliases<'a, T: ?Sized>(&self, current: &'a T, cached: &'a T) -> &'a T {
+        if self.is(Mutant::ClaimWithoutAliasFence) {
+            cached
+        } else {
+            current
+        }
+    }
+
     /// The store's claim transaction: the core's [`step::step_claim`] with this protocol's
     /// claim and begin-send decisions as its hooks (so the mutants of either apply).
     /// `policy_destination(i)` and `fresh_id()` are only called by the mutants.
     pub fn step_claim<R: std::borrow::BorrowMut<EventRow>>(
         &self,
         rows: &mut [R],
-        picked: &[Pick],
+        picked: &[Pick<'_>],
         input: &ClaimInput<'_>,
         policy_destination: impl FnMut(usize) -> Digest,
         fresh_id: impl FnMut() -> EventId,

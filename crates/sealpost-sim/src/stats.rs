@@ -47,11 +47,14 @@ pub enum Violation {
     /// R16: a delivery set reported complete while fewer of its members than its completion
     /// rule needs were held at their brokers.
     SetCompletedEarly,
+    /// R25: a claim authorised a send for an implementation that the rollout aliases current
+    /// when the claim committed do not name as the row's claimant (the alias fence failed).
+    SendWithoutAlias,
 }
 
 impl Violation {
     /// Every class, in JSON order.
-    pub const ALL: [Violation; 16] = [
+    pub const ALL: [Violation; 17] = [
         Violation::LostEvents,
         Violation::SecondEventIds,
         Violation::CrossDestinationRetries,
@@ -68,6 +71,7 @@ impl Violation {
         Violation::ForgedCopyAdopted,
         Violation::CdcConfirmedUnsettled,
         Violation::SetCompletedEarly,
+        Violation::SendWithoutAlias,
     ];
 
     /// JSON key.
@@ -89,6 +93,7 @@ impl Violation {
             Violation::ForgedCopyAdopted => "forged_copy_adopted",
             Violation::CdcConfirmedUnsettled => "cdc_confirmed_unsettled",
             Violation::SetCompletedEarly => "set_completed_early",
+            Violation::SendWithoutAlias => "send_without_alias",
         }
     }
 }
@@ -192,6 +197,8 @@ pub enum Fault {
     /// time limit or a fetch error in production): nothing learned about the events it did
     /// not see; they stay unknown and are asked again.
     ScanCutShort,
+    /// R25: a rollout command moved a route's alias (shadow, takeover, promote, rollback).
+    RolloutSwitch,
     /// Adversary: a message with a fresh event id and no valid signature published on a
     /// stream (no signature, a malformed one, an unknown key, or a made-up signature).
     ForgedNewEvent,
@@ -208,7 +215,7 @@ pub enum Fault {
 
 impl Fault {
     /// Every fault, in report order.
-    pub const ALL: [Fault; 35] = [
+    pub const ALL: [Fault; 36] = [
         Fault::CrashBeforeCommit,
         Fault::CrashAfterCommit,
         Fault::AckLate,
@@ -240,6 +247,7 @@ impl Fault {
         Fault::EffectFailed,
         Fault::DatabaseUnreachable,
         Fault::ScanCutShort,
+        Fault::RolloutSwitch,
         Fault::ForgedNewEvent,
         Fault::ForgedCopyFirst,
         Fault::ForgedCopyAtLookup,
@@ -273,6 +281,7 @@ impl Fault {
             Fault::PoisonRejected => "poison refused by broker",
             Fault::DatabaseUnreachable => "database unreachable (transaction never started)",
             Fault::ScanCutShort => "bulk lookup scan cut short at its bound",
+            Fault::RolloutSwitch => "R25 rollout alias switched",
             Fault::StallBeforeSend => "dispatcher stalled between claim and send",
             Fault::StreamDeleted => "destination stream deleted",
             Fault::GrantRevoked => "publish grant revoked (refused as not permitted)",
@@ -447,6 +456,43 @@ pub struct TraceStats {
     pub sets_complete: u64,
     /// Of those, blocked at the end (a member parked for an operator).
     pub sets_blocked: u64,
+    /// R25: the rollout's counts.
+    pub rollout: RolloutCounts,
+}
+
+/// What the rollout (R25) did (traces with a rollout only).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RolloutCounts {
+    /// Traces with a rollout (two implementations, alias records, switches).
+    pub traces: u64,
+    /// Rollout commands that moved an alias (`Switch::To`).
+    pub switches: u64,
+    /// Rollout commands the core refused (`RolloutError`).
+    pub refused: u64,
+    /// Rollout commands that changed nothing (`Switch::Unchanged`).
+    pub unchanged: u64,
+    /// Of the switches: to shadow, takeover, promoted, incumbent (rollback).
+    pub to_stage: [u64; 4],
+    /// Sends authorised by claims, per implementation ("a", "b").
+    pub sends: [u64; 2],
+    /// Rows a claim scan skipped because the alias gives them to another implementation.
+    pub skipped: u64,
+}
+
+impl RolloutCounts {
+    fn merge(&mut self, o: &RolloutCounts) {
+        self.traces += o.traces;
+        self.switches += o.switches;
+        self.refused += o.refused;
+        self.unchanged += o.unchanged;
+        for (a, b) in self.to_stage.iter_mut().zip(o.to_stage) {
+            *a += b;
+        }
+        for (a, b) in self.sends.iter_mut().zip(o.sends) {
+            *a += b;
+        }
+        self.skipped += o.skipped;
+    }
 }
 
 /// What the CDC log reader did (traces with a CDC publisher only).
@@ -527,6 +573,7 @@ impl TraceStats {
         self.sets += o.sets;
         self.sets_complete += o.sets_complete;
         self.sets_blocked += o.sets_blocked;
+        self.rollout.merge(&o.rollout);
         self.inbox_duplicates += o.inbox_duplicates;
         self.inbox_quarantined += o.inbox_quarantined;
         self.effect_retries += o.effect_retries;

@@ -7,6 +7,7 @@
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use std::rc::Rc;
+use std::sync::OnceLock;
 
 use rand_chacha::ChaCha8Rng;
 use rand_core::{Rng, SeedableRng};
@@ -39,6 +40,9 @@ use sealpost_core::reconcile::{
 use sealpost_core::reconciler::{
     verify_window_rows, ReconcileAction, ReconcileItem, ReconcilerConfig, ReconcilerMachine,
     VerifyItem,
+};
+use sealpost_core::rollout::{
+    self, share_bucket, Alias, AliasCheck, ClaimFacts, Implementation, Stage, Switch,
 };
 use sealpost_core::row::{AttemptStatus, EventRow};
 use sealpost_core::signature::{
@@ -107,8 +111,47 @@ const SIM_KEY_ID: &str = "sim-dispatcher";
 /// followed by these 32. Nothing but a dispatcher writes them, so the adversary can only
 /// make up other bytes or copy a whole genuine signature (a replay, over other facts).
 const SIM_SECRET: [u8; 32] = *b"sealpost-sim dispatcher key 2026";
-/// The event types a message's envelope may name (genuine messages: the first).
+/// The event types a message's envelope may name (each fact has one; a takeover lists a
+/// non-empty subset of them).
 const EVENT_TYPES: [&str; 2] = ["order.placed.v1", "order.cancelled.v1"];
+/// The aggregate type of every fact (its id is `o-<aggregate>`): the share bucket's input.
+const AGGREGATE_TYPE: &str = "order";
+/// R25: the two dispatcher implementations of a rollout. Dispatchers alternate between
+/// them (dispatcher `i` runs `IMPLEMENTATIONS[i % 2]`); "a" is the first incumbent.
+const IMPLEMENTATIONS: [&str; 2] = ["a", "b"];
+/// Per mille of the traces with polling dispatchers that run a rollout (from the rollout
+/// model's own randomness). Such a trace has at least two polling dispatchers, and the
+/// first two (one of each implementation) serve every cluster.
+const ROLLOUT_TRACES: u32 = 800;
+
+/// The simulated implementation `i` (an index into [`IMPLEMENTATIONS`]).
+fn implementation(i: u8) -> &'static Implementation {
+    static IMPLS: OnceLock<[Implementation; 2]> = OnceLock::new();
+    &IMPLS.get_or_init(|| IMPLEMENTATIONS.map(|id| Implementation::new(id).expect("a valid id")))
+        [usize::from(i)]
+}
+
+/// The index of implementation `id` (the other ids never occur).
+fn implementation_index(id: &str) -> u8 {
+    u8::from(id == IMPLEMENTATIONS[1])
+}
+
+/// A destination on stream (`cluster`, `topic`): what an alias record covers.
+fn stream_destination(cluster: u8, topic: u8) -> Destination {
+    let mut p = policy_for(0, 0);
+    p.cluster = CLUSTERS[usize::from(cluster)].to_string();
+    p.topic = TOPICS[usize::from(topic)].to_string();
+    p.resolve("rollout")
+}
+
+/// The route name of the alias record of stream (`cluster`, `topic`).
+fn route_name(cluster: u8, topic: u8) -> String {
+    format!(
+        "{}.{}",
+        CLUSTERS[usize::from(cluster)],
+        TOPICS[usize::from(topic)].to_ascii_lowercase()
+    )
+}
 /// The wire envelope a message describes (the simulated envelope: its event type only).
 fn wire_envelope(event_type: u8) -> WireEnvelope {
     WireEnvelope {
@@ -342,6 +385,8 @@ enum Ev {
     },
     /// The replication slot is dropped or invalidated.
     CdcSlotLost,
+    /// R25: an operator's rollout command on one alias record.
+    RolloutSwitch,
 }
 
 #[derive(Clone, Debug)]
@@ -360,6 +405,10 @@ struct Fact {
     /// The aggregate it belongs to, and its version there (1, 2, ... without holes).
     aggregate: u32,
     version: u64,
+    /// Its event type (index into [`EVENT_TYPES`]).
+    event_type: u8,
+    /// Its aggregate's share bucket (the core's `share_bucket`, R25).
+    bucket: u8,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -378,6 +427,9 @@ struct Db {
     /// The delivery sets (R16), written in their rows' transaction (a restore takes them
     /// back with the rows).
     sets: Vec<SetRows>,
+    /// The rollout records (R25): at most one alias per stream (cluster and topic). Database
+    /// state: a switch is a transaction, a restore takes them back with the rows.
+    aliases: Rc<[Alias]>,
 }
 
 /// One committed delivery set: its fact, completion rule and member rows (member `k` is
@@ -528,6 +580,11 @@ struct Dispatcher {
     /// The rows this process's claims wrote, as they wrote them (`store::Held`): an ordinary
     /// ACK for one of them takes the guarded fast path while the row is still exactly that.
     held: Vec<(u32, EventRow)>,
+    /// The implementation it runs (index into [`IMPLEMENTATIONS`]).
+    implementation: u8,
+    /// The rollout aliases as this process last read them (when it started, then at each
+    /// claim): only the `claim-without-alias-fence` mutant claims with this copy.
+    aliases_read: Rc<[Alias]>,
 }
 
 #[derive(Clone, Debug)]
@@ -665,6 +722,10 @@ pub struct World {
     /// Ghost: per row, it has been seen outside the dispatchable phase (a reconciler's retry
     /// or an operator's release may bring a settled row back: the scans' work, not the log's).
     cdc_left: Vec<bool>,
+    /// The rollout model's own randomness (R25).
+    rrng: ChaCha8Rng,
+    /// This trace runs a rollout: switches of the alias records between the implementations.
+    rollout: bool,
 }
 
 fn chance(rng: &mut ChaCha8Rng, per_mille: u32) -> bool {
@@ -795,6 +856,28 @@ impl World {
         if cdc_alone {
             cfg.dispatchers = 0;
         }
+        // The rollout (R25), from the rollout model's own randomness: two implementations,
+        // the alias records (none, or the incumbent "a" on every stream) and switches.
+        let mut rrng = ChaCha8Rng::seed_from_u64(trace_seed ^ 0x0A11_A5E5_2025_0B0B);
+        let rollout = cfg.dispatchers > 0 && chance(&mut rrng, ROLLOUT_TRACES);
+        if rollout {
+            cfg.dispatchers = cfg.dispatchers.max(2);
+        }
+        let aliases: Rc<[Alias]> = if rollout && chance(&mut rrng, 500) {
+            let mut v = Vec::new();
+            for cluster in 0..CLUSTERS.len() as u8 {
+                for topic in 0..TOPICS.len() as u8 {
+                    v.push(Alias::new(
+                        &route_name(cluster, topic),
+                        &stream_destination(cluster, topic),
+                        IMPLEMENTATIONS[0],
+                    ));
+                }
+            }
+            v.into()
+        } else {
+            Rc::from(Vec::new())
+        };
         let mut streams = Vec::new();
         for cluster in 0..CLUSTERS.len() as u8 {
             for topic in 0..TOPICS.len() as u8 {
@@ -811,8 +894,11 @@ impl World {
             .map(|i| {
                 // Dispatcher 0 serves every cluster; others may serve one only, so rows of
                 // clusters a process does not serve are always present.
+                // In a rollout the first dispatcher of each implementation serves every
+                // cluster, so every row always has a claimant.
                 let clusters = match (i, range(&mut rng, 0, 2)) {
                     (0, _) | (_, 0) => CLUSTERS.iter().map(|c| c.to_string()).collect(),
+                    (1, _) if rollout => CLUSTERS.iter().map(|c| c.to_string()).collect(),
                     (_, k) => vec![CLUSTERS[(k - 1) as usize].to_string()],
                 };
                 Dispatcher {
@@ -828,6 +914,8 @@ impl World {
                     scan_high_water: 0,
                     wake_at: None,
                     held: Vec::new(),
+                    implementation: (i % 2) as u8,
+                    aliases_read: Rc::clone(&aliases),
                 }
             })
             .collect();
@@ -854,6 +942,8 @@ impl World {
                 scan_high_water: 0,
                 wake_at: None,
                 held: Vec::new(),
+                implementation: d % 2,
+                aliases_read: Rc::clone(&aliases),
             });
             // A small window in some traces, so it fills.
             let bytes_max = if chance(&mut crng, 400) {
@@ -906,6 +996,7 @@ impl World {
             facts: Vec::new(),
             db: Db {
                 next_attempt_id: 1,
+                aliases,
                 ..Db::default()
             },
             snapshot: None,
@@ -938,7 +1029,10 @@ impl World {
             crng,
             next_lsn: 0,
             cdc_left: Vec::new(),
+            rrng,
+            rollout,
         };
+        w.stats.rollout.traces = u64::from(rollout);
         if w.cdc.is_some() {
             w.stats.cdc.traces = 1;
             w.stats.cdc.alone = u64::from(cdc_alone);
@@ -991,6 +1085,12 @@ impl World {
                 committed: false,
                 aggregate: f as u32 % self.cfg.aggregates,
                 version: (f as u32 / self.cfg.aggregates) as u64 + 1,
+                // From a byte already drawn, like `unencodable`.
+                event_type: random[7] % EVENT_TYPES.len() as u8,
+                bucket: share_bucket(
+                    AGGREGATE_TYPE,
+                    &format!("o-{}", f as u32 % self.cfg.aggregates),
+                ),
             });
             self.at(t, Ev::WriterCommit { fact: f as u32 });
         }
@@ -1065,6 +1165,13 @@ impl World {
         for _ in 0..range(&mut self.adv, 0, 2) {
             let t = range(&mut self.adv, 0, end);
             self.at(t, Ev::ReplaySignature);
+        }
+        // The rollout's switches, from the rollout model's own randomness.
+        if self.rollout {
+            for _ in 0..range(&mut self.rrng, 2, 8) {
+                let t = range(&mut self.rrng, 0, end);
+                self.at(t, Ev::RolloutSwitch);
+            }
         }
         // The CDC publisher's start and faults, from the CDC model's own randomness.
         if let Some(c) = self.cdc.as_ref() {
@@ -1268,6 +1375,11 @@ impl World {
             }
             Ev::OperatorRelease => self.operator_release(),
             Ev::CdcTick { inc } => self.cdc_tick(inc),
+            Ev::RolloutSwitch => {
+                if self.faults_on {
+                    self.rollout_switch();
+                }
+            }
             Ev::CdcCrash => {
                 if self.faults_on {
                     self.cdc_crash();
@@ -1434,6 +1546,7 @@ impl World {
         disp.batch = None;
         disp.claim_meta.clear();
         disp.held.clear();
+        disp.aliases_read = Rc::clone(&self.db.aliases);
         disp.wake_at = Some(now);
         let inc = disp.inc;
         self.at(now, Ev::DispatchWake { d, inc });
@@ -1569,12 +1682,34 @@ impl World {
                 .scan_from(from_position, self.dispatchers[di].scan_high_water),
         };
         let served = Served::Only(&clusters);
+        // R25: the aliases read in the claim's own transaction (a switch conflicts with the
+        // lock the claim takes on them), or with the mutant the copy read earlier. The scan
+        // filters by them and the claim step checks every picked row against the same.
+        let me = implementation(self.dispatchers[di].implementation);
+        let aliases = self
+            .proto
+            .claim_aliases(&self.db.aliases, &self.dispatchers[di].aliases_read)
+            .clone();
+        self.dispatchers[di].aliases_read = Rc::clone(&self.db.aliases);
+        let check = AliasCheck {
+            implementation: me,
+            aliases: &aliases,
+        };
         let rows = &self.db.rows;
         let named = |i: usize| only.is_none_or(|o| o.contains(&(rows[i].event_id, rows[i].member)));
+        let mut skipped = 0;
         let idx: Vec<usize> = ((from as usize)..self.db.rows.len())
             .filter(|&i| named(i) && step::picks(&self.db.rows[i], served, now))
+            .filter(|&i| {
+                let mine =
+                    rollout::may_claim(check, &self.db.rows[i].destination, self.claim_facts(i))
+                        .is_ok();
+                skipped += u64::from(!mine);
+                mine
+            })
             .take(max)
             .collect();
+        self.stats.rollout.skipped += skipped;
         let picked: Vec<Pick> = idx
             .iter()
             .enumerate()
@@ -1582,6 +1717,7 @@ impl World {
                 position: i as u64,
                 earlier_unresolved: self.earlier_unresolved(i),
                 attempt_id: self.db.next_attempt_id + k as u64,
+                facts: self.claim_facts(i),
             })
             .collect();
         // Like a sequence, an id drawn for a row that was not sent is not given out again.
@@ -1592,6 +1728,7 @@ impl World {
             now_ms: now,
             lease_ms: LEASE_MS,
             batch_max: max,
+            alias: check,
         };
         let (policy, mode) = (self.db.policy, self.cfg.ordering_mode);
         let (facts, row_fact) = (&self.facts, &self.db.row_fact);
@@ -1661,6 +1798,7 @@ impl World {
                     if sent.superseding {
                         self.fault(Fault::ClaimSuperseded);
                     }
+                    self.check_alias(d, i, &sent);
                     if let Some((req, stream)) = self.sent(d, i, &sent) {
                         meta.push((i as u32, stream, sent.token, sent.lease_until_ms));
                         claimed.sends.push(ClaimedSend {
@@ -1687,6 +1825,151 @@ impl World {
             *hw = (*hw).max(p + 1);
         }
         claimed
+    }
+
+    /// What the claim reads beside row `i` to apply the alias (R25): its fact's event type,
+    /// its aggregate's share bucket and the protocol it was written under (this build's).
+    fn claim_facts(&self, i: usize) -> ClaimFacts<'static> {
+        let f = &self.facts[self.db.row_fact[i] as usize];
+        ClaimFacts {
+            event_type: EVENT_TYPES[usize::from(f.event_type)],
+            share_bucket: f.bucket,
+            protocol: rollout::PROTOCOL_VERSION,
+        }
+    }
+
+    /// Checker `send_without_alias` (R25), apart from the claim step: the aliases current
+    /// when the claim commits (the simulated database's, now) name the claiming
+    /// implementation as the claimant of row `i`.
+    fn check_alias(&mut self, d: u8, i: usize, sent: &Authorised) {
+        let k = self.dispatchers[d as usize].implementation;
+        if self.rollout {
+            self.stats.rollout.sends[usize::from(k)] += 1;
+        }
+        let now_aliases = AliasCheck {
+            implementation: implementation(k),
+            aliases: &self.db.aliases,
+        };
+        if let Err(why) = rollout::may_claim(
+            now_aliases,
+            &self.db.rows[i].destination,
+            self.claim_facts(i),
+        ) {
+            let attempt = sent.attempt_id;
+            self.violation_of(
+                Violation::SendWithoutAlias,
+                6_000_000 + attempt as u32,
+                || {
+                    format!(
+                        "d{d} ({}) authorised attempt {attempt} of row {i}, which the current alias refuses it: {why:?}",
+                        IMPLEMENTATIONS[usize::from(k)]
+                    )
+                },
+            );
+        }
+    }
+
+    /// R25: an operator's rollout command (`sealpost rollout ...`) on one alias record, in
+    /// its own transaction, through the core's `Alias` methods. The record is the current
+    /// route policy's stream most often, else a row's, else any; a stream without a record
+    /// gets one (incumbent "a") from the first command that moves it. The command: shadow
+    /// or takeover (a non-empty subset of the event types, share 1..=100) of the
+    /// implementation that does not claim the route now (one time in ten, to be refused,
+    /// of the one that does), promote or rollback, drawn with weights by stage. After a
+    /// promotion the other implementation is the old incumbent, so a shadow of it starts
+    /// the way back (the roles swap).
+    fn rollout_switch(&mut self) {
+        self.db_version += 1;
+        let nstreams = self.streams.len() as u64;
+        let s = match range(&mut self.rrng, 0, 9) {
+            0..=5 => {
+                let p = policy_for(self.db.policy, self.cfg.ordering_mode);
+                Some(self.stream_index(&p.cluster, &p.topic))
+            }
+            6..=8 if !self.db.rows.is_empty() => {
+                let r = range(&mut self.rrng, 0, self.db.rows.len() as u64 - 1) as usize;
+                self.stream_of(&self.db.rows[r].destination)
+            }
+            _ => None,
+        };
+        let s = usize::from(s.unwrap_or(range(&mut self.rrng, 0, nstreams - 1) as u8));
+        let (cluster, topic) = (self.streams[s].cluster, self.streams[s].topic);
+        let dest = stream_destination(cluster, topic);
+        let k = self.db.aliases.iter().position(|a| a.covers(&dest));
+        let cur = match k {
+            Some(k) => self.db.aliases[k].clone(),
+            None => Alias::new(&route_name(cluster, topic), &dest, IMPLEMENTATIONS[0]),
+        };
+        let claims = match (cur.stage, &cur.candidate) {
+            (Stage::Promoted, Some(c)) => implementation_index(c),
+            _ => implementation_index(&cur.incumbent),
+        };
+        let target = if chance(&mut self.rrng, 100) {
+            claims
+        } else {
+            1 - claims
+        };
+        let target = IMPLEMENTATIONS[usize::from(target)];
+        // Every command in every stage, weighted so that rollouts move along their stages
+        // (shadow, takeover, promote) and back (rollback, or a shadow of the other
+        // implementation after a promotion); the rest is refused or changes nothing.
+        let weights: [u64; 4] = match cur.stage {
+            Stage::Incumbent => [7, 1, 1, 1],
+            Stage::Shadow => [1, 6, 1, 2],
+            Stage::Takeover => [1, 3, 4, 2],
+            Stage::Promoted => [4, 1, 1, 4],
+        };
+        let mut x = range(&mut self.rrng, 0, weights.iter().sum::<u64>() - 1);
+        let mut command = 0;
+        while x >= weights[command] {
+            x -= weights[command];
+            command += 1;
+        }
+        let result = match command {
+            0 => cur.shadow(target),
+            1 => {
+                let types: Vec<String> = match range(&mut self.rrng, 0, 2) {
+                    0 => vec![EVENT_TYPES[0].to_string()],
+                    1 => vec![EVENT_TYPES[1].to_string()],
+                    _ => EVENT_TYPES.iter().map(|t| t.to_string()).collect(),
+                };
+                let share = range(&mut self.rrng, 1, 100) as u32;
+                cur.takeover(target, &types, share)
+            }
+            2 => cur.promote(),
+            _ => Ok(cur.rollback()),
+        };
+        let route = cur.route.clone();
+        match result {
+            Ok(Switch::To(next)) => {
+                self.fault(Fault::RolloutSwitch);
+                self.stats.rollout.switches += 1;
+                let st = match next.stage {
+                    Stage::Shadow => 0,
+                    Stage::Takeover => 1,
+                    Stage::Promoted => 2,
+                    Stage::Incumbent => 3,
+                };
+                self.stats.rollout.to_stage[st] += 1;
+                self.note(|| {
+                    format!(
+                        "rollout {route}: {} (incumbent {}, candidate {:?}, types {:?}, share {}, generation {})",
+                        next.stage, next.incumbent, next.candidate, next.types, next.share, next.generation
+                    )
+                });
+                let mut v = self.db.aliases.to_vec();
+                match k {
+                    Some(k) => v[k] = next,
+                    None => v.push(next),
+                }
+                self.db.aliases = v.into();
+            }
+            Ok(Switch::Unchanged) => self.stats.rollout.unchanged += 1,
+            Err(e) => {
+                self.stats.rollout.refused += 1;
+                self.note(|| format!("rollout {route}: command {command} refused: {e}"));
+            }
+        }
     }
 
     /// The fact the store reads for an ordered claim: an earlier version of row `i`'s
@@ -1781,7 +2064,7 @@ impl World {
             destination,
             destination_digest: begin.destination_digest,
             payload: Vec::new(),
-            envelope: wire_envelope(0),
+            envelope: wire_envelope(self.facts[fact as usize].event_type),
             signature: None,
         };
         // The dispatcher signs what it sends (the core's claim of the request).
@@ -1824,7 +2107,10 @@ impl World {
                     stream,
                     create_if_absent,
                     ordered: s.destination.ordering == EventOrdering::PerAggregate,
-                    event_type: 0,
+                    event_type: EVENT_TYPES
+                        .iter()
+                        .position(|t| *t == s.envelope.event_type)
+                        .unwrap_or(0) as u8,
                     signature: s.signature.map(Rc::from),
                 },
             )
@@ -3165,7 +3451,7 @@ impl World {
             attempt_id: row.attempts.last().map_or(1, |a| a.id),
             payload_digest: row.payload_digest,
             destination_digest: row.destination_digest,
-            event_type: 0,
+            event_type: self.facts[self.db.row_fact[r as usize] as usize].event_type,
             signature,
             forged: true,
         };
@@ -4315,7 +4601,27 @@ impl World {
             }
             if !row.state.is_published() {
                 let st = row.state;
-                self.violation(Violation::Liveness, || format!("row {i} ended {st}"));
+                // R25: who may claim it now, and whether a dispatcher of that implementation
+                // serves its cluster (the sim gives every implementation one that serves all).
+                let facts = self.claim_facts(i);
+                let claimants: Vec<String> = (0..IMPLEMENTATIONS.len() as u8)
+                    .filter(|&k| {
+                        let check = AliasCheck {
+                            implementation: implementation(k),
+                            aliases: &self.db.aliases,
+                        };
+                        rollout::may_claim(check, &row.destination, facts).is_ok()
+                    })
+                    .map(|k| {
+                        let serving = self.dispatchers.iter().any(|d| {
+                            d.implementation == k && d.clusters.contains(&row.destination.cluster)
+                        });
+                        format!("{} (serving: {serving})", IMPLEMENTATIONS[usize::from(k)])
+                    })
+                    .collect();
+                self.violation(Violation::Liveness, || {
+                    format!("row {i} ended {st}; may claim it: {claimants:?}")
+                });
                 continue;
             }
             let eid = row.event_id;

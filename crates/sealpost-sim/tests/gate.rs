@@ -81,6 +81,16 @@ fn gate_100k_traces_zero_violations() {
         s.sets,
         s.sets_complete
     );
+    let r = &s.rollout;
+    assert!(
+        r.traces > 0
+            && r.switches > 0
+            && r.refused > 0
+            && r.to_stage.iter().all(|&n| n > 0)
+            && r.sends.iter().all(|&n| n > 0)
+            && r.skipped > 0,
+        "the rollout (R25) must move every stage and both implementations must send: {r:?}"
+    );
     for f in sealpost_sim::Fault::ALL {
         assert!(
             s.faults.get(f) > 0,
@@ -121,6 +131,7 @@ fn expected_class(m: Mutant) -> Option<Violation> {
         Mutant::CdcConfirmBeforeAccept => Some(Violation::CdcConfirmedUnsettled),
         Mutant::CdcSweepOnlyWhenWindowEmpty => Some(Violation::Liveness),
         Mutant::SetCompletesEarly => Some(Violation::SetCompletedEarly),
+        Mutant::ClaimWithoutAliasFence => Some(Violation::SendWithoutAlias),
     }
 }
 
