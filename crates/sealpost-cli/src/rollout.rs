@@ -5,6 +5,7 @@ use clap::Subcommand;
 use sealpost::runtime;
 use sealpost::store::{self, AliasView, RolloutCommand};
 use sealpost_cli::config::Settings;
+use sealpost_core::rollout::DivergenceKind;
 
 #[derive(Subcommand, Debug)]
 pub enum RolloutCmd {
@@ -53,7 +54,28 @@ pub enum RolloutCmd {
         #[arg(long)]
         route: String,
     },
-    /// Every route's alias, the implementations announced, and the latest switches.
+    /// Mark the candidate's unexplained shadow divergences on ROUTE (of one kind, or all)
+    /// as explained, with who and why: `promote` is refused while one is unexplained.
+    Explain {
+        /// The route.
+        #[arg(long)]
+        route: String,
+        /// The candidate.
+        #[arg(long)]
+        candidate: String,
+        /// Only this kind: destination_digest, payload_digest, envelope_generation,
+        /// headers or ordering.
+        #[arg(long)]
+        kind: Option<String>,
+        /// Who explains.
+        #[arg(long)]
+        operator: String,
+        /// Why the difference is intended.
+        #[arg(long)]
+        reason: String,
+    },
+    /// Every route's alias, the shadows' comparisons, the implementations announced, and
+    /// the latest switches.
     Status {
         /// One JSON object.
         #[arg(long)]
@@ -109,6 +131,26 @@ pub async fn run(cmd: RolloutCmd, cfg: &Settings) -> Result<i32, String> {
             for a in &s.aliases {
                 println!("{}", describe(a));
             }
+            for sh in &s.shadows {
+                println!(
+                    "shadow of {} on {}: {} compared, {} matched, {} diverged, {} unexplained",
+                    sh.candidate, sh.route, sh.compared, sh.matched, sh.diverged, sh.unexplained
+                );
+                for d in &sh.examples {
+                    println!(
+                        "  {} {}/{}: incumbent \"{}\", candidate \"{}\"{}",
+                        d.kind,
+                        d.event_id,
+                        d.member,
+                        d.incumbent,
+                        d.candidate,
+                        d.explanation
+                            .as_deref()
+                            .map(|e| format!(" (explained: {e})"))
+                            .unwrap_or_default()
+                    );
+                }
+            }
             if !s.implementations.is_empty() {
                 println!("announced:");
                 for i in &s.implementations {
@@ -134,6 +176,31 @@ pub async fn run(cmd: RolloutCmd, cfg: &Settings) -> Result<i32, String> {
                 }
             }
             return Ok(0);
+        }
+        RolloutCmd::Explain {
+            route,
+            candidate,
+            kind,
+            operator,
+            reason,
+        } => {
+            let kind = match kind {
+                None => None,
+                Some(k) => Some(DivergenceKind::parse(&k).ok_or_else(|| {
+                    format!(
+                        "`{k}` is not a divergence kind: use destination_digest, payload_digest, envelope_generation, headers or ordering"
+                    )
+                })?),
+            };
+            match store::explain_divergences(&pg, &route, &candidate, kind, &operator, &reason)
+                .await
+            {
+                Ok(n) => {
+                    println!("explained {n} divergence(s) of {candidate} on {route} (by {operator}: {reason})");
+                    return Ok(0);
+                }
+                Err(x) => return Err(sealpost::roles::explain(&pg, x).await.to_string()),
+            }
         }
         RolloutCmd::Shadow {
             candidate,

@@ -19,6 +19,7 @@ mod teardown_nats;
 use sealpost::runtime::{self, CancellationToken, Config, Counters};
 use sealpost::store::{self, ErrorKind, RolloutCommand};
 use sealpost_core::envelope::NewEvent;
+use sealpost_core::port::Broker;
 use sealpost_core::rollout::{self, Alias, Implementation, Stage};
 use sealpost_nats::async_nats::jetstream;
 use sealpost_nats::Nats;
@@ -85,6 +86,16 @@ async fn alias(pg: &tokio_postgres::Client, route: &str) -> Alias {
         share: a.share,
         generation: a.generation,
     }
+}
+
+async fn shadow_of(pg: &tokio_postgres::Client, candidate: &str) -> store::ShadowView {
+    store::rollout_status(pg)
+        .await
+        .unwrap()
+        .shadows
+        .into_iter()
+        .find(|s| s.candidate == candidate)
+        .expect("a shadow tally")
 }
 
 async fn switch(pg: &mut tokio_postgres::Client, route: &str, cmd: RolloutCommand) -> Alias {
@@ -217,14 +228,25 @@ async fn two_implementations_claim_what_the_alias_names_through_shadow_takeover_
         ("v1", Stage::Shadow, 1)
     );
 
-    // Shadow: v2's dispatchers run beside v1's and claim nothing.
+    // Shadow: v2's dispatchers run beside v1's and claim nothing; v2's shadow reader
+    // compares every message v1 publishes with what v2 would have sent.
     let stop2 = CancellationToken::new();
     let v2 = fleet(&cfg, "v2", &nats, &stop2);
+    let (what, limit) = wait("v2's shadow to start reading");
+    common::wait_for(what, limit, async || {
+        common::count(&pg, "SELECT count(*) FROM sealpost.shadow_tally").await == 1
+    })
+    .await;
     enqueue(&mut pg, "orders", "a", 40).await;
-    let (what, limit) = wait("the shadow batch to publish");
-    common::wait_for(what, limit, async || all_published(&pg, "a").await).await;
+    let (what, limit) = wait("the shadow batch to publish and be compared");
+    common::wait_for(what, limit, async || {
+        all_published(&pg, "a").await && shadow_of(&pg, "v2").await.compared == 40
+    })
+    .await;
     let by = sent_as(&pg, "a", |_, _| "v1".into()).await;
     assert_eq!(by.get("v1"), Some(&40));
+    let sh = shadow_of(&pg, "v2").await;
+    assert_eq!((sh.matched, sh.diverged, sh.unexplained), (40, 0, 0));
 
     // Takeover of half the aggregates of `order.created`: v2 sends exactly those.
     let takeover = switch(
@@ -383,6 +405,11 @@ async fn the_claim_filter_takes_what_the_core_gives_a_switch_waits_for_claims_an
         store::rollout(&mut pg, "orders", &cmd).await.unwrap();
     }
     let a = alias(&pg, "orders").await;
+    // A candidate whose shadow compared nothing is not promoted.
+    let e = store::rollout(&mut pg, "orders", &RolloutCommand::Promote)
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("has compared no message yet"), "{e}");
 
     // v2's claim takes exactly the `orders` rows the core gives v2 (and the other route's
     // rows, which no rollout touches); v1's the rest. The SQL filter computes the share
@@ -475,4 +502,151 @@ async fn the_claim_filter_takes_what_the_core_gives_a_switch_waits_for_claims_an
     };
     let got = claim_as(newer).await;
     assert_eq!(got, vec![(CREATED.to_string(), "p-0".to_string())]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_shadow_finds_what_a_divergent_incumbent_sent_and_promotion_waits_for_an_explanation() {
+    let tag = runtime::owner_id() % 1_000_000;
+    let db = common::fresh_database(&format!("sealpost_rollout_s_{tag}")).await;
+    let cfg = db.config();
+    let mut pg = runtime::pg_connect(&cfg.database_url).await.unwrap();
+    store::migrate(&pg).await.unwrap();
+    let stream = format!("SHADOW{tag}");
+    let nats = Nats::connect(
+        &common::nats_url(),
+        common::NATS_CLUSTER,
+        Duration::from_millis(cfg.ack_timeout_ms),
+    )
+    .await
+    .expect("NATS must be running");
+    nats.js
+        .create_stream(jetstream::stream::Config {
+            name: stream.clone(),
+            subjects: vec![format!("sp.{stream}.>")],
+            ..Default::default()
+        })
+        .await
+        .expect("create the test stream");
+    let _stream = teardown_nats::stream(&common::nats_url(), &stream);
+    store::set_route(&pg, "orders", common::NATS_CLUSTER, &stream)
+        .await
+        .unwrap();
+    store::rollout(
+        &mut pg,
+        "orders",
+        &RolloutCommand::Shadow {
+            candidate: "v2".into(),
+            incumbent: Some("v1".into()),
+        },
+    )
+    .await
+    .unwrap();
+    let stop2 = CancellationToken::new();
+    let v2 = fleet(&cfg, "v2", &nats, &stop2);
+    common::wait_for(
+        "v2's shadow to start reading",
+        Duration::from_secs(30),
+        async || common::count(&pg, "SELECT count(*) FROM sealpost.shadow_tally").await == 1,
+    )
+    .await;
+
+    // An incumbent v1 that writes a wrong tenant header on two of six messages: its claim,
+    // its send, and the store's acceptance (headers are not sealed, so they are accepted).
+    let v1 = Implementation::new("v1").unwrap();
+    let owner = 4_242;
+    store::announce(
+        &pg,
+        owner,
+        &v1,
+        store::Role::Dispatcher,
+        common::NATS_CLUSTER,
+    )
+    .await
+    .unwrap();
+    enqueue(&mut pg, "orders", "s", 6).await;
+    let b = store::claim(
+        &mut pg,
+        &store::ClaimRequest::new(owner, 10, 60_000).implementation(&v1),
+        None,
+    )
+    .await
+    .unwrap();
+    assert_eq!(b.outgoing.len(), 6);
+    let reqs: Vec<_> = b
+        .outgoing
+        .iter()
+        .enumerate()
+        .map(|(i, o)| {
+            let mut r = o.send_request();
+            if i % 3 == 1 {
+                r.envelope.tenant = "tenant-9".into();
+            }
+            r
+        })
+        .collect();
+    let results = nats
+        .send_batch(reqs, std::time::Instant::now() + Duration::from_secs(5))
+        .await;
+    let receipts: Vec<_> = results
+        .iter()
+        .map(|r| match r {
+            sealpost_core::port::SendResult::Receipt(r) => r.clone(),
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    store::accept_receipts(&mut pg, &receipts).await.unwrap();
+    assert!(all_published(&pg, "s").await);
+
+    common::wait_for(
+        "the shadow to compare the six",
+        Duration::from_secs(30),
+        async || shadow_of(&pg, "v2").await.compared == 6,
+    )
+    .await;
+    let sh = shadow_of(&pg, "v2").await;
+    assert_eq!((sh.matched, sh.diverged, sh.unexplained), (4, 2, 2));
+    assert!(sh.examples.iter().all(|d| d.kind == "headers"
+        && d.incumbent == "Sealpost-Tenant: tenant-9"
+        && d.candidate == "Sealpost-Tenant: tenant-1"));
+
+    // Promotion waits until the divergences are explained.
+    store::rollout(
+        &mut pg,
+        "orders",
+        &RolloutCommand::Takeover {
+            candidate: "v2".into(),
+            types: vec![CREATED.into()],
+            share: 5,
+        },
+    )
+    .await
+    .unwrap();
+    let e = store::rollout(&mut pg, "orders", &RolloutCommand::Promote)
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Input);
+    assert!(e.to_string().contains("2 unexplained divergence(s)"), "{e}");
+    assert!(e.to_string().contains("Sealpost-Tenant: tenant-9"), "{e}");
+    assert!(
+        store::explain_divergences(&pg, "orders", "v2", None, "", "x")
+            .await
+            .is_err()
+    );
+    let n = store::explain_divergences(
+        &pg,
+        "orders",
+        "v2",
+        Some(rollout::DivergenceKind::Headers),
+        "ops",
+        "v1's tenant bug, fixed in v2",
+    )
+    .await
+    .unwrap();
+    assert_eq!(n, 2);
+    assert_eq!(shadow_of(&pg, "v2").await.unexplained, 0);
+    let c = store::rollout(&mut pg, "orders", &RolloutCommand::Promote)
+        .await
+        .unwrap();
+    assert!(c.changed);
+    stop(stop2, v2).await;
 }

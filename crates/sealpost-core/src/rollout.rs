@@ -519,6 +519,131 @@ pub fn slices(aliases: &[Alias], implementation: &Implementation) -> Vec<Slice> 
     out
 }
 
+/// What a shadow compares ([`shadow_compare`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum DivergenceKind {
+    /// The destination digest the message carries is not the one the candidate computes
+    /// from the frozen destination.
+    DestinationDigest,
+    /// The payload digest differs from the sealed one.
+    PayloadDigest,
+    /// The envelope generation differs.
+    EnvelopeGeneration,
+    /// An envelope header differs (or is missing).
+    Headers,
+    /// The incumbent stored a version of an aggregate before an earlier one, on a
+    /// destination that keeps per-aggregate order: the candidate would have waited (R29).
+    Ordering,
+}
+
+impl DivergenceKind {
+    /// Every kind.
+    pub const ALL: [DivergenceKind; 5] = [
+        DivergenceKind::DestinationDigest,
+        DivergenceKind::PayloadDigest,
+        DivergenceKind::EnvelopeGeneration,
+        DivergenceKind::Headers,
+        DivergenceKind::Ordering,
+    ];
+
+    /// The stored name.
+    pub fn name(self) -> &'static str {
+        match self {
+            DivergenceKind::DestinationDigest => "destination_digest",
+            DivergenceKind::PayloadDigest => "payload_digest",
+            DivergenceKind::EnvelopeGeneration => "envelope_generation",
+            DivergenceKind::Headers => "headers",
+            DivergenceKind::Ordering => "ordering",
+        }
+    }
+
+    /// The kind a stored name names.
+    pub fn parse(s: &str) -> Option<DivergenceKind> {
+        DivergenceKind::ALL.into_iter().find(|k| k.name() == s)
+    }
+}
+
+/// One difference between what the incumbent sent and what the candidate would have sent.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Divergence {
+    /// What differs.
+    pub kind: DivergenceKind,
+    /// The incumbent's value (as stored at the broker).
+    pub incumbent: String,
+    /// The candidate's value.
+    pub candidate: String,
+}
+
+/// What the shadow read of one message the incumbent published.
+#[derive(Clone, Copy, Debug)]
+pub struct Observed<'a> {
+    /// The stored copy's receipt (the digests and generation the message carries).
+    pub receipt: &'a crate::receipt::Receipt,
+    /// The envelope headers the copy carries, when the adapter reads them.
+    pub headers: Option<&'a crate::port::WireEnvelope>,
+    /// An earlier version of the aggregate, bound for the same destination, was stored
+    /// after this message (or is not stored yet): the incumbent did not wait for it.
+    pub earlier_stored_later: bool,
+}
+
+/// The shadow's comparison (R25): what the candidate would have sent for `row` (its
+/// envelope description `envelope`), decided by this build's code, against what the
+/// incumbent's message carries. Empty: they match.
+pub fn shadow_compare(
+    row: &crate::row::EventRow,
+    envelope: &crate::port::WireEnvelope,
+    observed: Observed<'_>,
+) -> Vec<Divergence> {
+    let mut out = Vec::new();
+    let mut differ = |kind, incumbent: String, candidate: String| {
+        if incumbent != candidate {
+            out.push(Divergence {
+                kind,
+                incumbent,
+                candidate,
+            });
+        }
+    };
+    let r = observed.receipt;
+    differ(
+        DivergenceKind::DestinationDigest,
+        r.destination_digest.to_prefixed_hex(),
+        row.destination.digest().to_prefixed_hex(),
+    );
+    differ(
+        DivergenceKind::PayloadDigest,
+        r.payload_digest.to_prefixed_hex(),
+        row.payload_digest.to_prefixed_hex(),
+    );
+    differ(
+        DivergenceKind::EnvelopeGeneration,
+        r.envelope_generation.to_string(),
+        row.envelope_generation.to_string(),
+    );
+    if let Some(h) = observed.headers {
+        for ((name, theirs), (_, ours)) in h.headers().into_iter().zip(envelope.headers()) {
+            differ(
+                DivergenceKind::Headers,
+                format!("{name}: {theirs}"),
+                format!("{name}: {ours}"),
+            );
+        }
+    }
+    if row.destination.ordering == crate::envelope::EventOrdering::PerAggregate
+        && observed.earlier_stored_later
+    {
+        differ(
+            DivergenceKind::Ordering,
+            format!(
+                "sent version {} before an earlier one",
+                envelope.aggregate_version
+            ),
+            "waits for the earlier version".to_string(),
+        );
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -704,6 +829,114 @@ mod tests {
             may_claim(check, &free, later),
             Err(NotMine::Protocol(PROTOCOL_VERSION + 1))
         );
+    }
+
+    #[test]
+    fn the_shadow_names_each_difference_and_nothing_else() {
+        use crate::envelope::EventId;
+        use crate::port::WireEnvelope;
+        use crate::receipt::{Receipt, ReceiptSource};
+        let mut d = dest("c", "t");
+        let row = crate::row::EventRow::new_pending(
+            EventId([1; 16]),
+            0,
+            crate::Digest([2; 32]),
+            d.clone(),
+        );
+        let env = WireEnvelope {
+            event_type: "order.created".into(),
+            aggregate_type: "order".into(),
+            aggregate_id: "o-1".into(),
+            aggregate_version: 2,
+            occurred_at_ms: 5,
+            tenant: "t1".into(),
+            payload_schema_digest: crate::Digest([3; 32]),
+        };
+        let receipt = Receipt {
+            event_id: row.event_id,
+            member: 0,
+            envelope_generation: row.envelope_generation,
+            attempt_id: 1,
+            payload_digest: row.payload_digest,
+            destination_digest: row.destination_digest,
+            cluster: "c".into(),
+            stream: "t".into(),
+            partition: None,
+            sequence: 9,
+            broker_duplicate: false,
+            source: ReceiptSource::Lookup,
+        };
+        let same = Observed {
+            receipt: &receipt,
+            headers: Some(&env),
+            earlier_stored_later: false,
+        };
+        assert_eq!(shadow_compare(&row, &env, same), vec![]);
+        let other = WireEnvelope {
+            tenant: "t2".into(),
+            ..env.clone()
+        };
+        let dv = shadow_compare(
+            &row,
+            &env,
+            Observed {
+                headers: Some(&other),
+                ..same
+            },
+        );
+        assert_eq!(dv.len(), 1);
+        assert_eq!(dv[0].kind, DivergenceKind::Headers);
+        assert_eq!(dv[0].incumbent, "Sealpost-Tenant: t2");
+        assert_eq!(dv[0].candidate, "Sealpost-Tenant: t1");
+        let bad = Receipt {
+            destination_digest: crate::Digest([9; 32]),
+            envelope_generation: 7,
+            ..receipt.clone()
+        };
+        let kinds: Vec<_> = shadow_compare(
+            &row,
+            &env,
+            Observed {
+                receipt: &bad,
+                headers: None,
+                earlier_stored_later: true,
+            },
+        )
+        .into_iter()
+        .map(|d| d.kind)
+        .collect();
+        // Out of order only counts on an ordered destination.
+        assert_eq!(
+            kinds,
+            vec![
+                DivergenceKind::DestinationDigest,
+                DivergenceKind::EnvelopeGeneration
+            ]
+        );
+        d.ordering = EventOrdering::PerAggregate;
+        let mut ordered = row.clone();
+        ordered.destination = d;
+        ordered.destination_digest = ordered.destination.digest();
+        let r2 = Receipt {
+            destination_digest: ordered.destination_digest,
+            ..receipt.clone()
+        };
+        let dv = shadow_compare(
+            &ordered,
+            &env,
+            Observed {
+                receipt: &r2,
+                headers: Some(&env),
+                earlier_stored_later: true,
+            },
+        );
+        assert_eq!(
+            dv.iter().map(|d| d.kind).collect::<Vec<_>>(),
+            vec![DivergenceKind::Ordering]
+        );
+        for k in DivergenceKind::ALL {
+            assert_eq!(DivergenceKind::parse(k.name()), Some(k));
+        }
     }
 
     #[test]

@@ -10,6 +10,10 @@
 --                            (incumbent, candidate, stage, takeover types and share) and the
 --                            generation every switch raises.
 --   sealpost.rollout_log     every switch, who made it and when (insert-only).
+--   sealpost.shadow_tally    per route and candidate in shadow: the incumbent's messages
+--                            compared, matched and diverged, and how far it has read.
+--   sealpost.shadow_divergence  each difference the shadow found, until an operator
+--                            explains it; promotion is refused while one is unexplained.
 --
 -- A claim reads the aliases through sealpost.rollout_aliases(), which locks the table in
 -- SHARE mode until the claim's transaction ends: a switch (an INSERT or UPDATE, ROW
@@ -58,6 +62,38 @@ CREATE TABLE sealpost.rollout_log (
     at_ms          bigint NOT NULL
 );
 
+CREATE TABLE sealpost.shadow_tally (
+    route          text NOT NULL,
+    candidate      text NOT NULL,
+    compared       bigint NOT NULL DEFAULT 0,
+    matched        bigint NOT NULL DEFAULT 0,
+    diverged       bigint NOT NULL DEFAULT 0,
+    -- Where the shadow's walk of the work rows (in primary key order: time order for
+    -- UUIDv7 event ids) has read to; it starts at the newest row when the shadow starts.
+    read_to_event  uuid NOT NULL,
+    read_to_member smallint NOT NULL,
+    updated_at_ms  bigint NOT NULL,
+    PRIMARY KEY (route, candidate)
+);
+
+CREATE TABLE sealpost.shadow_divergence (
+    id               bigserial PRIMARY KEY,
+    route            text NOT NULL,
+    candidate        text NOT NULL,
+    event_id         uuid NOT NULL,
+    member           smallint NOT NULL,
+    kind             text NOT NULL CHECK (kind IN ('destination_digest', 'payload_digest',
+                         'envelope_generation', 'headers', 'ordering')),
+    incumbent_value  text NOT NULL,
+    candidate_value  text NOT NULL,
+    at_ms            bigint NOT NULL,
+    explained_by     text,
+    explanation      text,
+    explained_at_ms  bigint
+);
+CREATE INDEX shadow_divergence_open ON sealpost.shadow_divergence (route, candidate)
+    WHERE explained_at_ms IS NULL;
+
 CREATE FUNCTION sealpost.rollout_aliases() RETURNS SETOF sealpost.rollout
     LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
 AS $$
@@ -92,6 +128,14 @@ BEGIN
     EXECUTE format('GRANT SELECT, INSERT ON sealpost.rollout_log TO %I', names[5]);
     EXECUTE format('GRANT USAGE ON SEQUENCE sealpost.rollout_log_id_seq TO %I', names[5]);
     EXECUTE format('GRANT SELECT ON sealpost.rollout_log TO %I', names[6]);
+    -- A candidate's dispatchers record what their shadow compared; the operator explains
+    -- a divergence; the reader reads both.
+    EXECUTE format('GRANT SELECT, INSERT, UPDATE ON sealpost.shadow_tally TO %I', names[2]);
+    EXECUTE format('GRANT SELECT, INSERT ON sealpost.shadow_divergence TO %I', names[2]);
+    EXECUTE format('GRANT USAGE ON SEQUENCE sealpost.shadow_divergence_id_seq TO %I', names[2]);
+    EXECUTE format('GRANT SELECT ON sealpost.shadow_tally TO %I, %I', names[5], names[6]);
+    EXECUTE format('GRANT SELECT, UPDATE ON sealpost.shadow_divergence TO %I', names[5]);
+    EXECUTE format('GRANT SELECT ON sealpost.shadow_divergence TO %I', names[6]);
     RETURN true;
 END
 $install$;

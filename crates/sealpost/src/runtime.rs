@@ -1244,7 +1244,105 @@ impl Answer {
     }
 }
 
-/// Spawns `dispatchers` dispatcher tasks and, if asked, one reconciler beside them, each
+/// How often a candidate's shadow reads what the incumbent published (R25).
+pub const SHADOW_EVERY_MS: u64 = 1_000;
+
+/// The shadow reader of a dispatcher process (R25, `sealpost rollout shadow`): while this
+/// process's implementation is a route's candidate in shadow or takeover on this broker's
+/// cluster, it walks the messages the incumbent published there, reads each back from the
+/// broker, computes what this build would have sent for the same row
+/// ([`sealpost_core::rollout::shadow_compare`]: destination digest, payload digest,
+/// envelope generation, headers, ordering wait) and records matches and divergences
+/// (`rollout status`, the page). It claims nothing and sends nothing. Idle (one read of
+/// the aliases per [`SHADOW_EVERY_MS`]) when this implementation is nobody's candidate.
+pub async fn shadow<B: Broker>(
+    cfg: Config,
+    db: Arc<dyn PgSource>,
+    broker: Arc<B>,
+    shutdown: CancellationToken,
+) -> Result<(), RunError> {
+    let implementation = cfg
+        .implementation()
+        .map_err(|e| RunError::Config(e.to_string()))?;
+    let cluster = broker.cluster().to_string();
+    let mut pg: Option<PgConn> = None;
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return Ok(()),
+            _ = tokio::time::sleep(Duration::from_millis(SHADOW_EVERY_MS)) => {}
+        }
+        let Some(client) = connected(&mut pg, &*db, "shadow").await else {
+            continue;
+        };
+        if let Err(e) = shadow_round(client, &*broker, &implementation.id, &cluster).await {
+            tracing::warn!(error = %e, "shadow read failed; it tries again");
+            after_store_error(&e, &mut pg);
+        }
+    }
+}
+
+/// One read of every route where `me` is the candidate in shadow or takeover.
+async fn shadow_round<B: Broker>(
+    client: &mut tokio_postgres::Client,
+    broker: &B,
+    me: &str,
+    cluster: &str,
+) -> Result<(), StoreError> {
+    use sealpost_core::reconcile::Lookup;
+    use sealpost_core::rollout::{shadow_compare, Observed};
+    for a in store::aliases(&*client).await? {
+        let shadowing = a.candidate.as_deref() == Some(me)
+            && (a.stage == "shadow" || a.stage == "takeover")
+            && a.cluster == cluster;
+        if !shadowing {
+            continue;
+        }
+        let cursor = store::shadow_cursor(&*client, &a.route, me).await?;
+        let page = store::shadow_page(&*client, &a, me, cursor).await?;
+        let mut compared = Vec::with_capacity(page.rows.len());
+        for r in &page.rows {
+            let looked = broker
+                .lookup(&r.row.destination, r.row.event_id, r.row.member)
+                .await;
+            let (receipt, headers) = match looked {
+                Lookup::Copies(copies) => {
+                    let c = copies
+                        .iter()
+                        .find(|c| Some(c.receipt.attempt_id) == r.primary_attempt_id)
+                        .unwrap_or(&copies[0])
+                        .clone();
+                    (c.receipt, c.seal.claim.map(|x| x.envelope))
+                }
+                Lookup::Found(receipt) | Lookup::Unsealed { receipt, .. } => (receipt, None),
+                // Not at the broker any more (a retention limit), or not askable: nothing
+                // to compare; the reconciler reports a missing message.
+                Lookup::Absent | Lookup::Unqueryable => continue,
+                // Nothing learned: this page is read again next time.
+                Lookup::Unavailable => return Ok(()),
+            };
+            let ds = shadow_compare(
+                &r.row,
+                &r.envelope,
+                Observed {
+                    receipt: &receipt,
+                    headers: headers.as_ref(),
+                    earlier_stored_later: r.earlier_stored_later,
+                },
+            );
+            if !ds.is_empty() {
+                tracing::warn!(route = %a.route, event_id = %r.row.event_id, divergences = ds.len(), "shadow: the candidate would have sent this event differently");
+            }
+            compared.push((r.row.event_id, r.row.member, ds));
+        }
+        if page.read_to != cursor {
+            store::record_shadow(client, &a.route, me, &compared, page.read_to).await?;
+        }
+    }
+    Ok(())
+}
+
+/// Spawns `dispatchers` dispatcher tasks with one [`shadow`] reader beside them and, if
+/// asked, one reconciler, each
 /// with its own connection from `db`, all stopping when `shutdown` is cancelled. The demo,
 /// the bench and `sealpost dispatch` run the same fleet.
 pub fn spawn_fleet<B: Broker>(
@@ -1267,6 +1365,15 @@ pub fn spawn_fleet<B: Broker>(
             ))
         })
         .collect();
+    if dispatchers > 0 {
+        // One shadow reader per fleet: idle unless this implementation is a candidate.
+        tasks.push(tokio::spawn(shadow(
+            cfg.clone(),
+            db.clone(),
+            broker.clone(),
+            shutdown.clone(),
+        )));
+    }
     if with_reconciler {
         tasks.push(tokio::spawn(reconciler(
             cfg.clone(),

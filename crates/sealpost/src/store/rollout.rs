@@ -342,6 +342,11 @@ pub async fn rollout(
         }
         (None, _) => unrecorded(route, &cluster, &topic, ""),
     };
+    if let (RolloutCommand::Promote, Stage::Takeover, Some(c)) =
+        (command, current.stage, &current.candidate)
+    {
+        check_promotable(&tx, route, c).await?;
+    }
     let switch = match command {
         RolloutCommand::Shadow { candidate, .. } => current.shadow(candidate),
         RolloutCommand::Takeover {
@@ -513,11 +518,13 @@ pub struct RolloutStatus {
     pub implementations: Vec<Announced>,
     /// The last 20 switches, latest first.
     pub log: Vec<RolloutLogEntry>,
+    /// Every shadow's comparison.
+    pub shadows: Vec<ShadowView>,
 }
 
-/// The aliases, the announcements and the latest switches (`sealpost rollout status`).
-pub async fn rollout_status(client: &impl GenericClient) -> Result<RolloutStatus> {
-    let aliases = client
+/// Every route's alias (a plain read: no lock, unlike a claim's).
+pub async fn aliases(client: &impl GenericClient) -> Result<Vec<AliasView>> {
+    client
         .query(
             &format!("SELECT {ALIAS_COLS} FROM sealpost.rollout ORDER BY route"),
             &[],
@@ -525,7 +532,13 @@ pub async fn rollout_status(client: &impl GenericClient) -> Result<RolloutStatus
         .await?
         .iter()
         .map(|r| alias_of(r).map(|a| AliasView::from(&a)))
-        .collect::<Result<Vec<_>>>()?;
+        .collect()
+}
+
+/// The aliases, the announcements, the shadows and the latest switches (`sealpost
+/// rollout status`, the page).
+pub async fn rollout_status(client: &impl GenericClient) -> Result<RolloutStatus> {
+    let aliases = aliases(client).await?;
     let implementations = client
         .query(
             "SELECT owner, implementation, role, cluster, protocol_min, protocol_max, seen_at_ms
@@ -575,5 +588,335 @@ pub async fn rollout_status(client: &impl GenericClient) -> Result<RolloutStatus
         aliases,
         implementations,
         log,
+        shadows: shadow_views(client).await?,
     })
+}
+
+/// A message the incumbent published, as the candidate's shadow reads its row.
+#[derive(Clone, Debug)]
+pub struct ShadowRow {
+    /// The row.
+    pub row: EventRow,
+    /// Its envelope description (the headers the candidate would write).
+    pub envelope: WireEnvelope,
+    /// The attempt id of its primary receipt (the message to compare).
+    pub primary_attempt_id: Option<u64>,
+    /// An earlier version of the aggregate, bound for the same destination, was stored
+    /// after it or is not stored yet.
+    pub earlier_stored_later: bool,
+}
+
+/// One page of the shadow's walk.
+#[derive(Clone, Debug, Default)]
+pub struct ShadowPage {
+    /// The incumbent's published rows of the alias's destination to compare.
+    pub rows: Vec<ShadowRow>,
+    /// Rows read that are not compared (another destination, the candidate's own sends,
+    /// not published).
+    pub skipped: u64,
+    /// Where the next page starts (unchanged when the walk waits for a row on its way).
+    pub read_to: (Uuid, i16),
+}
+
+/// Rows of one page of the shadow's walk.
+const SHADOW_PAGE: i64 = 200;
+
+/// The shadow's cursor for `route` and `candidate`, created at the newest work row the
+/// first time (the shadow compares what is published from then on).
+pub async fn shadow_cursor(
+    client: &impl GenericClient,
+    route: &str,
+    candidate: &str,
+) -> Result<(Uuid, i16)> {
+    if let Some(r) = client
+        .query_opt(
+            "SELECT read_to_event, read_to_member FROM sealpost.shadow_tally
+              WHERE route = $1 AND candidate = $2",
+            &[&route, &candidate],
+        )
+        .await?
+    {
+        return Ok((r.get(0), r.get(1)));
+    }
+    let newest = client
+        .query_opt(
+            "SELECT event_id, member FROM sealpost.work ORDER BY event_id DESC, member DESC LIMIT 1",
+            &[],
+        )
+        .await?
+        .map_or((Uuid::nil(), 0), |r| (r.get(0), r.get(1)));
+    client
+        .execute(
+            &format!(
+                "INSERT INTO sealpost.shadow_tally (route, candidate, read_to_event, read_to_member,
+                   updated_at_ms) VALUES ($1, $2, $3, $4, {NOW_MS_SQL})
+                 ON CONFLICT (route, candidate) DO NOTHING"
+            ),
+            &[&route, &candidate, &newest.0, &newest.1],
+        )
+        .await?;
+    Ok(newest)
+}
+
+/// The next page of the shadow's walk after `from`, in primary key order: the rows of
+/// `alias`'s destination that an implementation other than `candidate` published. The walk
+/// stops before the first row still on its way (dispatchable or unknown) so that it is
+/// compared once published.
+pub async fn shadow_page(
+    client: &impl GenericClient,
+    alias: &AliasView,
+    candidate: &str,
+    from: (Uuid, i16),
+) -> Result<ShadowPage> {
+    let q = locked_rows_sql(
+        "FROM sealpost.work w WHERE (w.event_id, w.member) > ($1::uuid, $2::int2)
+          ORDER BY w.event_id, w.member LIMIT $3",
+        &format!(
+            ", {WIRE_ENVELOPE_COLS}, w.phase, w.primary_attempt_id,
+             (SELECT i.implementation FROM sealpost.implementation i WHERE i.owner = w.attempt_owner),
+             EXISTS (SELECT 1 FROM sealpost.envelope e2
+                       JOIN sealpost.work w2 ON w2.event_id = e2.event_id AND w2.member = e2.member
+                        AND w2.envelope_generation = e2.envelope_generation
+                      WHERE e2.aggregate_type = e.aggregate_type AND e2.aggregate_id = e.aggregate_id
+                        AND e2.aggregate_version < e.aggregate_version
+                        AND e2.dest_cluster = e.dest_cluster AND e2.dest_topic = e.dest_topic
+                        AND (w2.primary_sequence IS NULL OR w2.primary_sequence > w.primary_sequence))"
+        ),
+        "w.event_id, w.member",
+    );
+    counted(1);
+    let found = client.query(&q, &[&from.0, &from.1, &SHADOW_PAGE]).await?;
+    let rows = finish_load(client, &found).await?;
+    let extra = RowCol::ALL.len();
+    let mut page = ShadowPage {
+        read_to: from,
+        ..ShadowPage::default()
+    };
+    for (row, r) in rows.into_iter().zip(&found) {
+        let phase: i16 = r.get(extra + 7);
+        if phase == Phase::Dispatchable.code() || phase == Phase::Unknown.code() {
+            break;
+        }
+        page.read_to = (uuid_of(row.event_id), row.member as i16);
+        let owner_impl: Option<String> = r.get(extra + 9);
+        let mine = owner_impl.as_deref() == Some(candidate);
+        let ours = row.destination.cluster == alias.cluster && row.destination.topic == alias.topic;
+        if !ours || mine || row.primary.is_none() {
+            page.skipped += 1;
+            continue;
+        }
+        page.rows.push(ShadowRow {
+            envelope: wire_envelope(r, extra)?,
+            primary_attempt_id: r.get::<_, Option<i64>>(extra + 8).map(|a| a as u64),
+            earlier_stored_later: r.get(extra + 10),
+            row,
+        });
+    }
+    Ok(page)
+}
+
+/// Records one page's comparisons: the divergences found (per row) and the tally, with
+/// the cursor moved to `read_to`, in one transaction.
+pub async fn record_shadow(
+    client: &mut tokio_postgres::Client,
+    route: &str,
+    candidate: &str,
+    compared: &[(EventId, u16, Vec<rollout::Divergence>)],
+    read_to: (Uuid, i16),
+) -> Result<()> {
+    let tx = client.transaction().await?;
+    let mut diverged = 0i64;
+    for (event_id, member, ds) in compared {
+        if !ds.is_empty() {
+            diverged += 1;
+        }
+        for d in ds {
+            tx.execute(
+                &format!(
+                    "INSERT INTO sealpost.shadow_divergence (route, candidate, event_id, member,
+                       kind, incumbent_value, candidate_value, at_ms)
+                     VALUES ($1, $2, $3, $4, $5, $6, $7, {NOW_MS_SQL})"
+                ),
+                &[
+                    &route,
+                    &candidate,
+                    &uuid_of(*event_id),
+                    &(*member as i16),
+                    &d.kind.name(),
+                    &d.incumbent,
+                    &d.candidate,
+                ],
+            )
+            .await?;
+        }
+    }
+    let n = compared.len() as i64;
+    tx.execute(
+        &format!(
+            "UPDATE sealpost.shadow_tally SET compared = compared + $3,
+               matched = matched + $3 - $4, diverged = diverged + $4,
+               read_to_event = $5, read_to_member = $6, updated_at_ms = {NOW_MS_SQL}
+             WHERE route = $1 AND candidate = $2"
+        ),
+        &[&route, &candidate, &n, &diverged, &read_to.0, &read_to.1],
+    )
+    .await?;
+    tx.commit().await?;
+    Ok(())
+}
+
+/// Marks the unexplained divergences of `candidate`'s shadow on `route` (of one kind, or
+/// all) as explained by `operator` with `reason` (audited in the rows themselves). Returns
+/// how many.
+pub async fn explain_divergences(
+    client: &impl GenericClient,
+    route: &str,
+    candidate: &str,
+    kind: Option<rollout::DivergenceKind>,
+    operator: &str,
+    reason: &str,
+) -> Result<u64> {
+    if operator.trim().is_empty() || reason.trim().is_empty() {
+        return Err(StoreError::Rollout(
+            "an explanation names the operator and the reason".into(),
+        ));
+    }
+    Ok(client
+        .execute(
+            &format!(
+                "UPDATE sealpost.shadow_divergence
+                    SET explained_by = $4, explanation = $5, explained_at_ms = {NOW_MS_SQL}
+                  WHERE route = $1 AND candidate = $2 AND explained_at_ms IS NULL
+                    AND ($3::text IS NULL OR kind = $3)"
+            ),
+            &[
+                &route,
+                &candidate,
+                &kind.map(|k| k.name()),
+                &operator,
+                &reason,
+            ],
+        )
+        .await?)
+}
+
+/// A divergence as shown.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct DivergenceView {
+    /// Event id.
+    pub event_id: String,
+    /// Member.
+    pub member: u16,
+    /// Kind.
+    pub kind: String,
+    /// What the incumbent's message carries.
+    pub incumbent: String,
+    /// What the candidate would have sent.
+    pub candidate: String,
+    /// When found (database clock).
+    pub at_ms: u64,
+    /// The explanation, once given.
+    pub explanation: Option<String>,
+}
+
+/// One candidate's shadow on one route.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct ShadowView {
+    /// Route.
+    pub route: String,
+    /// Candidate.
+    pub candidate: String,
+    /// Messages compared.
+    pub compared: u64,
+    /// Of which matched.
+    pub matched: u64,
+    /// Of which diverged.
+    pub diverged: u64,
+    /// Divergences not explained yet (promotion is refused while any is).
+    pub unexplained: u64,
+    /// The latest divergences (up to 10), unexplained first.
+    pub examples: Vec<DivergenceView>,
+}
+
+async fn shadow_views(client: &impl GenericClient) -> Result<Vec<ShadowView>> {
+    let mut out = Vec::new();
+    for r in client
+        .query(
+            "SELECT t.route, t.candidate, t.compared, t.matched, t.diverged,
+                    (SELECT count(*) FROM sealpost.shadow_divergence d
+                      WHERE d.route = t.route AND d.candidate = t.candidate
+                        AND d.explained_at_ms IS NULL)
+               FROM sealpost.shadow_tally t ORDER BY t.route, t.candidate",
+            &[],
+        )
+        .await?
+    {
+        let (route, candidate): (String, String) = (r.get(0), r.get(1));
+        let examples = client
+            .query(
+                "SELECT event_id::text, member, kind, incumbent_value, candidate_value, at_ms,
+                        explanation
+                   FROM sealpost.shadow_divergence WHERE route = $1 AND candidate = $2
+                  ORDER BY (explained_at_ms IS NULL) DESC, id DESC LIMIT 10",
+                &[&route, &candidate],
+            )
+            .await?
+            .iter()
+            .map(|d| DivergenceView {
+                event_id: d.get(0),
+                member: d.get::<_, i16>(1) as u16,
+                kind: d.get(2),
+                incumbent: d.get(3),
+                candidate: d.get(4),
+                at_ms: d.get::<_, i64>(5) as u64,
+                explanation: d.get(6),
+            })
+            .collect();
+        out.push(ShadowView {
+            route,
+            candidate,
+            compared: r.get::<_, i64>(2) as u64,
+            matched: r.get::<_, i64>(3) as u64,
+            diverged: r.get::<_, i64>(4) as u64,
+            unexplained: r.get::<_, i64>(5) as u64,
+            examples,
+        });
+    }
+    Ok(out)
+}
+
+/// Refuses to promote `candidate` on `route` while its shadow has compared nothing or
+/// shows a divergence nobody explained.
+async fn check_promotable(tx: &Transaction<'_>, route: &str, candidate: &str) -> Result<()> {
+    let r = tx
+        .query_opt(
+            "SELECT t.compared,
+                    (SELECT count(*) FROM sealpost.shadow_divergence d
+                      WHERE d.route = t.route AND d.candidate = t.candidate
+                        AND d.explained_at_ms IS NULL),
+                    (SELECT kind || ' of event ' || event_id || ': incumbent \"' || incumbent_value
+                            || '\", candidate \"' || candidate_value || '\"'
+                       FROM sealpost.shadow_divergence d
+                      WHERE d.route = t.route AND d.candidate = t.candidate
+                        AND d.explained_at_ms IS NULL ORDER BY id LIMIT 1)
+               FROM sealpost.shadow_tally t WHERE t.route = $1 AND t.candidate = $2",
+            &[&route, &candidate],
+        )
+        .await?;
+    let (compared, open, first): (i64, i64, Option<String>) = match &r {
+        Some(r) => (r.get(0), r.get(1), r.get(2)),
+        None => (0, 0, None),
+    };
+    if compared == 0 {
+        return Err(StoreError::Rollout(format!(
+            "the shadow of \"{candidate}\" on route `{route}` has compared no message yet: run its dispatchers in shadow while the incumbent publishes, then promote"
+        )));
+    }
+    if open > 0 {
+        return Err(StoreError::Rollout(format!(
+            "the shadow of \"{candidate}\" on route `{route}` shows {open} unexplained divergence(s), first: {}; explain them with `sealpost rollout explain` or roll back",
+            first.unwrap_or_default()
+        )));
+    }
+    Ok(())
 }
