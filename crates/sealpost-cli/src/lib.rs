@@ -64,6 +64,28 @@ pub fn print_status(s: &store::Status) {
             );
         }
     }
+    for a in &s.rollout.aliases {
+        println!(
+            "ROLLOUT {} stage {} (generation {}): {}",
+            a.route, a.stage, a.generation, a.claims
+        );
+    }
+    for sh in &s.rollout.shadows {
+        println!(
+            "  shadow of {} on {}: {} compared, {} matched, {} diverged, {} unexplained{}",
+            sh.candidate,
+            sh.route,
+            sh.compared,
+            sh.matched,
+            sh.diverged,
+            sh.unexplained,
+            if sh.unexplained > 0 {
+                " (promotion refused until explained: sealpost rollout status)"
+            } else {
+                ""
+            }
+        );
+    }
     for c in &s.cdc {
         println!(
             "CDC slot {} ({}): {}{}, {} unconfirmed log bytes, {} retained, confirmed {:.1}s ago, {} rows in its window",

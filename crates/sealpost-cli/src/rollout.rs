@@ -84,27 +84,9 @@ pub enum RolloutCmd {
 }
 
 fn describe(a: &AliasView) -> String {
-    let candidate = a.candidate.as_deref().unwrap_or("-");
-    let who = match a.stage.as_str() {
-        "shadow" => format!(
-            "{} claims every row; {candidate} in shadow claims none",
-            a.incumbent
-        ),
-        "takeover" => format!(
-            "{candidate} claims {} at {}% of aggregates; {} the rest",
-            a.types.join(","),
-            a.share,
-            a.incumbent
-        ),
-        "promoted" => format!(
-            "{candidate} claims every row (rollback target: {})",
-            a.incumbent
-        ),
-        _ => format!("{} claims every row", a.incumbent),
-    };
     format!(
-        "route {} ({}/{}): stage {}, generation {}: {who}",
-        a.route, a.cluster, a.topic, a.stage, a.generation
+        "route {} ({}/{}): stage {}, generation {}: {}",
+        a.route, a.cluster, a.topic, a.stage, a.generation, a.claims
     )
 }
 

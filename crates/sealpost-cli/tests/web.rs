@@ -350,6 +350,16 @@ async fn text(c: &Client, css: &str) -> String {
 }
 
 /// Polls `css`'s text until `ok` holds (the page updates itself every 2 s).
+/// The cells of the table row `css`, as shown.
+async fn row_cells(c: &Client, css: &str) -> Vec<String> {
+    let tr = c.find(Locator::Css(css)).await.unwrap();
+    let mut cells = Vec::new();
+    for td in tr.find_all(Locator::Css("td")).await.unwrap() {
+        cells.push(td.text().await.unwrap());
+    }
+    cells
+}
+
 async fn wait_text(c: &Client, css: &str, ok: impl Fn(&str) -> bool) -> String {
     let start = Instant::now();
     loop {
@@ -547,6 +557,46 @@ async fn the_status_page_needs_a_token_shows_the_status_and_releases_only_for_an
     .await
     .unwrap();
     tx.commit().await.unwrap();
+    // And a rollout (R25) in shadow whose shadow found one divergence in two messages.
+    store::set_route(
+        &pg,
+        "rolled",
+        common::NATS_CLUSTER,
+        &format!("{stream}ROLL"),
+    )
+    .await
+    .unwrap();
+    store::rollout(
+        &mut pg,
+        "rolled",
+        &store::RolloutCommand::Shadow {
+            candidate: "v2".into(),
+            incumbent: Some("v1".into()),
+        },
+    )
+    .await
+    .unwrap();
+    let cursor = store::shadow_cursor(&pg, "rolled", "v2").await.unwrap();
+    store::record_shadow(
+        &mut pg,
+        "rolled",
+        "v2",
+        &[
+            (poison, 0, Vec::new()),
+            (
+                set_id,
+                0,
+                vec![sealpost_core::rollout::Divergence {
+                    kind: sealpost_core::rollout::DivergenceKind::Headers,
+                    incumbent: "Sealpost-Tenant: t9".into(),
+                    candidate: "Sealpost-Tenant: t".into(),
+                }],
+            ),
+        ],
+        cursor,
+    )
+    .await
+    .unwrap();
     let item = store::published_after_cursor(&mut pg, 1).await.unwrap();
     assert_eq!(item.len(), 1);
     assert!(store::record_missing(&pg, &item[0]).await.unwrap());
@@ -791,6 +841,49 @@ async fn the_status_page_needs_a_token_shows_the_status_and_releases_only_for_an
             "all (0/2)".to_string(),
             "in progress".to_string(),
             "orders: PENDING, audit: PENDING".to_string()
+        ]
+    );
+    // The rollout: the page's tables say what `status --json` says.
+    let ro = &after["rollout"];
+    assert_eq!(
+        ro["aliases"][0]["claims"],
+        "v1 claims every row; v2 in shadow claims none"
+    );
+    assert_eq!(
+        text(&c, "#rollout-summary").await,
+        "rollouts: 1 route(s), 1 under way"
+    );
+    assert_eq!(
+        row_cells(&c, "#rollout tr[data-route='rolled']").await,
+        vec![
+            "rolled".to_string(),
+            ro["aliases"][0]["stage"].as_str().unwrap().to_string(),
+            ro["aliases"][0]["generation"].to_string(),
+            ro["aliases"][0]["claims"].as_str().unwrap().to_string(),
+        ]
+    );
+    let sh = &ro["shadows"][0];
+    assert_eq!(
+        (
+            sh["compared"].as_u64(),
+            sh["diverged"].as_u64(),
+            sh["unexplained"].as_u64()
+        ),
+        (Some(2), Some(1), Some(1))
+    );
+    assert_eq!(
+        row_cells(&c, "#shadows tr[data-shadow='v2@rolled']").await,
+        ["v2", "rolled", "2", "1", "1", "1"]
+    );
+    assert_eq!(
+        row_cells(&c, &format!("#divergences tr[data-event-id='{set_id}']")).await,
+        [
+            "v2".to_string(),
+            set_id.to_string(),
+            "headers".to_string(),
+            "Sealpost-Tenant: t9".to_string(),
+            "Sealpost-Tenant: t".to_string(),
+            "no".to_string()
         ]
     );
     assert_eq!(after["states"]["QUARANTINED"], 1);

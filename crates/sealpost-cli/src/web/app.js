@@ -119,6 +119,50 @@ function renderStatus(s) {
     tr.appendChild(el("td", v.members.map((m) => m.route + ": " + (m.state || "removed")).join(", ")));
     sets.tBodies[0].appendChild(tr);
   }
+  // Rollouts (R25): each route's alias, the shadows' tallies and their latest divergences.
+  const ro = s.rollout || { aliases: [], shadows: [] };
+  const rollout = $("rollout");
+  rollout.hidden = ro.aliases.length === 0;
+  const moving = ro.aliases.filter((a) => a.stage !== "incumbent").length;
+  $("rollout-summary").textContent = "rollouts: " + ro.aliases.length + " route(s), " + moving + " under way";
+  rollout.tBodies[0].replaceChildren();
+  for (const a of ro.aliases) {
+    const tr = el("tr");
+    tr.dataset.route = a.route;
+    tr.appendChild(el("td", a.route));
+    tr.appendChild(el("td", a.stage));
+    tr.appendChild(el("td", a.generation, "n"));
+    tr.appendChild(el("td", a.claims));
+    rollout.tBodies[0].appendChild(tr);
+  }
+  const shadows = $("shadows");
+  const divergences = $("divergences");
+  shadows.hidden = ro.shadows.length === 0;
+  shadows.tBodies[0].replaceChildren();
+  divergences.tBodies[0].replaceChildren();
+  let examples = 0;
+  for (const sh of ro.shadows) {
+    const tr = el("tr");
+    tr.dataset.shadow = sh.candidate + "@" + sh.route;
+    tr.appendChild(el("td", sh.candidate));
+    tr.appendChild(el("td", sh.route));
+    for (const k of ["compared", "matched", "diverged"]) tr.appendChild(el("td", sh[k], "n"));
+    tr.appendChild(el("td", sh.unexplained, sh.unexplained > 0 ? "n bad" : "n"));
+    shadows.tBodies[0].appendChild(tr);
+    for (const d of sh.examples) {
+      const dr = el("tr");
+      dr.dataset.eventId = d.event_id;
+      dr.appendChild(el("td", sh.candidate));
+      dr.appendChild(el("td", d.event_id, "id"));
+      dr.appendChild(el("td", d.kind));
+      dr.appendChild(el("td", d.incumbent));
+      dr.appendChild(el("td", d.candidate));
+      dr.appendChild(el("td", d.explanation || "no", d.explanation ? "" : "bad"));
+      divergences.tBodies[0].appendChild(dr);
+      examples += 1;
+    }
+  }
+  divergences.hidden = examples === 0;
   const cdc = $("cdc-slots");
   const slots = s.cdc || [];
   cdc.hidden = slots.length === 0;

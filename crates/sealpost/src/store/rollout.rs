@@ -257,11 +257,36 @@ pub struct AliasView {
     pub share: u8,
     /// Alias generation.
     pub generation: u64,
+    /// Who claims what, in words (`rollout status`, `status`, the page).
+    pub claims: String,
+}
+
+/// Who claims a route's rows under `a`, in words.
+fn claims_of(a: &Alias) -> String {
+    let candidate = a.candidate.as_deref().unwrap_or("-");
+    match a.stage {
+        Stage::Shadow => format!(
+            "{} claims every row; {candidate} in shadow claims none",
+            a.incumbent
+        ),
+        Stage::Takeover => format!(
+            "{candidate} claims {} at {}% of aggregates; {} the rest",
+            a.types.join(","),
+            a.share,
+            a.incumbent
+        ),
+        Stage::Promoted => format!(
+            "{candidate} claims every row (rollback target: {})",
+            a.incumbent
+        ),
+        Stage::Incumbent => format!("{} claims every row", a.incumbent),
+    }
 }
 
 impl From<&Alias> for AliasView {
     fn from(a: &Alias) -> Self {
         AliasView {
+            claims: claims_of(a),
             route: a.route.clone(),
             cluster: a.cluster.clone(),
             topic: a.topic.clone(),
@@ -509,8 +534,8 @@ pub struct RolloutLogEntry {
     pub at_ms: u64,
 }
 
-/// Rows not yet published, per route and claimant.
-#[derive(Clone, Debug, serde::Serialize)]
+/// Every rollout's state (`sealpost rollout status`, `status().rollout`, the page).
+#[derive(Clone, Debug, Default, serde::Serialize)]
 pub struct RolloutStatus {
     /// Every alias.
     pub aliases: Vec<AliasView>,
@@ -579,6 +604,7 @@ pub async fn rollout_status(client: &impl GenericClient) -> Result<RolloutStatus
                 candidate: r.get(5),
                 types: r.get(6),
                 share: r.get::<_, i16>(7).clamp(1, 100) as u8,
+                claims: String::new(),
             },
             by_login: r.get(8),
             at_ms: r.get::<_, i64>(9) as u64,

@@ -29,6 +29,9 @@ pub struct Status {
     /// Delivery sets (R16): how many are complete, in progress or blocked, and the oldest
     /// open ones with their members.
     pub sets: SetSummary,
+    /// Rollouts (R25): every route's alias, the shadows' comparisons with their latest
+    /// divergences, the announced implementations and the latest switches.
+    pub rollout: RolloutStatus,
 }
 
 /// One CDC publisher's slot, as the server and its progress row tell.
@@ -219,6 +222,7 @@ pub async fn status(client: &impl GenericClient) -> Result<Status> {
         .get(0);
     s.cdc = cdc_status(client).await?;
     s.sets = set_summary(client).await?;
+    s.rollout = rollout_status(client).await?;
     Ok(s)
 }
 
