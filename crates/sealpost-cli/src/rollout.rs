@@ -218,7 +218,12 @@ pub async fn run(cmd: RolloutCmd, cfg: &Settings) -> Result<i32, String> {
     match store::rollout(&mut pg, &route, &command).await {
         Ok(c) => {
             match (&c.after, c.changed) {
-                (Some(a), true) => println!("switched: {}", describe(a)),
+                (Some(a), true) => {
+                    println!("switched: {}", describe(a));
+                    for w in &c.warnings {
+                        println!("warning: {w}");
+                    }
+                }
                 (Some(a), false) => println!("unchanged: {}", describe(a)),
                 (None, _) => println!("route {route} has no rollout; nothing to {}", c.command),
             }

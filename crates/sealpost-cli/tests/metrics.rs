@@ -215,6 +215,37 @@ async fn dispatch_metrics_match_status_and_the_published_events() {
     enqueue(&mut pg, "orders", &[b'x'; 4_096], 1).await; // poison
     enqueue(&mut pg, "elsewhere", b"{}", 1).await; // a cluster nobody serves: stays PENDING
 
+    // A rollout on a route of its own whose shadow found one divergence in two messages.
+    store::set_route(&pg, "rolled", &format!("nobody-{tag}"), "ROLLED")
+        .await
+        .unwrap();
+    store::rollout(
+        &mut pg,
+        "rolled",
+        &store::RolloutCommand::Shadow {
+            candidate: "v2".into(),
+            incumbent: Some("v1".into()),
+        },
+    )
+    .await
+    .unwrap();
+    let cursor = store::shadow_cursor(&pg, "rolled", "v2").await.unwrap();
+    let diverged = sealpost_core::rollout::Divergence {
+        kind: sealpost_core::rollout::DivergenceKind::Headers,
+        incumbent: "Sealpost-Tenant: a".into(),
+        candidate: "Sealpost-Tenant: b".into(),
+    };
+    let some = claimed.outgoing[0].event_id;
+    store::record_shadow(
+        &mut pg,
+        "rolled",
+        "v2",
+        &[(some, 0, Vec::new()), (some, 0, vec![diverged])],
+        cursor,
+    )
+    .await
+    .unwrap();
+
     let addr = free_addr();
     let _dispatch = Proc(
         Command::new(env!("CARGO_BIN_EXE_sealpost"))
@@ -272,6 +303,23 @@ async fn dispatch_metrics_match_status_and_the_published_events() {
             sum(&m, "sealpost_delivery_sets", &[("status", s)]),
             status["sets"][s].as_f64().unwrap(),
             "delivery sets {s}"
+        );
+    }
+    // The shadow's figures.
+    let sh = &status["rollout"]["shadows"][0];
+    let labels = [("route", "rolled"), ("candidate", "v2")];
+    assert_eq!(
+        sum(&m, "sealpost_shadow_unexplained_divergences", &labels),
+        sh["unexplained"].as_f64().unwrap()
+    );
+    assert_eq!(sh["unexplained"], 1);
+    for result in ["matched", "diverged"] {
+        let mut l = labels.to_vec();
+        l.push(("result", result));
+        assert_eq!(
+            sum(&m, "sealpost_shadow_compared", &l),
+            sh[result].as_f64().unwrap(),
+            "shadow {result}"
         );
     }
     // Ages: the sample was taken before `status` ran, so it is not older than status says,

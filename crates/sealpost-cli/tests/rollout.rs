@@ -101,6 +101,11 @@ async fn shadow_of(pg: &tokio_postgres::Client, candidate: &str) -> store::Shado
 async fn switch(pg: &mut tokio_postgres::Client, route: &str, cmd: RolloutCommand) -> Alias {
     let c = store::rollout(pg, route, &cmd).await.unwrap();
     assert!(c.changed, "{cmd:?} should switch the alias: {c:?}");
+    assert_eq!(
+        c.warnings,
+        Vec::<String>::new(),
+        "every claimant has dispatchers"
+    );
     alias(pg, route).await
 }
 
@@ -402,7 +407,15 @@ async fn the_claim_filter_takes_what_the_core_gives_a_switch_waits_for_claims_an
             share: 40,
         },
     ] {
-        store::rollout(&mut pg, "orders", &cmd).await.unwrap();
+        let c = store::rollout(&mut pg, "orders", &cmd).await.unwrap();
+        // Nobody runs here: the switch says whose rows will wait.
+        assert!(
+            c.warnings
+                .iter()
+                .any(|w| w.contains("no dispatcher of \"v1\" on cluster `c1`")),
+            "{:?}",
+            c.warnings
+        );
     }
     let a = alias(&pg, "orders").await;
     // A candidate whose shadow compared nothing is not promoted.

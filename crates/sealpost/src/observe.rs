@@ -82,6 +82,12 @@ pub const MISSING_AT_BROKER: &str = "sealpost_missing_at_broker";
 /// Delivery sets by the core's verdict (gauge; label `status` = `complete` | `in_progress` |
 /// `blocked`), from [`store::status`] (its `sets`).
 pub const DELIVERY_SETS: &str = "sealpost_delivery_sets";
+/// A shadow's divergences nobody explained yet (gauge; labels `route`, `candidate`), from
+/// [`store::status`] (its `rollout.shadows`): promotion is refused while it is above zero.
+pub const SHADOW_UNEXPLAINED: &str = "sealpost_shadow_unexplained_divergences";
+/// Messages a shadow compared (gauge; labels `route`, `candidate`, `result` = `matched` |
+/// `diverged`), from the same.
+pub const SHADOW_COMPARED: &str = "sealpost_shadow_compared";
 /// Status samples taken (counter; label `result` = `ok` | `error`).
 pub const STATUS_SAMPLES: &str = "sealpost_status_samples_total";
 
@@ -296,6 +302,15 @@ pub fn record_status(s: &Status) {
         ("blocked", s.sets.blocked),
     ] {
         gauge!(DELIVERY_SETS, "status" => status).set(n as f64);
+    }
+    for sh in &s.rollout.shadows {
+        let (route, candidate) = (sh.route.clone(), sh.candidate.clone());
+        gauge!(SHADOW_UNEXPLAINED, "route" => route.clone(), "candidate" => candidate.clone())
+            .set(sh.unexplained as f64);
+        for (result, n) in [("matched", sh.matched), ("diverged", sh.diverged)] {
+            gauge!(SHADOW_COMPARED, "route" => route.clone(), "candidate" => candidate.clone(), "result" => result)
+                .set(n as f64);
+        }
     }
 }
 

@@ -731,13 +731,14 @@ pub(crate) async fn dispatch_loop<B: Broker>(
     let cluster = broker.cluster().to_string();
     let epoch = Instant::now();
     let mut m = DispatcherMachine::new(cfg.dispatcher_config(), 0);
+    let role = match &log {
+        Some(_) => store::Role::Cdc,
+        None => store::Role::Dispatcher,
+    };
     if let Some(client) = pg.as_ref() {
-        let role = match &log {
-            Some(_) => store::Role::Cdc,
-            None => store::Role::Dispatcher,
-        };
         store::announce(&**client, owner, &implementation, role, &cluster).await?;
     }
+    let mut announced = Instant::now();
     tracing::info!(owner, %cluster, implementation = %implementation.id, "dispatcher started");
     // Actions the machine returned from a `handle_*` call, performed before polling again.
     let mut next: VecDeque<DispatchAction> = VecDeque::new();
@@ -819,6 +820,16 @@ pub(crate) async fn dispatch_loop<B: Broker>(
                 if fresh {
                     // A new connection has none of the old one's prepared statements.
                     held.forget_statements();
+                }
+                if announced.elapsed() >= Duration::from_millis(ANNOUNCE_EVERY_MS) {
+                    // Still here: `rollout status` and a switch's warnings count the
+                    // dispatchers seen lately.
+                    announced = Instant::now();
+                    if let Err(e) =
+                        store::announce(&*client, owner, &implementation, role, &cluster).await
+                    {
+                        tracing::warn!(error = %e, "could not renew the implementation announcement");
+                    }
                 }
                 let started = ms_since(epoch);
                 let scan = store::ClaimRequest::new(owner, batch_size_max, cfg.lease_ms)
@@ -1243,6 +1254,9 @@ impl Answer {
         }
     }
 }
+
+/// How often a dispatcher renews its announcement (`sealpost.implementation.seen_at_ms`).
+pub const ANNOUNCE_EVERY_MS: u64 = 30_000;
 
 /// How often a candidate's shadow reads what the incumbent published (R25).
 pub const SHADOW_EVERY_MS: u64 = 1_000;

@@ -313,6 +313,46 @@ pub struct RolloutChange {
     pub after: Option<AliasView>,
     /// Whether the alias moved (false: it already was what the command asks).
     pub changed: bool,
+    /// What an operator should know: an implementation that now claims rows of the route
+    /// has no dispatcher on its cluster announced in the last two minutes (its rows wait
+    /// until one runs).
+    pub warnings: Vec<String>,
+}
+
+/// Dispatchers are "seen lately" when they announced within this (four renewals).
+const SEEN_LATELY_MS: i64 = 120_000;
+
+/// The warnings of a switch to `a`: every implementation that claims rows under it and has
+/// no dispatcher of its cluster seen lately.
+async fn claimant_warnings(tx: &Transaction<'_>, a: &Alias) -> Result<Vec<String>> {
+    let mut claimants = vec![a.incumbent.as_str()];
+    match (a.stage, a.candidate.as_deref()) {
+        (Stage::Takeover, Some(c)) => claimants.push(c),
+        (Stage::Promoted, Some(c)) => claimants = vec![c],
+        _ => {}
+    }
+    let mut out = Vec::new();
+    for c in claimants {
+        let seen: i64 = tx
+            .query_one(
+                &format!(
+                    "SELECT count(*) FROM sealpost.implementation
+                      WHERE implementation = $1 AND cluster = $2 AND role IN ('dispatcher', 'cdc')
+                        AND seen_at_ms > {NOW_MS_SQL} - $3"
+                ),
+                &[&c, &a.cluster, &SEEN_LATELY_MS],
+            )
+            .await?
+            .get(0);
+        if seen == 0 {
+            out.push(format!(
+                "no dispatcher of \"{c}\" on cluster `{}` announced itself in the last {} s: the rows it now claims wait until one runs",
+                a.cluster,
+                SEEN_LATELY_MS / 1_000
+            ));
+        }
+    }
+    Ok(out)
 }
 
 /// Runs a rollout command on `route` in one transaction: the record is locked, the core
@@ -392,6 +432,7 @@ pub async fn rollout(
                 after: before.as_ref().map(AliasView::from),
                 before: before.as_ref().map(AliasView::from),
                 changed: false,
+                warnings: Vec::new(),
             });
         }
         Switch::To(a) => a,
@@ -445,13 +486,18 @@ pub async fn rollout(
         ],
     )
     .await?;
+    let warnings = claimant_warnings(&tx, &after).await?;
     tx.commit().await?;
+    for w in &warnings {
+        tracing::warn!(route, "{w}");
+    }
     Ok(RolloutChange {
         route: route.to_string(),
         command: command.name().to_string(),
         before: before.as_ref().map(AliasView::from),
         after: Some(AliasView::from(&after)),
         changed: true,
+        warnings,
     })
 }
 
