@@ -177,6 +177,10 @@ pub async fn run(cmd: RolloutCmd, cfg: &Settings) -> Result<i32, String> {
             match store::explain_divergences(&pg, &route, &candidate, kind, &operator, &reason)
                 .await
             {
+                Ok(0) => {
+                    println!("nothing to explain: {candidate} has no unexplained divergence on route {route} (see sealpost rollout status)");
+                    return Ok(0);
+                }
                 Ok(n) => {
                     println!("explained {n} divergence(s) of {candidate} on {route} (by {operator}: {reason})");
                     return Ok(0);

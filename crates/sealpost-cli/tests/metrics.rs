@@ -242,6 +242,7 @@ async fn dispatch_metrics_match_status_and_the_published_events() {
         "v2",
         &[(some, 0, Vec::new()), (some, 0, vec![diverged])],
         cursor,
+        cursor,
     )
     .await
     .unwrap();

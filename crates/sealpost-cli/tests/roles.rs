@@ -246,7 +246,7 @@ async fn each_role_does_its_job_and_is_refused_everything_else() {
         &login(Kind::Producer),
         &[
             "Sealpost role producer",
-            "SELECT (held by dispatcher, operator, reconciler",
+            "EXECUTE on sealpost.rollout_aliases, which role dispatcher holds",
         ],
     )
     .await;
@@ -1034,4 +1034,120 @@ async fn the_producer_writes_a_delivery_set_and_only_reads_follow() {
     let t = ops::trace(&reader, &id.to_string()).await.unwrap();
     assert_eq!(t["sets"][0]["status"], "in_progress", "{t}");
     assert_eq!(t["sets"][0]["members"][0]["route"], route.as_str(), "{t}");
+}
+
+#[tokio::test]
+async fn the_operator_switches_an_alias_dispatchers_claim_under_it_and_shadow_and_nobody_else_writes_it(
+) {
+    use sealpost_core::rollout::{Divergence, DivergenceKind, Implementation};
+    use store::RolloutCommand;
+    let topic = format!("ROLEROLL{}", runtime::owner_id() % 1_000_000);
+    let route = format!("r-{topic}");
+    let env = setup("rollout", &route, &topic).await;
+    let mut operator = env.connect(Kind::Operator).await;
+    let shadow = RolloutCommand::Shadow {
+        candidate: "v2".into(),
+        incumbent: Some("v1".into()),
+    };
+    assert!(
+        store::rollout(&mut operator, &route, &shadow)
+            .await
+            .unwrap()
+            .changed
+    );
+    // The dispatcher announces itself and keeps its shadow's tally and divergences.
+    let mut dispatcher = env.connect(Kind::Dispatcher).await;
+    let v2 = Implementation::new("v2").unwrap();
+    store::announce(
+        &dispatcher,
+        7,
+        &v2,
+        store::Role::Dispatcher,
+        common::NATS_CLUSTER,
+    )
+    .await
+    .unwrap();
+    let cursor = store::shadow_cursor(&dispatcher, &route, "v2")
+        .await
+        .unwrap();
+    let id = sealpost_cli::demo::mint_event_id();
+    let compared = [(
+        id,
+        0,
+        vec![Divergence {
+            kind: DivergenceKind::Headers,
+            incumbent: "a".into(),
+            candidate: "b".into(),
+        }],
+    )];
+    assert!(
+        store::record_shadow(&mut dispatcher, &route, "v2", &compared, cursor, cursor)
+            .await
+            .unwrap()
+    );
+    let takeover = RolloutCommand::Takeover {
+        candidate: "v2".into(),
+        types: vec!["order.created.v1".into()],
+        share: 100,
+    };
+    assert!(
+        store::rollout(&mut operator, &route, &takeover)
+            .await
+            .unwrap()
+            .changed
+    );
+    // Nobody else switches an alias, explains a divergence or writes the log.
+    for k in [
+        Kind::Producer,
+        Kind::Dispatcher,
+        Kind::Reconciler,
+        Kind::Consumer,
+        Kind::Reader,
+    ] {
+        let mut pg = env.connect(k).await;
+        let e = store::rollout(&mut pg, &route, &RolloutCommand::Rollback)
+            .await
+            .unwrap_err();
+        assert_eq!(e.kind(), store::ErrorKind::Permission, "{}: {e}", k.name());
+        refused(&pg, "UPDATE sealpost.rollout SET stage = 'promoted'").await;
+        refused(
+            &pg,
+            "UPDATE sealpost.shadow_divergence SET explanation = 'x'",
+        )
+        .await;
+        refused(&pg, "DELETE FROM sealpost.rollout_log").await;
+    }
+    // The dispatcher claims under the alias (reading it through rollout_aliases, the only
+    // way it may take the table's SHARE lock): v1 gets nothing of the taken-over type, v2
+    // both events.
+    let mut producer = env.connect(Kind::Producer).await;
+    enqueue(&mut producer, &route, 2).await;
+    refused(
+        &dispatcher,
+        "BEGIN; LOCK TABLE sealpost.rollout IN SHARE MODE",
+    )
+    .await;
+    dispatcher.batch_execute("ROLLBACK").await.unwrap();
+    let v1 = Implementation::new("v1").unwrap();
+    for (imp, n) in [(&v1, 0), (&v2, 2)] {
+        let b = store::claim(
+            &mut dispatcher,
+            &store::ClaimRequest::new(7, 10, 60_000).implementation(imp),
+            None,
+        )
+        .await
+        .unwrap();
+        assert_eq!(b.outgoing.len(), n, "{}", imp.id);
+    }
+    // The operator explains it; the reader sees the whole rollout in the status.
+    let n = store::explain_divergences(&operator, &route, "v2", None, "ops", "expected")
+        .await
+        .unwrap();
+    assert_eq!(n, 1);
+    let reader = env.connect(Kind::Reader).await;
+    let r = store::status(&reader).await.unwrap().rollout;
+    assert_eq!(r.aliases[0].stage, "takeover");
+    assert_eq!((r.shadows[0].compared, r.shadows[0].unexplained), (1, 0));
+    assert_eq!(r.implementations[0].implementation, "v2");
+    assert_eq!(r.log.len(), 2);
 }

@@ -309,7 +309,8 @@ async fn two_implementations_claim_what_the_alias_names_through_shadow_takeover_
     common::wait_for(what, limit, async || all_published(&pg, "d").await).await;
     sent_as(&pg, "d", |_, _| "v1".into()).await;
 
-    // Shadow, takeover, promote: v2 claims every row, v1 none.
+    // Shadow again (a new shadow: its tally starts over), takeover once it has compared
+    // what v1 published meanwhile, promote: v2 claims every row, v1 none.
     switch(
         &mut pg,
         "orders",
@@ -318,6 +319,32 @@ async fn two_implementations_claim_what_the_alias_names_through_shadow_takeover_
             incumbent: None,
         },
     )
+    .await;
+    let early = store::rollout(
+        &mut pg,
+        "orders",
+        &RolloutCommand::Takeover {
+            candidate: "v2".into(),
+            types: vec![CREATED.into()],
+            share: 5,
+        },
+    )
+    .await
+    .unwrap_err();
+    assert!(
+        early.to_string().contains("has compared no message yet"),
+        "{early}"
+    );
+    let (what, limit) = wait("the new shadow to start reading");
+    common::wait_for(what, limit, async || {
+        common::count(&pg, "SELECT count(*) FROM sealpost.shadow_tally").await == 1
+    })
+    .await;
+    enqueue(&mut pg, "orders", "g", 20).await;
+    let (what, limit) = wait("the new shadow to compare batch g");
+    common::wait_for(what, limit, async || {
+        all_published(&pg, "g").await && shadow_of(&pg, "v2").await.compared == 20
+    })
     .await;
     switch(
         &mut pg,
@@ -361,7 +388,7 @@ async fn two_implementations_claim_what_the_alias_names_through_shadow_takeover_
         .cached_info()
         .clone();
     let events = common::count(&pg, "SELECT count(*) FROM sealpost.work").await;
-    assert_eq!(events, 40 + 200 + 400 + 40 + 40 + 10);
+    assert_eq!(events, 40 + 200 + 400 + 40 + 20 + 40 + 10);
     assert_eq!(info.state.messages as i64, events);
     assert_eq!(
         common::count(
@@ -396,19 +423,50 @@ async fn the_claim_filter_takes_what_the_core_gives_a_switch_waits_for_claims_an
     enqueue(&mut pg, "other", "x", 10).await;
     let v1 = Implementation::new("v1").unwrap();
     let v2 = Implementation::new("v2").unwrap();
-    for cmd in [
-        RolloutCommand::Shadow {
-            candidate: "v2".into(),
-            incumbent: Some("v1".into()),
-        },
-        RolloutCommand::Takeover {
-            candidate: "v2".into(),
-            types: vec![CREATED.into()],
-            share: 40,
-        },
-    ] {
-        let c = store::rollout(&mut pg, "orders", &cmd).await.unwrap();
-        // Nobody runs here: the switch says whose rows will wait.
+    let takeover = RolloutCommand::Takeover {
+        candidate: "v2".into(),
+        types: vec![CREATED.into()],
+        share: 40,
+    };
+    let shadow = RolloutCommand::Shadow {
+        candidate: "v2".into(),
+        incumbent: Some("v1".into()),
+    };
+    let c = store::rollout(&mut pg, "orders", &shadow).await.unwrap();
+    // Nobody runs here: the switch says whose rows will wait.
+    assert!(
+        c.warnings
+            .iter()
+            .any(|w| w.contains("no dispatcher of \"v1\" on cluster `c1`")),
+        "{:?}",
+        c.warnings
+    );
+    // A takeover needs the shadow to have compared something (its reader records it; here
+    // the store call it makes stands in).
+    let e = store::rollout(&mut pg, "orders", &takeover)
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("has compared no message yet"), "{e}");
+    let cursor = store::shadow_cursor(&pg, "orders", "v2").await.unwrap();
+    let some = sealpost_cli::demo::mint_event_id();
+    let page = [(some, 0, Vec::new())];
+    let next = (uuid::Uuid::max(), 0);
+    let recorded = store::record_shadow(&mut pg, "orders", "v2", &page, cursor, next)
+        .await
+        .unwrap();
+    assert!(recorded);
+    // A second reader that read the same page (from the same cursor) records nothing.
+    let again = store::record_shadow(&mut pg, "orders", "v2", &page, cursor, next)
+        .await
+        .unwrap();
+    assert!(!again);
+    assert_eq!(
+        shadow_of(&pg, "v2").await.compared,
+        1,
+        "the page counted once"
+    );
+    {
+        let c = store::rollout(&mut pg, "orders", &takeover).await.unwrap();
         assert!(
             c.warnings
                 .iter()
@@ -418,11 +476,6 @@ async fn the_claim_filter_takes_what_the_core_gives_a_switch_waits_for_claims_an
         );
     }
     let a = alias(&pg, "orders").await;
-    // A candidate whose shadow compared nothing is not promoted.
-    let e = store::rollout(&mut pg, "orders", &RolloutCommand::Promote)
-        .await
-        .unwrap_err();
-    assert!(e.to_string().contains("has compared no message yet"), "{e}");
 
     // v2's claim takes exactly the `orders` rows the core gives v2 (and the other route's
     // rows, which no rollout touches); v1's the rest. The SQL filter computes the share

@@ -369,7 +369,8 @@ async fn drill<B, S>(
     wait_published(&pg, "d").await;
     assert_eq!(sent_by(&pg, "d", |_, _, who| who == "v1").await, (60, 0));
 
-    // 4. Shadow, takeover, promote; v1 is killed; v2 claims everything.
+    // 4. Shadow (a new tally), takeover once it compared what v1 published meanwhile,
+    // promote; v1 is killed; v2 claims everything.
     switch(
         &mut pg,
         RolloutCommand::Shadow {
@@ -378,6 +379,21 @@ async fn drill<B, S>(
         },
     )
     .await;
+    wait_for(
+        "the new shadow to start",
+        Duration::from_secs(30),
+        async || count(&pg, "SELECT count(*) FROM sealpost.shadow_tally").await == 1,
+    )
+    .await;
+    enqueue(&mut pg, "g", 40).await;
+    wait_published(&pg, "g").await;
+    wait_for(
+        "the new shadow to compare batch g",
+        Duration::from_secs(60),
+        async || compared(&pg).await.0 >= 40,
+    )
+    .await;
+    assert_eq!(compared(&pg).await, (40, 40, 0));
     switch(
         &mut pg,
         RolloutCommand::Takeover {
@@ -400,7 +416,7 @@ async fn drill<B, S>(
     v2.stop().await;
 
     // Nothing lost, nothing unknown, every event reconciled and applied once.
-    let total = 60 + 800 + 800 + 60 + 100;
+    let total = 60 + 800 + 800 + 60 + 40 + 100;
     // The kills left sends whose receipt never reached the store: the reconciler found
     // them at the broker (a primary receipt from a lookup) or, proven absent, had them sent
     // again.

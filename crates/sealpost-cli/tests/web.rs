@@ -594,6 +594,7 @@ async fn the_status_page_needs_a_token_shows_the_status_and_releases_only_for_an
             ),
         ],
         cursor,
+        cursor,
     )
     .await
     .unwrap();

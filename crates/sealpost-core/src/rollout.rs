@@ -496,15 +496,18 @@ pub fn slices(aliases: &[Alias], implementation: &Implementation) -> Vec<Slice> 
     let me = implementation.id.as_str();
     let mut out = Vec::new();
     for a in aliases {
-        let candidate = a.candidate.as_deref();
+        // As `claimant` reads a record without a candidate: the incumbent stands in.
+        let candidate = a.candidate.as_deref().unwrap_or(&a.incumbent);
+        let (cand, inc) = (candidate == me, a.incumbent == me);
         let side = match a.stage {
-            Stage::Incumbent | Stage::Shadow if a.incumbent == me => continue,
-            Stage::Promoted if candidate == Some(me) => continue,
-            Stage::Takeover if candidate == Some(me) => Side::Within {
+            Stage::Incumbent | Stage::Shadow if inc => continue,
+            Stage::Promoted if cand => continue,
+            Stage::Takeover if cand && inc => continue,
+            Stage::Takeover if cand => Side::Within {
                 types: a.types.clone(),
                 share: a.share,
             },
-            Stage::Takeover if a.incumbent == me => Side::Outside {
+            Stage::Takeover if inc => Side::Outside {
                 types: a.types.clone(),
                 share: a.share,
             },
@@ -574,13 +577,24 @@ pub struct Divergence {
     pub candidate: String,
 }
 
+/// The envelope headers of a copy, as the adapter read them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SeenHeaders<'a> {
+    /// Read and well formed.
+    Read(&'a crate::port::WireEnvelope),
+    /// The adapter reads headers, and this copy's are missing or malformed: a divergence.
+    Missing,
+    /// The adapter does not read headers back: only the digests are compared.
+    NotRead,
+}
+
 /// What the shadow read of one message the incumbent published.
 #[derive(Clone, Copy, Debug)]
 pub struct Observed<'a> {
     /// The stored copy's receipt (the digests and generation the message carries).
     pub receipt: &'a crate::receipt::Receipt,
-    /// The envelope headers the copy carries, when the adapter reads them.
-    pub headers: Option<&'a crate::port::WireEnvelope>,
+    /// The envelope headers the copy carries.
+    pub headers: SeenHeaders<'a>,
     /// An earlier version of the aggregate, bound for the same destination, was stored
     /// after this message (or is not stored yet): the incumbent did not wait for it.
     pub earlier_stored_later: bool,
@@ -620,14 +634,22 @@ pub fn shadow_compare(
         r.envelope_generation.to_string(),
         row.envelope_generation.to_string(),
     );
-    if let Some(h) = observed.headers {
-        for ((name, theirs), (_, ours)) in h.headers().into_iter().zip(envelope.headers()) {
-            differ(
-                DivergenceKind::Headers,
-                format!("{name}: {theirs}"),
-                format!("{name}: {ours}"),
-            );
+    match observed.headers {
+        SeenHeaders::Read(h) => {
+            for ((name, theirs), (_, ours)) in h.headers().into_iter().zip(envelope.headers()) {
+                differ(
+                    DivergenceKind::Headers,
+                    format!("{name}: {theirs}"),
+                    format!("{name}: {ours}"),
+                );
+            }
         }
+        SeenHeaders::Missing => differ(
+            DivergenceKind::Headers,
+            "no well-formed Sealpost-* envelope headers".to_string(),
+            "the seven Sealpost-* envelope headers".to_string(),
+        ),
+        SeenHeaders::NotRead => {}
     }
     if row.destination.ordering == crate::envelope::EventOrdering::PerAggregate
         && observed.earlier_stored_later
@@ -782,6 +804,15 @@ mod tests {
             a.topic = "solo".into();
             a
         });
+        // Records the store's checks forbid (a takeover or promotion without a candidate):
+        // the SQL's reading still agrees with the core's.
+        for (i, stage) in [Stage::Takeover, Stage::Promoted].into_iter().enumerate() {
+            let mut a = Alias::new("odd", &dest("c", &format!("odd{i}")), "old");
+            a.stage = stage;
+            a.types = vec!["order.created".into()];
+            a.share = 50;
+            aliases.push(a);
+        }
         let types = ["order.created", "order.paid"];
         for me in ["old", "new", "third"] {
             let i = imp(me);
@@ -868,7 +899,7 @@ mod tests {
         };
         let same = Observed {
             receipt: &receipt,
-            headers: Some(&env),
+            headers: SeenHeaders::Read(&env),
             earlier_stored_later: false,
         };
         assert_eq!(shadow_compare(&row, &env, same), vec![]);
@@ -880,7 +911,7 @@ mod tests {
             &row,
             &env,
             Observed {
-                headers: Some(&other),
+                headers: SeenHeaders::Read(&other),
                 ..same
             },
         );
@@ -898,7 +929,7 @@ mod tests {
             &env,
             Observed {
                 receipt: &bad,
-                headers: None,
+                headers: SeenHeaders::NotRead,
                 earlier_stored_later: true,
             },
         )
@@ -926,7 +957,7 @@ mod tests {
             &env,
             Observed {
                 receipt: &r2,
-                headers: Some(&env),
+                headers: SeenHeaders::Read(&env),
                 earlier_stored_later: true,
             },
         );
@@ -934,6 +965,16 @@ mod tests {
             dv.iter().map(|d| d.kind).collect::<Vec<_>>(),
             vec![DivergenceKind::Ordering]
         );
+        let missing = shadow_compare(
+            &row,
+            &env,
+            Observed {
+                headers: SeenHeaders::Missing,
+                ..same
+            },
+        );
+        assert_eq!(missing.len(), 1);
+        assert_eq!(missing[0].kind, DivergenceKind::Headers);
         for k in DivergenceKind::ALL {
             assert_eq!(DivergenceKind::parse(k.name()), Some(k));
         }

@@ -45,7 +45,10 @@ CREATE TABLE sealpost.rollout (
     generation     bigint NOT NULL,
     updated_at_ms  bigint NOT NULL,
     -- One alias per destination: two routes on one topic would give its rows two claimants.
-    UNIQUE (cluster, topic)
+    UNIQUE (cluster, topic),
+    -- A candidate exactly while a rollout is under way, and never the incumbent itself.
+    CHECK ((stage = 'incumbent') = (candidate IS NULL)),
+    CHECK (candidate IS DISTINCT FROM incumbent)
 );
 
 CREATE TABLE sealpost.rollout_log (
@@ -72,6 +75,9 @@ CREATE TABLE sealpost.shadow_tally (
     -- UUIDv7 event ids) has read to; it starts at the newest row when the shadow starts.
     read_to_event  uuid NOT NULL,
     read_to_member smallint NOT NULL,
+    -- When this shadow started (a new `shadow` of the candidate starts a new tally): only
+    -- divergences found since count against its promotion.
+    started_at_ms  bigint NOT NULL,
     updated_at_ms  bigint NOT NULL,
     PRIMARY KEY (route, candidate)
 );
@@ -131,6 +137,7 @@ BEGIN
     -- A candidate's dispatchers record what their shadow compared; the operator explains
     -- a divergence; the reader reads both.
     EXECUTE format('GRANT SELECT, INSERT, UPDATE ON sealpost.shadow_tally TO %I', names[2]);
+    EXECUTE format('GRANT DELETE ON sealpost.shadow_tally TO %I', names[5]);
     EXECUTE format('GRANT SELECT, INSERT ON sealpost.shadow_divergence TO %I', names[2]);
     EXECUTE format('GRANT USAGE ON SEQUENCE sealpost.shadow_divergence_id_seq TO %I', names[2]);
     EXECUTE format('GRANT SELECT ON sealpost.shadow_tally TO %I, %I', names[5], names[6]);

@@ -1303,7 +1303,7 @@ async fn shadow_round<B: Broker>(
     cluster: &str,
 ) -> Result<(), StoreError> {
     use sealpost_core::reconcile::Lookup;
-    use sealpost_core::rollout::{shadow_compare, Observed};
+    use sealpost_core::rollout::{shadow_compare, Observed, SeenHeaders};
     for a in store::aliases(&*client).await? {
         let shadowing = a.candidate.as_deref() == Some(me)
             && (a.stage == "shadow" || a.stage == "takeover")
@@ -1325,8 +1325,9 @@ async fn shadow_round<B: Broker>(
                         .find(|c| Some(c.receipt.attempt_id) == r.primary_attempt_id)
                         .unwrap_or(&copies[0])
                         .clone();
-                    (c.receipt, c.seal.claim.map(|x| x.envelope))
+                    (c.receipt, Some(c.seal.claim.map(|x| x.envelope)))
                 }
+                // An adapter that reads no headers back: the digests are compared.
                 Lookup::Found(receipt) | Lookup::Unsealed { receipt, .. } => (receipt, None),
                 // Not at the broker any more (a retention limit), or not askable: nothing
                 // to compare; the reconciler reports a missing message.
@@ -1339,7 +1340,11 @@ async fn shadow_round<B: Broker>(
                 &r.envelope,
                 Observed {
                     receipt: &receipt,
-                    headers: headers.as_ref(),
+                    headers: match &headers {
+                        Some(Some(h)) => SeenHeaders::Read(h),
+                        Some(None) => SeenHeaders::Missing,
+                        None => SeenHeaders::NotRead,
+                    },
                     earlier_stored_later: r.earlier_stored_later,
                 },
             );
@@ -1349,7 +1354,7 @@ async fn shadow_round<B: Broker>(
             compared.push((r.row.event_id, r.row.member, ds));
         }
         if page.read_to != cursor {
-            store::record_shadow(client, &a.route, me, &compared, page.read_to).await?;
+            store::record_shadow(client, &a.route, me, &compared, cursor, page.read_to).await?;
         }
     }
     Ok(())

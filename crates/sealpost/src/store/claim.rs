@@ -299,7 +299,13 @@ async fn claim_in(
     } = *req;
     let implementation = implementation.unwrap_or_else(|| Implementation::this_build());
     let claim_local_start = std::time::Instant::now();
-    let tx = client.transaction().await?;
+    // READ COMMITTED whatever the server's default: the aliases read after the SHARE lock
+    // (and the pick after them) must see a switch that committed while the claim waited.
+    let tx = client
+        .build_transaction()
+        .isolation_level(tokio_postgres::IsolationLevel::ReadCommitted)
+        .start()
+        .await?;
     // The claim must walk the claim index in commit order and stop after one batch. With
     // statistics that have not seen the current backlog (a new cluster, positions past the
     // histogram, autovacuum behind) the planner estimates a few hundred rows and prefers a

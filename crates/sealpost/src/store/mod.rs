@@ -148,8 +148,8 @@ pub enum StoreError {
     #[error("delivery set refused at enqueue: {0}; nothing was written (the caller's transaction is still open)")]
     DeliverySet(#[from] sealpost_core::delivery_set::SetError),
     /// A rollout command the route's alias does not allow (R25,
-    /// [`sealpost_core::rollout`]); the alias is unchanged.
-    #[error("rollout refused, the alias is unchanged: {0}")]
+    /// [`sealpost_core::rollout`]; the alias is unchanged), or a bad explanation.
+    #[error("{0}")]
     Rollout(String),
     /// A core step refused its inputs or broke its own postcondition: a bug in the store's
     /// query or in the core, never bad data from a user. The transaction was rolled back.

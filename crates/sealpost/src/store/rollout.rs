@@ -365,6 +365,13 @@ pub async fn rollout(
     command: &RolloutCommand,
 ) -> Result<RolloutChange> {
     let tx = client.transaction().await?;
+    // Two commands on one route run one after the other, also a route's first two (which
+    // have no record to lock yet).
+    tx.execute(
+        "SELECT pg_advisory_xact_lock(hashtext('sealpost.rollout'), hashtext($1))",
+        &[&route],
+    )
+    .await?;
     let policy = tx
         .query_opt(
             "SELECT cluster, topic FROM sealpost.route_policy WHERE name = $1",
@@ -383,7 +390,7 @@ pub async fn rollout(
         Some(r) => Some(alias_of(&r)?),
         None => None,
     };
-    let refused = |e: rollout::RolloutError| StoreError::Rollout(e.to_string());
+    let by_core = |e: rollout::RolloutError| refused(e);
     // A route without a record is at stage `incumbent`; only `shadow` names one (the
     // others are refused by the core or change nothing).
     let current = match (&before, command) {
@@ -395,10 +402,10 @@ pub async fn rollout(
                 incumbent,
             },
         ) => {
-            rollout::check_id(candidate).map_err(refused)?;
+            rollout::check_id(candidate).map_err(by_core)?;
             let incumbent = match incumbent {
                 Some(i) => {
-                    rollout::check_id(i).map_err(refused)?;
+                    rollout::check_id(i).map_err(by_core)?;
                     i.clone()
                 }
                 None => announced_incumbent(&tx, &cluster, candidate).await?,
@@ -407,10 +414,14 @@ pub async fn rollout(
         }
         (None, _) => unrecorded(route, &cluster, &topic, ""),
     };
-    if let (RolloutCommand::Promote, Stage::Takeover, Some(c)) =
-        (command, current.stage, &current.candidate)
-    {
-        check_promotable(&tx, route, c).await?;
+    match (command, current.stage, &current.candidate) {
+        (RolloutCommand::Promote, Stage::Takeover, Some(c)) => {
+            check_evidence(&tx, route, c, true).await?
+        }
+        (RolloutCommand::Takeover { candidate, .. }, Stage::Shadow | Stage::Takeover, _) => {
+            check_evidence(&tx, route, candidate, false).await?
+        }
+        _ => {}
     }
     let switch = match command {
         RolloutCommand::Shadow { candidate, .. } => current.shadow(candidate),
@@ -422,7 +433,9 @@ pub async fn rollout(
         RolloutCommand::Promote => current.promote(),
         RolloutCommand::Rollback => Ok(current.rollback()),
     }
-    .map_err(refused)?;
+    .map_err(by_core)?;
+    let starts_shadow = matches!(command, RolloutCommand::Shadow { .. })
+        && !matches!(current.stage, Stage::Shadow | Stage::Takeover);
     let after = match switch {
         Switch::Unchanged => {
             tx.rollback().await?;
@@ -461,7 +474,7 @@ pub async fn rollout(
     .await
     .map_err(|e| match e.as_db_error() {
         Some(d) if *d.code() == tokio_postgres::error::SqlState::UNIQUE_VIOLATION => {
-            StoreError::Rollout(format!(
+            refused(format!(
                 "another route already has a rollout on {}/{}: one alias per destination",
                 after.cluster, after.topic
             ))
@@ -486,6 +499,17 @@ pub async fn rollout(
         ],
     )
     .await?;
+    if starts_shadow {
+        // A new rollout of this candidate: its shadow starts a new tally (from the newest
+        // row, at its next read), so nothing an earlier shadow compared counts for it.
+        if let Some(c) = &after.candidate {
+            tx.execute(
+                "DELETE FROM sealpost.shadow_tally WHERE route = $1 AND candidate = $2",
+                &[&route, c],
+            )
+            .await?;
+        }
+    }
     let warnings = claimant_warnings(&tx, &after).await?;
     tx.commit().await?;
     for w in &warnings {
@@ -499,6 +523,11 @@ pub async fn rollout(
         changed: true,
         warnings,
     })
+}
+
+/// A refused rollout command.
+fn refused(why: impl std::fmt::Display) -> StoreError {
+    StoreError::Rollout(format!("rollout refused, the alias is unchanged: {why}"))
 }
 
 /// The alias of a route without a rollout record: `incumbent` claims every row.
@@ -525,10 +554,13 @@ async fn announced_incumbent(
 ) -> Result<String> {
     let ids: Vec<String> = tx
         .query(
-            "SELECT DISTINCT implementation FROM sealpost.implementation
-              WHERE role = 'dispatcher' AND cluster = $1 AND implementation <> $2
-              ORDER BY 1",
-            &[&cluster, &candidate],
+            &format!(
+                "SELECT DISTINCT implementation FROM sealpost.implementation
+                  WHERE role IN ('dispatcher', 'cdc') AND cluster = $1 AND implementation <> $2
+                    AND seen_at_ms > {NOW_MS_SQL} - $3
+                  ORDER BY 1"
+            ),
+            &[&cluster, &candidate, &SEEN_LATELY_MS],
         )
         .await?
         .iter()
@@ -536,11 +568,13 @@ async fn announced_incumbent(
         .collect();
     match ids.as_slice() {
         [one] => Ok(one.clone()),
-        [] => Err(StoreError::Rollout(format!(
-            "no dispatcher of cluster `{cluster}` has announced an implementation other than \"{candidate}\"; name the incumbent with --incumbent"
+        [] => Err(refused(format!(
+            "no dispatcher of cluster `{cluster}` other than \"{candidate}\" announced itself in the last {} s; name the incumbent with --incumbent",
+            SEEN_LATELY_MS / 1_000
         ))),
-        many => Err(StoreError::Rollout(format!(
-            "the dispatchers of cluster `{cluster}` announced several implementations ({}); name the incumbent with --incumbent",
+        many => Err(refused(format!(
+            "the dispatchers of cluster `{cluster}` seen in the last {} s run several implementations ({}); name the incumbent with --incumbent",
+            SEEN_LATELY_MS / 1_000,
             many.join(", ")
         ))),
     }
@@ -721,7 +755,7 @@ pub async fn shadow_cursor(
         .execute(
             &format!(
                 "INSERT INTO sealpost.shadow_tally (route, candidate, read_to_event, read_to_member,
-                   updated_at_ms) VALUES ($1, $2, $3, $4, {NOW_MS_SQL})
+                   started_at_ms, updated_at_ms) VALUES ($1, $2, $3, $4, {NOW_MS_SQL}, {NOW_MS_SQL})
                  ON CONFLICT (route, candidate) DO NOTHING"
             ),
             &[&route, &candidate, &newest.0, &newest.1],
@@ -730,10 +764,15 @@ pub async fn shadow_cursor(
     Ok(newest)
 }
 
-/// The next page of the shadow's walk after `from`, in primary key order: the rows of
-/// `alias`'s destination that an implementation other than `candidate` published. The walk
-/// stops before the first row still on its way (dispatchable or unknown) so that it is
-/// compared once published.
+/// How old a row must be before the shadow's walk passes it: younger rows are usually still
+/// on their way, and the walk waits for them rather than skip them.
+const SHADOW_GRACE_MS: i64 = 5_000;
+
+/// The next page of the shadow's walk after `from`, in primary key order (time order for
+/// UUIDv7 event ids), over the rows of `alias`'s cluster: the ones of its destination that
+/// an implementation other than `candidate` published. The walk stops at the first row
+/// younger than [`SHADOW_GRACE_MS`]; an older row that is not published (on its way for
+/// long, parked, quarantined) is passed without a comparison (counted in `skipped`).
 pub async fn shadow_page(
     client: &impl GenericClient,
     alias: &AliasView,
@@ -742,9 +781,10 @@ pub async fn shadow_page(
 ) -> Result<ShadowPage> {
     let q = locked_rows_sql(
         "FROM sealpost.work w WHERE (w.event_id, w.member) > ($1::uuid, $2::int2)
+            AND w.dest_cluster = $4
           ORDER BY w.event_id, w.member LIMIT $3",
         &format!(
-            ", {WIRE_ENVELOPE_COLS}, w.phase, w.primary_attempt_id,
+            ", {WIRE_ENVELOPE_COLS}, w.created_at_ms > {NOW_MS_SQL} - $5, w.primary_attempt_id,
              (SELECT i.implementation FROM sealpost.implementation i WHERE i.owner = w.attempt_owner),
              EXISTS (SELECT 1 FROM sealpost.envelope e2
                        JOIN sealpost.work w2 ON w2.event_id = e2.event_id AND w2.member = e2.member
@@ -757,7 +797,18 @@ pub async fn shadow_page(
         "w.event_id, w.member",
     );
     counted(1);
-    let found = client.query(&q, &[&from.0, &from.1, &SHADOW_PAGE]).await?;
+    let found = client
+        .query(
+            &q,
+            &[
+                &from.0,
+                &from.1,
+                &SHADOW_PAGE,
+                &alias.cluster,
+                &SHADOW_GRACE_MS,
+            ],
+        )
+        .await?;
     let rows = finish_load(client, &found).await?;
     let extra = RowCol::ALL.len();
     let mut page = ShadowPage {
@@ -765,15 +816,15 @@ pub async fn shadow_page(
         ..ShadowPage::default()
     };
     for (row, r) in rows.into_iter().zip(&found) {
-        let phase: i16 = r.get(extra + 7);
-        if phase == Phase::Dispatchable.code() || phase == Phase::Unknown.code() {
+        let young: bool = r.get(extra + 7);
+        if young {
             break;
         }
         page.read_to = (uuid_of(row.event_id), row.member as i16);
         let owner_impl: Option<String> = r.get(extra + 9);
         let mine = owner_impl.as_deref() == Some(candidate);
-        let ours = row.destination.cluster == alias.cluster && row.destination.topic == alias.topic;
-        if !ours || mine || row.primary.is_none() {
+        let ours = row.destination.topic == alias.topic;
+        if !ours || mine || !row.state.is_published() || row.primary.is_none() {
             page.skipped += 1;
             continue;
         }
@@ -788,15 +839,32 @@ pub async fn shadow_page(
 }
 
 /// Records one page's comparisons: the divergences found (per row) and the tally, with
-/// the cursor moved to `read_to`, in one transaction.
+/// the cursor moved from `from` to `read_to`, in one transaction. Returns false (and
+/// records nothing) when the cursor is no longer at `from`: another reader recorded the
+/// page, or a new shadow started.
 pub async fn record_shadow(
     client: &mut tokio_postgres::Client,
     route: &str,
     candidate: &str,
     compared: &[(EventId, u16, Vec<rollout::Divergence>)],
+    from: (Uuid, i16),
     read_to: (Uuid, i16),
-) -> Result<()> {
+) -> Result<bool> {
     let tx = client.transaction().await?;
+    // Several processes of the candidate run a shadow reader each: the page counts once,
+    // for the reader whose cursor still is where the page started.
+    let at = tx
+        .query_opt(
+            "SELECT read_to_event, read_to_member FROM sealpost.shadow_tally
+              WHERE route = $1 AND candidate = $2 FOR UPDATE",
+            &[&route, &candidate],
+        )
+        .await?
+        .map(|r| (r.get::<_, Uuid>(0), r.get::<_, i16>(1)));
+    if at != Some(from) {
+        tx.rollback().await?;
+        return Ok(false);
+    }
     let mut diverged = 0i64;
     for (event_id, member, ds) in compared {
         if !ds.is_empty() {
@@ -834,7 +902,7 @@ pub async fn record_shadow(
     )
     .await?;
     tx.commit().await?;
-    Ok(())
+    Ok(true)
 }
 
 /// Marks the unexplained divergences of `candidate`'s shadow on `route` (of one kind, or
@@ -850,7 +918,7 @@ pub async fn explain_divergences(
 ) -> Result<u64> {
     if operator.trim().is_empty() || reason.trim().is_empty() {
         return Err(StoreError::Rollout(
-            "an explanation names the operator and the reason".into(),
+            "an explanation names the operator (--operator) and the reason (--reason); nothing was marked".into(),
         ));
     }
     Ok(client
@@ -906,7 +974,7 @@ pub struct ShadowView {
     pub diverged: u64,
     /// Divergences not explained yet (promotion is refused while any is).
     pub unexplained: u64,
-    /// The latest divergences (up to 10), unexplained first.
+    /// The latest divergences of this shadow (up to 10), unexplained first.
     pub examples: Vec<DivergenceView>,
 }
 
@@ -917,20 +985,23 @@ async fn shadow_views(client: &impl GenericClient) -> Result<Vec<ShadowView>> {
             "SELECT t.route, t.candidate, t.compared, t.matched, t.diverged,
                     (SELECT count(*) FROM sealpost.shadow_divergence d
                       WHERE d.route = t.route AND d.candidate = t.candidate
-                        AND d.explained_at_ms IS NULL)
+                        AND d.explained_at_ms IS NULL AND d.at_ms >= t.started_at_ms),
+                    t.started_at_ms
                FROM sealpost.shadow_tally t ORDER BY t.route, t.candidate",
             &[],
         )
         .await?
     {
         let (route, candidate): (String, String) = (r.get(0), r.get(1));
+        let started: i64 = r.get(6);
         let examples = client
             .query(
                 "SELECT event_id::text, member, kind, incumbent_value, candidate_value, at_ms,
                         explanation
-                   FROM sealpost.shadow_divergence WHERE route = $1 AND candidate = $2
+                   FROM sealpost.shadow_divergence
+                  WHERE route = $1 AND candidate = $2 AND at_ms >= $3
                   ORDER BY (explained_at_ms IS NULL) DESC, id DESC LIMIT 10",
-                &[&route, &candidate],
+                &[&route, &candidate, &started],
             )
             .await?
             .iter()
@@ -957,20 +1028,27 @@ async fn shadow_views(client: &impl GenericClient) -> Result<Vec<ShadowView>> {
     Ok(out)
 }
 
-/// Refuses to promote `candidate` on `route` while its shadow has compared nothing or
-/// shows a divergence nobody explained.
-async fn check_promotable(tx: &Transaction<'_>, route: &str, candidate: &str) -> Result<()> {
+/// Refuses a takeover while `candidate`'s shadow on `route` has compared nothing, and (with
+/// `promoting`) a promotion while it shows a divergence nobody explained. Only the current
+/// shadow counts (since its `started_at_ms`).
+async fn check_evidence(
+    tx: &Transaction<'_>,
+    route: &str,
+    candidate: &str,
+    promoting: bool,
+) -> Result<()> {
     let r = tx
         .query_opt(
             "SELECT t.compared,
                     (SELECT count(*) FROM sealpost.shadow_divergence d
                       WHERE d.route = t.route AND d.candidate = t.candidate
-                        AND d.explained_at_ms IS NULL),
+                        AND d.explained_at_ms IS NULL AND d.at_ms >= t.started_at_ms),
                     (SELECT kind || ' of event ' || event_id || ': incumbent \"' || incumbent_value
                             || '\", candidate \"' || candidate_value || '\"'
                        FROM sealpost.shadow_divergence d
                       WHERE d.route = t.route AND d.candidate = t.candidate
-                        AND d.explained_at_ms IS NULL ORDER BY id LIMIT 1)
+                        AND d.explained_at_ms IS NULL AND d.at_ms >= t.started_at_ms
+                      ORDER BY id LIMIT 1)
                FROM sealpost.shadow_tally t WHERE t.route = $1 AND t.candidate = $2",
             &[&route, &candidate],
         )
@@ -980,12 +1058,12 @@ async fn check_promotable(tx: &Transaction<'_>, route: &str, candidate: &str) ->
         None => (0, 0, None),
     };
     if compared == 0 {
-        return Err(StoreError::Rollout(format!(
-            "the shadow of \"{candidate}\" on route `{route}` has compared no message yet: run its dispatchers in shadow while the incumbent publishes, then promote"
+        return Err(refused(format!(
+            "the shadow of \"{candidate}\" on route `{route}` has compared no message yet: run its dispatchers (they read back what the incumbent publishes) and try again"
         )));
     }
-    if open > 0 {
-        return Err(StoreError::Rollout(format!(
+    if promoting && open > 0 {
+        return Err(refused(format!(
             "the shadow of \"{candidate}\" on route `{route}` shows {open} unexplained divergence(s), first: {}; explain them with `sealpost rollout explain` or roll back",
             first.unwrap_or_default()
         )));
