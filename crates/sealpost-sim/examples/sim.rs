@@ -106,6 +106,10 @@ fn main() {
         r.sends[1],
         r.skipped
     );
+    println!(
+        "  shadow: reads {}, rows compared {} (copies not the sealed envelope {}), divergences found {}",
+        r.shadow_reads, r.shadow_compared, r.shadow_foreign, r.shadow_divergences
+    );
     for (i, ts) in &report.failing {
         println!("  failing trace {i} (trace seed {ts})");
     }

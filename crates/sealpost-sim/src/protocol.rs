@@ -10,8 +10,10 @@ use sealpost_core::dispatcher::OutcomeReport;
 use sealpost_core::encoding::Digest;
 use sealpost_core::envelope::EventId;
 use sealpost_core::inbox::{self, InboxDecision, InboxRecord};
+use sealpost_core::port::WireEnvelope;
 use sealpost_core::receipt::{self, Receipt, ReceiptVerdict, RejectReason};
 use sealpost_core::reconcile::{self, Lookup, ReconcileDecision, ReconcilePolicy};
+use sealpost_core::rollout;
 use sealpost_core::row::EventRow;
 use sealpost_core::signature::{self as seal, Crypto, Presented, SignaturePolicy, SIGNATURE_LEN};
 use sealpost_core::state::State;
@@ -113,11 +115,16 @@ pub enum Mutant {
     /// previous claim, or when it started), so a switch committed since is not seen and an
     /// implementation that lost the alias starts a send.
     ClaimWithoutAliasFence,
+    /// R25: the shadow's comparison takes the receipt fields (destination digest, payload
+    /// digest, envelope generation) from the row's primary receipt in the store (the
+    /// incumbent's own account of what it sent) instead of the copy read back from the
+    /// broker: a stored copy that differs from the sealed envelope is never reported.
+    ShadowComparesOwnReceipt,
 }
 
 impl Mutant {
     /// Every mutant, in `--list-mutants` order.
-    pub const ALL: [Mutant; 29] = [
+    pub const ALL: [Mutant; 30] = [
         Mutant::AcceptWithoutDigestCheck,
         Mutant::RetryToOtherDestination,
         Mutant::AcceptUnregisteredAttempt,
@@ -147,6 +154,7 @@ impl Mutant {
         Mutant::CdcSweepOnlyWhenWindowEmpty,
         Mutant::SetCompletesEarly,
         Mutant::ClaimWithoutAliasFence,
+        Mutant::ShadowComparesOwnReceipt,
     ];
 
     /// The CLI name.
@@ -181,6 +189,7 @@ impl Mutant {
             Mutant::CdcSweepOnlyWhenWindowEmpty => "cdc-sweep-only-when-window-empty",
             Mutant::SetCompletesEarly => "set-completes-early",
             Mutant::ClaimWithoutAliasFence => "claim-without-alias-fence",
+            Mutant::ShadowComparesOwnReceipt => "shadow-compares-own-receipt",
         }
     }
 
@@ -238,6 +247,28 @@ impl Protocol {
         } else {
             current
         }
+    }
+
+    /// The shadow's comparison (R25): the core's [`rollout::shadow_compare`] of what the
+    /// candidate would have sent for `row` (envelope description `envelope`) with the copy
+    /// read back (`observed`). The shadow-compares-own-receipt mutant hands it `own` (the
+    /// row's primary receipt as the store holds it) in place of the copy's receipt.
+    pub fn shadow_compare(
+        &self,
+        row: &EventRow,
+        envelope: &WireEnvelope,
+        observed: rollout::Observed<'_>,
+        own: &Receipt,
+    ) -> Vec<rollout::Divergence> {
+        let observed = if self.is(Mutant::ShadowComparesOwnReceipt) {
+            rollout::Observed {
+                receipt: own,
+                ..observed
+            }
+        } else {
+            observed
+        };
+        rollout::shadow_compare(row, envelope, observed)
     }
 
     /// The store's claim transaction: the core's [`step::step_claim`] with this protocol's

@@ -50,11 +50,18 @@ pub enum Violation {
     /// R25: a claim authorised a send for an implementation that the rollout aliases current
     /// when the claim committed do not name as the row's claimant (the alias fence failed).
     SendWithoutAlias,
+    /// R25: the shadow reported a divergence for a copy the protocol itself sent for the
+    /// row (its sealed event, member, generation, payload, destination digest and event
+    /// type), or an ordering divergence while the first stored copies were in order.
+    ShadowFalseDivergence,
+    /// R25: the shadow compared a copy that differs from the row's sealed envelope (a
+    /// forged look-alike read back under the primary's attempt id) and reported nothing.
+    ShadowMissedDivergence,
 }
 
 impl Violation {
     /// Every class, in JSON order.
-    pub const ALL: [Violation; 17] = [
+    pub const ALL: [Violation; 19] = [
         Violation::LostEvents,
         Violation::SecondEventIds,
         Violation::CrossDestinationRetries,
@@ -72,6 +79,8 @@ impl Violation {
         Violation::CdcConfirmedUnsettled,
         Violation::SetCompletedEarly,
         Violation::SendWithoutAlias,
+        Violation::ShadowFalseDivergence,
+        Violation::ShadowMissedDivergence,
     ];
 
     /// JSON key.
@@ -94,6 +103,8 @@ impl Violation {
             Violation::CdcConfirmedUnsettled => "cdc_confirmed_unsettled",
             Violation::SetCompletedEarly => "set_completed_early",
             Violation::SendWithoutAlias => "send_without_alias",
+            Violation::ShadowFalseDivergence => "shadow_false_divergence",
+            Violation::ShadowMissedDivergence => "shadow_missed_divergence",
         }
     }
 }
@@ -477,6 +488,16 @@ pub struct RolloutCounts {
     pub sends: [u64; 2],
     /// Rows a claim scan skipped because the alias gives them to another implementation.
     pub skipped: u64,
+    /// Shadow reads: rounds in which a candidate's process read back what the other
+    /// implementation published on a route at stage shadow or takeover.
+    pub shadow_reads: u64,
+    /// Rows the shadow compared (`rollout::shadow_compare`), each once per primary receipt.
+    pub shadow_compared: u64,
+    /// Divergences the shadow reported (one per differing field).
+    pub shadow_divergences: u64,
+    /// Of the rows compared, those whose copy read back was not the sealed envelope (a
+    /// forged look-alike under the primary's attempt id).
+    pub shadow_foreign: u64,
 }
 
 impl RolloutCounts {
@@ -492,6 +513,10 @@ impl RolloutCounts {
             *a += b;
         }
         self.skipped += o.skipped;
+        self.shadow_reads += o.shadow_reads;
+        self.shadow_compared += o.shadow_compared;
+        self.shadow_divergences += o.shadow_divergences;
+        self.shadow_foreign += o.shadow_foreign;
     }
 }
 

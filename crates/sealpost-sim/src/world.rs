@@ -123,6 +123,8 @@ const IMPLEMENTATIONS: [&str; 2] = ["a", "b"];
 /// model's own randomness). Such a trace has at least two polling dispatchers, and the
 /// first two (one of each implementation) serve every cluster.
 const ROLLOUT_TRACES: u32 = 800;
+/// The rows one shadow read compares at most per route (the shadow's page).
+const SHADOW_PAGE: usize = 4;
 
 /// The simulated implementation `i` (an index into [`IMPLEMENTATIONS`]).
 fn implementation(i: u8) -> &'static Implementation {
@@ -387,6 +389,9 @@ enum Ev {
     CdcSlotLost,
     /// R25: an operator's rollout command on one alias record.
     RolloutSwitch,
+    /// R25: the candidate's shadow reader reads back what the other implementation
+    /// published on the routes at stage shadow or takeover.
+    ShadowRead,
 }
 
 #[derive(Clone, Debug)]
@@ -430,6 +435,11 @@ struct Db {
     /// The rollout records (R25): at most one alias per stream (cluster and topic). Database
     /// state: a switch is a transaction, a restore takes them back with the rows.
     aliases: Rc<[Alias]>,
+    /// Which implementation registered each attempt (event id, member, attempt id,
+    /// implementation index), in rollout traces: the model of the store's record of the
+    /// attempt's owner and its announced implementation (the shadow reads the rows the
+    /// other implementation published). A restore takes it back with the rows.
+    attempt_impl: Vec<(EventId, u16, u64, u8)>,
 }
 
 /// One committed delivery set: its fact, completion rule and member rows (member `k` is
@@ -726,6 +736,14 @@ pub struct World {
     rrng: ChaCha8Rng,
     /// This trace runs a rollout: switches of the alias records between the implementations.
     rollout: bool,
+    /// R25: how often the candidate's shadow reader reads (drawn per trace from its own
+    /// randomness, so the other models draw what they drew before it existed).
+    shadow_every_ms: u64,
+    /// A shadow read is queued.
+    shadow_scheduled: bool,
+    /// Ghost: the comparisons made (row, primary attempt id, database incarnation): each
+    /// row is compared once per primary receipt, as the shadow's cursor passes it once.
+    shadow_done: Vec<(u32, u64, u32)>,
 }
 
 fn chance(rng: &mut ChaCha8Rng, per_mille: u32) -> bool {
@@ -1031,6 +1049,13 @@ impl World {
             cdc_left: Vec::new(),
             rrng,
             rollout,
+            shadow_every_ms: range(
+                &mut ChaCha8Rng::seed_from_u64(trace_seed ^ 0x05AD_0E5E_AD02_5B0B),
+                2_000,
+                10_000,
+            ),
+            shadow_scheduled: false,
+            shadow_done: Vec::new(),
         };
         w.stats.rollout.traces = u64::from(rollout);
         if w.cdc.is_some() {
@@ -1378,8 +1403,10 @@ impl World {
             Ev::RolloutSwitch => {
                 if self.faults_on {
                     self.rollout_switch();
+                    self.schedule_shadow();
                 }
             }
+            Ev::ShadowRead => self.shadow_read(),
             Ev::CdcCrash => {
                 if self.faults_on {
                     self.cdc_crash();
@@ -1845,6 +1872,10 @@ impl World {
         let k = self.dispatchers[d as usize].implementation;
         if self.rollout {
             self.stats.rollout.sends[usize::from(k)] += 1;
+            let row = &self.db.rows[i];
+            self.db
+                .attempt_impl
+                .push((row.event_id, row.member, sent.attempt_id, k));
         }
         let now_aliases = AliasCheck {
             implementation: implementation(k),
@@ -1970,6 +2001,205 @@ impl World {
                 self.note(|| format!("rollout {route}: command {command} refused: {e}"));
             }
         }
+    }
+
+    /// Is some route at stage shadow or takeover (a candidate's shadow reader has work)?
+    fn shadowing(&self) -> bool {
+        self.db
+            .aliases
+            .iter()
+            .any(|a| a.candidate.is_some() && matches!(a.stage, Stage::Shadow | Stage::Takeover))
+    }
+
+    /// Queues the next shadow read while some route is shadowed.
+    fn schedule_shadow(&mut self) {
+        if !self.shadow_scheduled && self.shadowing() {
+            self.shadow_scheduled = true;
+            self.at(self.now + self.shadow_every_ms, Ev::ShadowRead);
+        }
+    }
+
+    /// R25: the shadow reader (`sealpost::runtime::shadow_round`). For every route at stage
+    /// shadow or takeover whose candidate C has a live process connected to the route's
+    /// cluster: up to [`SHADOW_PAGE`] published rows of the route's stream whose primary
+    /// receipt's attempt the other implementation sent, each once, are read back from the
+    /// broker model (every copy at the event's subject, oldest first; the one with the
+    /// primary's attempt id, else the first), and the core's `shadow_compare` (through the
+    /// protocol) compares the row and its envelope description with that copy: the copy's
+    /// receipt fields, its envelope headers, and "an earlier version of the aggregate bound
+    /// for the same destination was stored after this one or is not stored" as the store's
+    /// SQL reads it (the rows' primary sequences). A broker that cannot be asked compares
+    /// nothing; one that is down ends the route's read. Read-only: it writes no row.
+    ///
+    /// Checkers: `shadow_false_divergence` (a divergence for the copy the protocol sent for
+    /// the row, or an ordering divergence while the first stored copies were in order) and
+    /// `shadow_missed_divergence` (no divergence for a copy that differs from the sealed
+    /// envelope).
+    fn shadow_read(&mut self) {
+        self.shadow_scheduled = false;
+        let aliases = Rc::clone(&self.db.aliases);
+        for a in aliases.iter() {
+            let Some(candidate) = a
+                .candidate
+                .as_deref()
+                .filter(|_| matches!(a.stage, Stage::Shadow | Stage::Takeover))
+            else {
+                continue;
+            };
+            let c = implementation_index(candidate);
+            let now = self.now;
+            let up = self.dispatchers.iter().any(|d| {
+                d.alive
+                    && d.paused_until <= now
+                    && d.implementation == c
+                    && d.clusters.contains(&a.cluster)
+            });
+            if !up {
+                continue;
+            }
+            self.stats.rollout.shadow_reads += 1;
+            let mut page = 0;
+            for i in 0..self.db.rows.len() {
+                if page >= SHADOW_PAGE {
+                    break;
+                }
+                let row = &self.db.rows[i];
+                let Some(p) = row.primary.as_ref() else {
+                    continue;
+                };
+                if !row.state.is_published() || !a.covers(&row.destination) {
+                    continue;
+                }
+                let done = (i as u32, p.attempt_id, self.epoch);
+                if self.shadow_done.contains(&done) {
+                    continue;
+                }
+                let sender = self
+                    .db
+                    .attempt_impl
+                    .iter()
+                    .find(|x| x.0 == row.event_id && x.1 == row.member && x.2 == p.attempt_id)
+                    .map(|x| x.3);
+                if sender != Some(1 - c) {
+                    continue;
+                }
+                if !self.cfg.caps.lookup_by_event_id {
+                    break; // Unqueryable: nothing to compare on this route
+                }
+                let Some(s) = self.stream_of(&row.destination) else {
+                    break;
+                };
+                let st = &self.streams[s as usize];
+                if self.broker_down_until[st.cluster as usize] > now
+                    || self.stream_deleted_until[s as usize] > now
+                {
+                    break; // Unavailable: read again next time
+                }
+                page += 1;
+                self.shadow_done.push(done);
+                let copies: Vec<usize> = st
+                    .msgs
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, m)| m.event_id == row.event_id && m.member == row.member)
+                    .take(COPIES_MAX)
+                    .map(|(k, _)| k)
+                    .collect();
+                let Some(&k) = copies
+                    .iter()
+                    .find(|&&k| st.msgs[k].attempt_id == p.attempt_id)
+                    .or(copies.first())
+                else {
+                    continue; // Absent: nothing to compare
+                };
+                let m = st.msgs[k].clone();
+                let copy = m.found_copy(&a.cluster, &a.topic, k as u64 + 1);
+                let fact = &self.facts[self.db.row_fact[i] as usize];
+                let (agg, version, event_type) = (fact.aggregate, fact.version, fact.event_type);
+                // As the store's SQL reads it: an earlier version of the aggregate bound
+                // for the same destination whose primary is later, or absent.
+                let earlier: Vec<usize> = (0..self.db.rows.len())
+                    .filter(|&j| {
+                        let x = &self.facts[self.db.row_fact[j] as usize];
+                        let d = &self.db.rows[j].destination;
+                        x.aggregate == agg
+                            && x.version < version
+                            && d.cluster == row.destination.cluster
+                            && d.topic == row.destination.topic
+                    })
+                    .collect();
+                let earlier_stored_later = earlier.iter().any(|&j| {
+                    self.db.rows[j]
+                        .primary
+                        .as_ref()
+                        .is_none_or(|q| q.sequence > p.sequence)
+                });
+                let envelope = wire_envelope(event_type);
+                let headers = copy.seal.claim.as_ref().map(|x| &x.envelope);
+                let ds = self.proto.shadow_compare(
+                    row,
+                    &envelope,
+                    rollout::Observed {
+                        receipt: &copy.receipt,
+                        headers: match headers {
+                            Some(h) => rollout::SeenHeaders::Read(h),
+                            None => rollout::SeenHeaders::Missing,
+                        },
+                        earlier_stored_later,
+                    },
+                    p,
+                );
+                // Ghost: is the copy the sealed envelope of this row (what a dispatcher of
+                // either implementation sends for it)?
+                let genuine = m.event_id == row.event_id
+                    && m.member == row.member
+                    && m.envelope_generation == row.envelope_generation
+                    && m.payload_digest == row.payload_digest
+                    && m.destination_digest == row.destination.digest()
+                    && m.event_type == event_type;
+                let content = ds
+                    .iter()
+                    .filter(|d| d.kind != rollout::DivergenceKind::Ordering)
+                    .count();
+                let ordering = ds.len() > content;
+                // Ghost: every earlier version bound for this stream had its first copy
+                // stored before this event's first copy (the ordering checker's record).
+                let in_order = !self.restore_broken.contains(&agg)
+                    && self
+                        .ordered_stored
+                        .iter()
+                        .position(|e| e.2 == row.event_id)
+                        .is_some_and(|at| {
+                            earlier.iter().all(|&j| {
+                                let e = self.db.rows[j].event_id;
+                                self.ordered_stored[..at].iter().any(|x| x.2 == e)
+                            })
+                        });
+                let (event_id, seq) = (row.event_id, k + 1);
+                let r = &mut self.stats.rollout;
+                r.shadow_compared += 1;
+                r.shadow_divergences += ds.len() as u64;
+                r.shadow_foreign += u64::from(!genuine);
+                self.note(|| {
+                    format!(
+                        "shadow ({candidate}) compares row {i} ({event_id}) with the copy at stream {s}#{seq}: {} divergence(s) {:?}",
+                        ds.len(),
+                        ds.iter().map(|d| d.kind.name()).collect::<Vec<_>>()
+                    )
+                });
+                if genuine && (content > 0 || (ordering && in_order)) {
+                    self.violation_of(Violation::ShadowFalseDivergence, 10_000_000 + i as u32, || {
+                        format!("shadow reported {ds:?} for row {i}'s own sealed copy at stream {s}#{seq}")
+                    });
+                }
+                if !genuine && content == 0 {
+                    self.violation_of(Violation::ShadowMissedDivergence, 11_000_000 + i as u32, || {
+                        format!("shadow reported no divergence for row {i}'s copy at stream {s}#{seq}, which is not its sealed envelope")
+                    });
+                }
+            }
+        }
+        self.schedule_shadow();
     }
 
     /// The fact the store reads for an ordered claim: an earlier version of row `i`'s
@@ -4036,6 +4266,8 @@ impl World {
         };
         self.fault(Fault::DatabaseRestored);
         self.db = snap;
+        // The restored aliases may put a route back in shadow.
+        self.schedule_shadow();
         for f in 0..self.facts.len() {
             let a = self.facts[f].aggregate;
             if self.facts[f].committed

@@ -91,6 +91,10 @@ fn gate_100k_traces_zero_violations() {
             && r.skipped > 0,
         "the rollout (R25) must move every stage and both implementations must send: {r:?}"
     );
+    assert!(
+        r.shadow_reads > 0 && r.shadow_compared > 0 && r.shadow_foreign > 0,
+        "the shadow (R25) must compare rows, some against a copy that is not the sealed envelope: {r:?}"
+    );
     for f in sealpost_sim::Fault::ALL {
         assert!(
             s.faults.get(f) > 0,
@@ -132,6 +136,7 @@ fn expected_class(m: Mutant) -> Option<Violation> {
         Mutant::CdcSweepOnlyWhenWindowEmpty => Some(Violation::Liveness),
         Mutant::SetCompletesEarly => Some(Violation::SetCompletedEarly),
         Mutant::ClaimWithoutAliasFence => Some(Violation::SendWithoutAlias),
+        Mutant::ShadowComparesOwnReceipt => Some(Violation::ShadowMissedDivergence),
     }
 }
 
