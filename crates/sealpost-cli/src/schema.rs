@@ -1,7 +1,7 @@
 //! `sealpost schema`: the contract registry (R26, `sealpost::contract`).
 
 use clap::Subcommand;
-use sealpost::contract::{self, ContractError};
+use sealpost::contract::{self, ContractError, Error};
 use sealpost::runtime;
 use sealpost_cli::config::Settings;
 
@@ -50,9 +50,9 @@ fn read(file: &str) -> Result<String, String> {
     std::fs::read_to_string(file).map_err(|e| format!("cannot read schema file `{file}`: {e}"))
 }
 
-async fn shown(pg: &tokio_postgres::Client, e: ContractError) -> String {
+async fn shown(pg: &tokio_postgres::Client, e: Error) -> String {
     match e {
-        ContractError::Store(x) => sealpost::roles::explain(pg, x).await.to_string(),
+        Error::Store(x) => sealpost::roles::explain(pg, x).await.to_string(),
         e => e.to_string(),
     }
 }

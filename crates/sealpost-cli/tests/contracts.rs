@@ -481,7 +481,7 @@ impl consumer::Handler for Reading {
         d: &'a Delivery,
     ) -> BoxFuture<'a, Result<(), HandlerError>> {
         Box::pin(async move {
-            let (writer, v) = self.0.read_delivery(d)?;
+            let (writer, v) = contract::read_delivery(&self.0, d)?;
             let Value::Record(fields) = v else {
                 return Err("not a record".into());
             };
@@ -588,7 +588,7 @@ async fn old_readers_read_new_events_and_new_readers_read_history_through_nats()
     let shutdown = CancellationToken::new();
     let mut tasks = Vec::new();
     for reader_version in [1u32, 2] {
-        let reader = Reader::load(&pg, "order.created", reader_version)
+        let reader = contract::load_reader(&pg, "order.created", reader_version)
             .await
             .unwrap();
         assert_eq!(reader.accepts(), vec![1, 2]);

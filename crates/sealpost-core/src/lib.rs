@@ -9,6 +9,7 @@
 pub mod cdc;
 pub mod claim;
 pub mod cleanup;
+pub mod contract;
 pub mod delivery_set;
 pub mod dispatcher;
 pub mod encoding;
