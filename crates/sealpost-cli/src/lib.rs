@@ -64,10 +64,14 @@ pub fn print_status(s: &store::Status) {
             );
         }
     }
-    for a in &s.rollout.aliases {
+    for v in &s.rollout.aliases {
+        let a = &v.alias;
         println!(
             "ROLLOUT {} stage {} (generation {}): {}",
-            a.route, a.stage, a.generation, a.claims
+            a.route,
+            a.stage.name(),
+            a.generation,
+            v.claims
         );
     }
     for sh in &s.rollout.shadows {

@@ -83,10 +83,16 @@ pub enum RolloutCmd {
     },
 }
 
-fn describe(a: &AliasView) -> String {
+fn describe(v: &AliasView) -> String {
+    let a = &v.alias;
     format!(
         "route {} ({}/{}): stage {}, generation {}: {}",
-        a.route, a.cluster, a.topic, a.stage, a.generation, a.claims
+        a.route,
+        a.cluster,
+        a.topic,
+        a.stage.name(),
+        a.generation,
+        v.claims
     )
 }
 
@@ -153,7 +159,12 @@ pub async fn run(cmd: RolloutCmd, cfg: &Settings) -> Result<i32, String> {
                 for l in &s.log {
                     println!(
                         "  {} {} by {} at {} ms -> generation {} stage {}",
-                        l.route, l.command, l.by_login, l.at_ms, l.alias.generation, l.alias.stage
+                        l.route,
+                        l.command,
+                        l.by_login,
+                        l.at_ms,
+                        l.alias.alias.generation,
+                        l.alias.alias.stage.name()
                     );
                 }
             }

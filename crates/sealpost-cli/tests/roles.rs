@@ -1146,7 +1146,7 @@ async fn the_operator_switches_an_alias_dispatchers_claim_under_it_and_shadow_an
     assert_eq!(n, 1);
     let reader = env.connect(Kind::Reader).await;
     let r = store::status(&reader).await.unwrap().rollout;
-    assert_eq!(r.aliases[0].stage, "takeover");
+    assert_eq!(r.aliases[0].alias.stage.name(), "takeover");
     assert_eq!((r.shadows[0].compared, r.shadows[0].unexplained), (1, 0));
     assert_eq!(r.implementations[0].implementation, "v2");
     assert_eq!(r.log.len(), 2);

@@ -74,18 +74,11 @@ async fn all_published(pg: &tokio_postgres::Client, prefix: &str) -> bool {
 
 async fn alias(pg: &tokio_postgres::Client, route: &str) -> Alias {
     let s = store::rollout_status(pg).await.unwrap();
-    let a = s.aliases.iter().find(|a| a.route == route).unwrap();
-    Alias {
-        route: a.route.clone(),
-        cluster: a.cluster.clone(),
-        topic: a.topic.clone(),
-        incumbent: a.incumbent.clone(),
-        candidate: a.candidate.clone(),
-        stage: Stage::parse(&a.stage).unwrap(),
-        types: a.types.clone(),
-        share: a.share,
-        generation: a.generation,
-    }
+    s.aliases
+        .into_iter()
+        .find(|a| a.alias.route == route)
+        .unwrap()
+        .alias
 }
 
 async fn shadow_of(pg: &tokio_postgres::Client, candidate: &str) -> store::ShadowView {
@@ -404,7 +397,7 @@ async fn two_implementations_claim_what_the_alias_names_through_shadow_takeover_
         commands,
         ["shadow", "takeover", "rollback", "shadow", "takeover", "promote", "rollback"]
     );
-    assert_eq!(s.aliases[0].generation, 7);
+    assert_eq!(s.aliases[0].alias.generation, 7);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

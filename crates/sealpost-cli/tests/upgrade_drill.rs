@@ -177,18 +177,7 @@ async fn wait_published(pg: &tokio_postgres::Client, prefix: &'static str) {
 }
 
 async fn alias(pg: &tokio_postgres::Client) -> Alias {
-    let a = store::aliases(pg).await.unwrap().remove(0);
-    Alias {
-        route: a.route,
-        cluster: a.cluster,
-        topic: a.topic,
-        incumbent: a.incumbent,
-        candidate: a.candidate,
-        stage: Stage::parse(&a.stage).unwrap(),
-        types: a.types,
-        share: a.share,
-        generation: a.generation,
-    }
+    store::aliases(pg).await.unwrap().remove(0).alias
 }
 
 async fn switch(pg: &mut tokio_postgres::Client, cmd: RolloutCommand) -> Alias {

@@ -96,8 +96,9 @@ pub fn check_id(id: &str) -> Result<(), RolloutError> {
     }
 }
 
-/// Where a route's rollout stands.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+/// Where a route's rollout stands (serialized as its [`Stage::name`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Stage {
     /// The incumbent claims every row.
     Incumbent,
@@ -173,8 +174,9 @@ pub enum RolloutError {
     NothingToPromote(Stage),
 }
 
-/// A route's alias: who claims its rows. The record the store keeps per route.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// A route's alias: who claims its rows. The record the store keeps per route (its columns
+/// are these fields' names, so `sealpost.rollout_aliases()`'s JSON deserializes into it).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Alias {
     /// The route name.
     pub route: String,
@@ -206,12 +208,13 @@ pub enum Switch {
 }
 
 impl Alias {
-    /// The record of a route before any rollout: `incumbent` claims every row.
-    pub fn new(route: &str, destination: &Destination, incumbent: &str) -> Alias {
+    /// The record of a route before any rollout, for its destination's `cluster` and
+    /// `topic`: `incumbent` claims every row.
+    pub fn new(route: &str, cluster: &str, topic: &str, incumbent: &str) -> Alias {
         Alias {
             route: route.to_string(),
-            cluster: destination.cluster.clone(),
-            topic: destination.topic.clone(),
+            cluster: cluster.to_string(),
+            topic: topic.to_string(),
             incumbent: incumbent.to_string(),
             candidate: None,
             stage: Stage::Incumbent,
@@ -697,7 +700,7 @@ mod tests {
     }
 
     fn every_stage() -> Vec<Alias> {
-        let a0 = Alias::new("orders", &dest("c", "t"), "old");
+        let a0 = Alias::new("orders", "c", "t", "old");
         let shadow = switched(a0.shadow("new"));
         let takeover = switched(shadow.takeover("new", &["order.created".into()], 30));
         let promoted = switched(takeover.promote());
@@ -800,14 +803,14 @@ mod tests {
             a.topic = format!("t{i}");
         }
         aliases.push({
-            let mut a = Alias::new("other", &dest("c", "solo"), "old");
+            let mut a = Alias::new("other", "c", "solo", "old");
             a.topic = "solo".into();
             a
         });
         // Records the store's checks forbid (a takeover or promotion without a candidate):
         // the SQL's reading still agrees with the core's.
         for (i, stage) in [Stage::Takeover, Stage::Promoted].into_iter().enumerate() {
-            let mut a = Alias::new("odd", &dest("c", &format!("odd{i}")), "old");
+            let mut a = Alias::new("odd", "c", &format!("odd{i}"), "old");
             a.stage = stage;
             a.types = vec!["order.created".into()];
             a.share = 50;

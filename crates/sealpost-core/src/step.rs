@@ -874,7 +874,8 @@ mod tests {
     fn a_claim_refuses_a_row_the_alias_gives_another_implementation() {
         use crate::rollout::{Alias, Implementation, Switch};
         let mut rows = vec![row(1, "c")];
-        let a0 = Alias::new("orders", &rows[0].destination, "old");
+        let d0 = &rows[0].destination;
+        let a0 = Alias::new("orders", &d0.cluster, &d0.topic, "old");
         let Ok(Switch::To(shadow)) = a0.shadow("new") else {
             panic!()
         };

@@ -887,7 +887,8 @@ impl World {
                 for topic in 0..TOPICS.len() as u8 {
                     v.push(Alias::new(
                         &route_name(cluster, topic),
-                        &stream_destination(cluster, topic),
+                        CLUSTERS[usize::from(cluster)],
+                        TOPICS[usize::from(topic)],
                         IMPLEMENTATIONS[0],
                     ));
                 }
@@ -1929,7 +1930,12 @@ impl World {
         let k = self.db.aliases.iter().position(|a| a.covers(&dest));
         let cur = match k {
             Some(k) => self.db.aliases[k].clone(),
-            None => Alias::new(&route_name(cluster, topic), &dest, IMPLEMENTATIONS[0]),
+            None => Alias::new(
+                &route_name(cluster, topic),
+                &dest.cluster,
+                &dest.topic,
+                IMPLEMENTATIONS[0],
+            ),
         };
         let claims = match (cur.stage, &cur.candidate) {
             (Stage::Promoted, Some(c)) => implementation_index(c),

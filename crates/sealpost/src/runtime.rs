@@ -1303,10 +1303,11 @@ async fn shadow_round<B: Broker>(
     cluster: &str,
 ) -> Result<(), StoreError> {
     use sealpost_core::reconcile::Lookup;
-    use sealpost_core::rollout::{shadow_compare, Observed, SeenHeaders};
+    use sealpost_core::rollout::{shadow_compare, Observed, SeenHeaders, Stage};
     for a in store::aliases(&*client).await? {
+        let a = a.alias;
         let shadowing = a.candidate.as_deref() == Some(me)
-            && (a.stage == "shadow" || a.stage == "takeover")
+            && matches!(a.stage, Stage::Shadow | Stage::Takeover)
             && a.cluster == cluster;
         if !shadowing {
             continue;

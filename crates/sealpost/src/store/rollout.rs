@@ -25,20 +25,6 @@ fn alias_of(r: &tokio_postgres::Row) -> Result<Alias> {
     })
 }
 
-/// A rollout record as `sealpost.rollout_aliases()` returns it in JSON.
-#[derive(serde::Deserialize)]
-struct AliasJson {
-    route: String,
-    cluster: String,
-    topic: String,
-    incumbent: String,
-    candidate: Option<String>,
-    stage: String,
-    types: Vec<String>,
-    share: i16,
-    generation: i64,
-}
-
 /// The claim's first statement: the transaction's planner settings, then the aliases read
 /// through `sealpost.rollout_aliases()`, which holds the rollout table in SHARE mode until
 /// the claim commits (a switch waits for it; every later claim sees the switch). One round
@@ -59,24 +45,7 @@ pub(super) async fn claim_settings_and_aliases(tx: &Transaction<'_>) -> Result<V
             _ => None,
         })
         .unwrap_or_else(|| "[]".to_string());
-    let rows: Vec<AliasJson> = serde_json::from_str(&text)
-        .map_err(|e| StoreError::Corrupt(format!("rollout aliases: {e}")))?;
-    rows.into_iter()
-        .map(|a| {
-            Ok(Alias {
-                stage: Stage::parse(&a.stage)
-                    .ok_or_else(|| StoreError::Corrupt(format!("rollout stage `{}`", a.stage)))?,
-                route: a.route,
-                cluster: a.cluster,
-                topic: a.topic,
-                incumbent: a.incumbent,
-                candidate: a.candidate,
-                types: a.types,
-                share: a.share.clamp(1, 100) as u8,
-                generation: a.generation as u64,
-            })
-        })
-        .collect()
+    serde_json::from_str(&text).map_err(|e| StoreError::Corrupt(format!("rollout aliases: {e}")))
 }
 
 /// The claim filter's parameter: for each destination where `implementation` claims only
@@ -236,28 +205,14 @@ impl RolloutCommand {
     }
 }
 
-/// A route's alias as shown (`rollout status`, the page, `--json`).
+/// A route's alias as shown (`rollout status`, the page, `--json`): the record, flattened,
+/// and who claims what in words.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct AliasView {
-    /// Route.
-    pub route: String,
-    /// Destination cluster.
-    pub cluster: String,
-    /// Destination topic.
-    pub topic: String,
-    /// Incumbent implementation.
-    pub incumbent: String,
-    /// Candidate, if any.
-    pub candidate: Option<String>,
-    /// Stage name.
-    pub stage: String,
-    /// Takeover event types.
-    pub types: Vec<String>,
-    /// Takeover share (percent of aggregates).
-    pub share: u8,
-    /// Alias generation.
-    pub generation: u64,
-    /// Who claims what, in words (`rollout status`, `status`, the page).
+    /// The record.
+    #[serde(flatten)]
+    pub alias: Alias,
+    /// Who claims what, in words (`rollout status`, `status`, the page; empty in the log).
     pub claims: String,
 }
 
@@ -287,15 +242,7 @@ impl From<&Alias> for AliasView {
     fn from(a: &Alias) -> Self {
         AliasView {
             claims: claims_of(a),
-            route: a.route.clone(),
-            cluster: a.cluster.clone(),
-            topic: a.topic.clone(),
-            incumbent: a.incumbent.clone(),
-            candidate: a.candidate.clone(),
-            stage: a.stage.name().to_string(),
-            types: a.types.clone(),
-            share: a.share,
-            generation: a.generation,
+            alias: a.clone(),
         }
     }
 }
@@ -410,9 +357,9 @@ pub async fn rollout(
                 }
                 None => announced_incumbent(&tx, &cluster, candidate).await?,
             };
-            unrecorded(route, &cluster, &topic, &incumbent)
+            Alias::new(route, &cluster, &topic, &incumbent)
         }
-        (None, _) => unrecorded(route, &cluster, &topic, ""),
+        (None, _) => Alias::new(route, &cluster, &topic, ""),
     };
     match (command, current.stage, &current.candidate) {
         (RolloutCommand::Promote, Stage::Takeover, Some(c)) => {
@@ -528,21 +475,6 @@ pub async fn rollout(
 /// A refused rollout command.
 fn refused(why: impl std::fmt::Display) -> StoreError {
     StoreError::Rollout(format!("rollout refused, the alias is unchanged: {why}"))
-}
-
-/// The alias of a route without a rollout record: `incumbent` claims every row.
-fn unrecorded(route: &str, cluster: &str, topic: &str, incumbent: &str) -> Alias {
-    Alias {
-        route: route.to_string(),
-        cluster: cluster.to_string(),
-        topic: topic.to_string(),
-        incumbent: incumbent.to_string(),
-        candidate: None,
-        stage: Stage::Incumbent,
-        types: Vec::new(),
-        share: 100,
-        generation: 0,
-    }
 }
 
 /// The incumbent of a route without a record: the one implementation other than
@@ -671,25 +603,32 @@ pub async fn rollout_status(client: &impl GenericClient) -> Result<RolloutStatus
         )
         .await?
         .iter()
-        .map(|r| RolloutLogEntry {
-            route: r.get(0),
-            command: r.get(1),
-            alias: AliasView {
+        .map(|r| {
+            let stage: String = r.get(3);
+            Ok(RolloutLogEntry {
                 route: r.get(0),
-                cluster: String::new(),
-                topic: String::new(),
-                generation: r.get::<_, i64>(2) as u64,
-                stage: r.get(3),
-                incumbent: r.get(4),
-                candidate: r.get(5),
-                types: r.get(6),
-                share: r.get::<_, i16>(7).clamp(1, 100) as u8,
-                claims: String::new(),
-            },
-            by_login: r.get(8),
-            at_ms: r.get::<_, i64>(9) as u64,
+                command: r.get(1),
+                alias: AliasView {
+                    alias: Alias {
+                        route: r.get(0),
+                        cluster: String::new(),
+                        topic: String::new(),
+                        generation: r.get::<_, i64>(2) as u64,
+                        stage: Stage::parse(&stage).ok_or_else(|| {
+                            StoreError::Corrupt(format!("rollout log stage `{stage}`"))
+                        })?,
+                        incumbent: r.get(4),
+                        candidate: r.get(5),
+                        types: r.get(6),
+                        share: r.get::<_, i16>(7).clamp(1, 100) as u8,
+                    },
+                    claims: String::new(),
+                },
+                by_login: r.get(8),
+                at_ms: r.get::<_, i64>(9) as u64,
+            })
         })
-        .collect();
+        .collect::<Result<_>>()?;
     Ok(RolloutStatus {
         aliases,
         implementations,
@@ -775,7 +714,7 @@ const SHADOW_GRACE_MS: i64 = 5_000;
 /// long, parked, quarantined) is passed without a comparison (counted in `skipped`).
 pub async fn shadow_page(
     client: &impl GenericClient,
-    alias: &AliasView,
+    alias: &Alias,
     candidate: &str,
     from: (Uuid, i16),
 ) -> Result<ShadowPage> {
