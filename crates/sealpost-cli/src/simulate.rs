@@ -191,6 +191,12 @@ fn print_table(s: &TraceStats, elapsed_s: f64) {
         ("delivery sets run", s.sets),
         ("  complete at the end", s.sets_complete),
         ("  blocked at the end", s.sets_blocked),
+        ("traces with contracts (R26)", s.contracts.traces),
+        ("  versions registered", s.contracts.registered),
+        ("  breaking versions refused", s.contracts.refused),
+        ("  enqueues refused", s.contracts.enqueue_refused),
+        ("  payloads read", s.contracts.reads),
+        ("    across versions", s.contracts.reads_across_versions),
     ];
     for (k, v) in rows {
         println!("  {k:<30}{v:>10}");

@@ -110,6 +110,11 @@ fn main() {
         "  shadow: reads {}, rows compared {} (copies not the sealed envelope {}), divergences found {}",
         r.shadow_reads, r.shadow_compared, r.shadow_foreign, r.shadow_divergences
     );
+    let k = &s.contracts;
+    println!(
+        "  contracts: traces {}, versions registered {}, breaking registrations refused {}, enqueues refused {}, payloads read {} (across versions {})",
+        k.traces, k.registered, k.refused, k.enqueue_refused, k.reads, k.reads_across_versions
+    );
     for (i, ts) in &report.failing {
         println!("  failing trace {i} (trace seed {ts})");
     }

@@ -5,6 +5,7 @@
 use sealpost_core::cdc::{self as cdc, RowCheck};
 use sealpost_core::claim::{self, BeginSend, ClaimToken};
 use sealpost_core::cleanup::{self, PurgeRefusal, RetentionPolicy, Watermark};
+use sealpost_core::contract::{self, ContractError, SchemaVersion};
 use sealpost_core::delivery_set::{self, CompletionRule, SetStatus};
 use sealpost_core::dispatcher::OutcomeReport;
 use sealpost_core::encoding::Digest;
@@ -120,11 +121,18 @@ pub enum Mutant {
     /// incumbent's own account of what it sent) instead of the copy read back from the
     /// broker: a stored copy that differs from the sealed envelope is never reported.
     ShadowComparesOwnReceipt,
+    /// R26: the registry stores a candidate schema without checking it against the
+    /// registered versions (the breaches `contract::Check` found are ignored): a rename or a
+    /// changed field meaning becomes a version that readers of the others cannot read.
+    RegisterWithoutCompatibilityCheck,
+    /// R26: `enqueue` on a route that requires contracts skips `contract::check_payload`:
+    /// an event written with a schema nobody registered reaches the consumers.
+    EnqueueWithoutContractCheck,
 }
 
 impl Mutant {
     /// Every mutant, in `--list-mutants` order.
-    pub const ALL: [Mutant; 30] = [
+    pub const ALL: [Mutant; 32] = [
         Mutant::AcceptWithoutDigestCheck,
         Mutant::RetryToOtherDestination,
         Mutant::AcceptUnregisteredAttempt,
@@ -155,6 +163,8 @@ impl Mutant {
         Mutant::SetCompletesEarly,
         Mutant::ClaimWithoutAliasFence,
         Mutant::ShadowComparesOwnReceipt,
+        Mutant::RegisterWithoutCompatibilityCheck,
+        Mutant::EnqueueWithoutContractCheck,
     ];
 
     /// The CLI name.
@@ -190,6 +200,8 @@ impl Mutant {
             Mutant::SetCompletesEarly => "set-completes-early",
             Mutant::ClaimWithoutAliasFence => "claim-without-alias-fence",
             Mutant::ShadowComparesOwnReceipt => "shadow-compares-own-receipt",
+            Mutant::RegisterWithoutCompatibilityCheck => "register-without-compatibility-check",
+            Mutant::EnqueueWithoutContractCheck => "enqueue-without-contract-check",
         }
     }
 
@@ -713,6 +725,37 @@ impl Protocol {
             };
         }
         delivery_set::set_status(seen, rule)
+    }
+
+    /// R26: registering `candidate` after `registered` (oldest first): the core's
+    /// [`contract::Check`], the decision `sealpost::contract::register` stores. The
+    /// register-without-compatibility-check mutant drops the breaches it found.
+    pub fn register_contract(
+        &self,
+        registered: &[SchemaVersion],
+        candidate: SchemaVersion,
+    ) -> Result<(SchemaVersion, bool), ContractError> {
+        let mut check = contract::Check::new(registered, candidate);
+        if self.is(Mutant::RegisterWithoutCompatibilityCheck) {
+            check.breaches.clear();
+        }
+        check.registration()
+    }
+
+    /// R26: `enqueue`'s check of one event on a route that requires contracts: the core's
+    /// [`contract::check_payload`], which both store flavours run. The
+    /// enqueue-without-contract-check mutant lets every payload through.
+    pub fn check_payload(
+        &self,
+        event_type: &str,
+        payload_schema: &str,
+        text: Option<&str>,
+        payload: &[u8],
+    ) -> Result<(), ContractError> {
+        if self.is(Mutant::EnqueueWithoutContractCheck) {
+            return Ok(());
+        }
+        contract::check_payload(event_type, payload_schema, text, payload)
     }
 
     /// True when cleanup should also run right at acceptance (only the purge-at-ack mutant).

@@ -57,11 +57,16 @@ pub enum Violation {
     /// R25: the shadow compared a copy that differs from the row's sealed envelope (a
     /// forged look-alike read back under the primary's attempt id) and reported nothing.
     ShadowMissedDivergence,
+    /// R26: a consumer could not read an event it was handed: its reader refused a
+    /// registered version (a breaking change got registered), the writer's version was not
+    /// in the registry (an event enqueued with an unregistered schema), or the payload did
+    /// not decode as the version it names.
+    UnreadableEvents,
 }
 
 impl Violation {
     /// Every class, in JSON order.
-    pub const ALL: [Violation; 19] = [
+    pub const ALL: [Violation; 20] = [
         Violation::LostEvents,
         Violation::SecondEventIds,
         Violation::CrossDestinationRetries,
@@ -81,6 +86,7 @@ impl Violation {
         Violation::SendWithoutAlias,
         Violation::ShadowFalseDivergence,
         Violation::ShadowMissedDivergence,
+        Violation::UnreadableEvents,
     ];
 
     /// JSON key.
@@ -105,6 +111,7 @@ impl Violation {
             Violation::SendWithoutAlias => "send_without_alias",
             Violation::ShadowFalseDivergence => "shadow_false_divergence",
             Violation::ShadowMissedDivergence => "shadow_missed_divergence",
+            Violation::UnreadableEvents => "unreadable_events",
         }
     }
 }
@@ -469,6 +476,41 @@ pub struct TraceStats {
     pub sets_blocked: u64,
     /// R25: the rollout's counts.
     pub rollout: RolloutCounts,
+    /// R26: the contracts' counts.
+    pub contracts: ContractCounts,
+}
+
+/// What the contract registry and the readers did (traces with contracts only).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ContractCounts {
+    /// Traces whose routes require contracts (a registrar, producers writing several
+    /// versions, readers at the oldest and the newest version).
+    pub traces: u64,
+    /// Versions registered (`contract::Check` allowed them), including re-registrations
+    /// after a restore.
+    pub registered: u64,
+    /// Registrations refused as breaking (every candidate the registrar tries that breaks a
+    /// rule of the table).
+    pub refused: u64,
+    /// Enqueues refused by `contract::check_payload` (an unregistered version, or a payload
+    /// that is not a datum of the version it names): the producer's transaction rolled back.
+    pub enqueue_refused: u64,
+    /// Payloads a consumer's `contract::Reader` read.
+    pub reads: u64,
+    /// Of those, written with another version than the reader's (old readers of new
+    /// events, new readers of history).
+    pub reads_across_versions: u64,
+}
+
+impl ContractCounts {
+    fn merge(&mut self, o: &ContractCounts) {
+        self.traces += o.traces;
+        self.registered += o.registered;
+        self.refused += o.refused;
+        self.enqueue_refused += o.enqueue_refused;
+        self.reads += o.reads;
+        self.reads_across_versions += o.reads_across_versions;
+    }
 }
 
 /// What the rollout (R25) did (traces with a rollout only).
@@ -599,6 +641,7 @@ impl TraceStats {
         self.sets_complete += o.sets_complete;
         self.sets_blocked += o.sets_blocked;
         self.rollout.merge(&o.rollout);
+        self.contracts.merge(&o.contracts);
         self.inbox_duplicates += o.inbox_duplicates;
         self.inbox_quarantined += o.inbox_quarantined;
         self.effect_retries += o.effect_retries;

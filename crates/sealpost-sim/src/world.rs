@@ -19,6 +19,9 @@ use sealpost_core::claim::{apply_release_quarantine, ClaimToken, SendOutcome};
 use sealpost_core::cleanup::{
     apply_retention, PurgeRefusal, RetentionDecision, RetentionPolicy, Watermark,
 };
+use sealpost_core::contract::apache_avro::schema::Schema;
+use sealpost_core::contract::apache_avro::types::Value;
+use sealpost_core::contract::{self, ContractError, Reader, SchemaVersion};
 use sealpost_core::delivery_set::{CompletionRule, SetStatus, MEMBERS_MAX};
 use sealpost_core::dispatcher::{
     Claimed, ClaimedSend, DispatchAction, DispatcherConfig, DispatcherMachine, OutcomeReport,
@@ -125,6 +128,146 @@ const IMPLEMENTATIONS: [&str; 2] = ["a", "b"];
 const ROLLOUT_TRACES: u32 = 800;
 /// The rows one shadow read compares at most per route (the shadow's page).
 const SHADOW_PAGE: usize = 4;
+
+/// Per mille of the traces whose routes require contracts (R26), from the contract model's
+/// own randomness.
+const CONTRACT_TRACES: u32 = 300;
+/// R26: the payload schemas of a trace with contracts (the same texts for every event type).
+/// The first three are compatible both ways with each other, in any registration order; each
+/// of the others breaks one rule of the table against them (a rename, a changed unit in the
+/// same type, a narrowing). The registrar tries them all; producers write with them.
+const CONTRACT_SCHEMAS: [&str; 6] = [
+    r#"{"type":"record","name":"Order","fields":[
+        {"name":"order_id","type":"string","contract":{"unique":true,"ordering_key":true}},
+        {"name":"total","type":"long","contract":{"unit":"cents"}}]}"#,
+    r#"{"type":"record","name":"Order","fields":[
+        {"name":"order_id","type":"string","contract":{"unique":true,"ordering_key":true}},
+        {"name":"total","type":"long","contract":{"unit":"cents"}},
+        {"name":"currency","type":"string","default":"EUR"}]}"#,
+    r#"{"type":"record","name":"Order","fields":[
+        {"name":"order_id","type":"string","contract":{"unique":true,"ordering_key":true}},
+        {"name":"total","type":"long","contract":{"unit":"cents"}},
+        {"name":"channel","type":{"type":"enum","name":"Channel","symbols":["WEB","STORE"],"default":"WEB"},"default":"WEB"}]}"#,
+    r#"{"type":"record","name":"Order","fields":[
+        {"name":"order_id","type":"string","contract":{"unique":true,"ordering_key":true}},
+        {"name":"amount","type":"long","contract":{"unit":"cents"}}]}"#,
+    r#"{"type":"record","name":"Order","fields":[
+        {"name":"order_id","type":"string","contract":{"unique":true,"ordering_key":true}},
+        {"name":"total","type":"long","contract":{"unit":"euros"}}]}"#,
+    r#"{"type":"record","name":"Order","fields":[
+        {"name":"order_id","type":"string","contract":{"unique":true,"ordering_key":true}},
+        {"name":"total","type":"int","contract":{"unit":"cents"}}]}"#,
+];
+/// How many of [`CONTRACT_SCHEMAS`] are compatible with each other.
+const CONTRACT_COMPATIBLE: usize = 3;
+
+/// [`CONTRACT_SCHEMAS`] parsed by the core for each event type (`contract::parse`, version
+/// 0: candidates), once per process.
+fn contract_catalogue() -> &'static [Vec<SchemaVersion>] {
+    static CATALOGUE: OnceLock<Vec<Vec<SchemaVersion>>> = OnceLock::new();
+    CATALOGUE.get_or_init(|| {
+        EVENT_TYPES
+            .iter()
+            .map(|t| {
+                CONTRACT_SCHEMAS
+                    .iter()
+                    .map(|text| contract::parse(t, text).expect("the catalogue parses"))
+                    .collect()
+            })
+            .collect()
+    })
+}
+
+/// The `unit` annotation of field `name` of `s` (a record).
+fn unit_of(s: &SchemaVersion, name: &str) -> Option<String> {
+    let Schema::Record(r) = s.schema() else {
+        return None;
+    };
+    let f = r.fields.iter().find(|f| f.name == name)?;
+    f.custom_attributes
+        .get(contract::ANNOTATION)?
+        .get("unit")?
+        .as_str()
+        .map(str::to_string)
+}
+
+/// What the producer of fact `fact` means by its total, in cents (a multiple of 100).
+fn cents_of(fact: u32) -> i64 {
+    (i64::from(fact) + 1) * 100
+}
+
+/// The payload of fact `fact` as one datum of `s`: its order id, and its total in the unit
+/// `s` annotates (the producer writes the meaning its schema declares).
+fn contract_payload(
+    s: &SchemaVersion,
+    fact: u32,
+    aggregate: u32,
+) -> Result<Vec<u8>, ContractError> {
+    let Schema::Record(r) = s.schema() else {
+        unreachable!("a contract is a record")
+    };
+    let cents = cents_of(fact);
+    let fields = r
+        .fields
+        .iter()
+        .map(|f| {
+            let v = match &f.schema {
+                Schema::String if f.name == "order_id" => Value::String(format!("o-{aggregate}")),
+                Schema::String => Value::String("EUR".into()),
+                Schema::Long | Schema::Int => {
+                    let n = match unit_of(s, &f.name).as_deref() {
+                        Some("euros") => cents / 100,
+                        _ => cents,
+                    };
+                    if matches!(f.schema, Schema::Int) {
+                        Value::Int(n as i32)
+                    } else {
+                        Value::Long(n)
+                    }
+                }
+                Schema::Enum(e) => Value::Enum(0, e.symbols[0].clone()),
+                other => unreachable!("no such field type in the catalogue: {other:?}"),
+            };
+            (f.name.clone(), v)
+        })
+        .collect();
+    s.encode(Value::Record(fields))
+}
+
+/// The total a reader at version `reader` takes `value` (read as its version) to mean, in
+/// cents, by its own `unit` annotation.
+fn read_cents(reader: &SchemaVersion, value: &Value) -> Option<i64> {
+    let Value::Record(fields) = value else {
+        return None;
+    };
+    let n = match &fields.iter().find(|(k, _)| k == "total")?.1 {
+        Value::Long(n) => *n,
+        Value::Int(n) => i64::from(*n),
+        _ => return None,
+    };
+    match unit_of(reader, "total").as_deref() {
+        Some("euros") => Some(n * 100),
+        _ => Some(n),
+    }
+}
+
+/// The contract model of a trace (R26): every route requires contracts. The registry is
+/// database state ([`Db::registry`]); the registrar's attempts are events; each fact's
+/// producer writes with a catalogue schema; consumer 0 reads with version 1 (an old reader
+/// of new events), consumer 1 with the newest version registered when its reader loaded (a
+/// new reader of history).
+struct Contracts {
+    /// Each fact's catalogue entry (index into [`CONTRACT_SCHEMAS`]) its producer writes with.
+    writes: Vec<u8>,
+    /// Each committed fact's payload: the version it names and its bytes.
+    payloads: Vec<Option<(u32, Rc<[u8]>)>>,
+    /// Per consumer and event type: the reader it loaded, and the registry's length then.
+    readers: Vec<Vec<Option<(usize, Rc<Reader>)>>>,
+    /// Ghost: every registration the registrar made, in order (after a restore, the
+    /// operator registers again what the restored registry lacks, in the same order, so
+    /// every version keeps its number).
+    made: Vec<(u8, u8)>,
+}
 
 /// The simulated implementation `i` (an index into [`IMPLEMENTATIONS`]).
 fn implementation(i: u8) -> &'static Implementation {
@@ -389,6 +532,11 @@ enum Ev {
     CdcSlotLost,
     /// R25: an operator's rollout command on one alias record.
     RolloutSwitch,
+    /// R26: the registrar tries to register catalogue entry `entry` for `event_type`.
+    Register {
+        event_type: u8,
+        entry: u8,
+    },
     /// R25: the candidate's shadow reader reads back what the other implementation
     /// published on the routes at stage shadow or takeover.
     ShadowRead,
@@ -440,6 +588,9 @@ struct Db {
     /// attempt's owner and its announced implementation (the shadow reads the rows the
     /// other implementation published). A restore takes it back with the rows.
     attempt_impl: Vec<(EventId, u16, u64, u8)>,
+    /// R26: the contract registry, per event type: the catalogue entries of its versions in
+    /// version order (version `k` is entry `registry[t][k - 1]`). Empty without contracts.
+    registry: Vec<Vec<u8>>,
 }
 
 /// One committed delivery set: its fact, completion rule and member rows (member `k` is
@@ -744,6 +895,10 @@ pub struct World {
     /// Ghost: the comparisons made (row, primary attempt id, database incarnation): each
     /// row is compared once per primary receipt, as the shadow's cursor passes it once.
     shadow_done: Vec<(u32, u64, u32)>,
+    /// The contract model's own randomness (R26).
+    krng: ChaCha8Rng,
+    /// R26: the contract model, in traces whose routes require contracts.
+    contracts: Option<Box<Contracts>>,
 }
 
 fn chance(rng: &mut ChaCha8Rng, per_mille: u32) -> bool {
@@ -994,6 +1149,21 @@ impl World {
                 p_crash: range(&mut crng, 0, 30) as u32,
             })
         });
+        let mut krng = ChaCha8Rng::seed_from_u64(trace_seed ^ 0x0C0A_7AC7_2026_0B26);
+        let contracts = chance(&mut krng, CONTRACT_TRACES).then(|| {
+            Box::new(Contracts {
+                writes: Vec::new(),
+                payloads: Vec::new(),
+                readers: vec![vec![None; EVENT_TYPES.len()]; cfg.consumers],
+                made: Vec::new(),
+            })
+        });
+        // Version 1 of every event type is registered before the trace starts.
+        let registry = if contracts.is_some() {
+            vec![vec![0]; EVENT_TYPES.len()]
+        } else {
+            Vec::new()
+        };
         let reconciler = reconciler(cfg.caps, 0);
         let consumers = (0..cfg.consumers)
             .map(|_| Consumer {
@@ -1016,6 +1186,7 @@ impl World {
             db: Db {
                 next_attempt_id: 1,
                 aliases,
+                registry,
                 ..Db::default()
             },
             snapshot: None,
@@ -1057,7 +1228,10 @@ impl World {
             ),
             shadow_scheduled: false,
             shadow_done: Vec::new(),
+            krng,
+            contracts,
         };
+        w.stats.contracts.traces = u64::from(w.contracts.is_some());
         w.stats.rollout.traces = u64::from(rollout);
         if w.cdc.is_some() {
             w.stats.cdc.traces = 1;
@@ -1197,6 +1371,40 @@ impl World {
             for _ in 0..range(&mut self.rrng, 2, 8) {
                 let t = range(&mut self.rrng, 0, end);
                 self.at(t, Ev::RolloutSwitch);
+            }
+        }
+        // The registrar's attempts and the producers' schemas, from the contract model's own
+        // randomness: each event type's compatible versions and one breaking candidate, at
+        // random times; most producers write a compatible version (registered yet or not),
+        // one in eight a breaking one.
+        if let Some(k) = self.contracts.as_mut() {
+            let mut plan = Vec::new();
+            for t in 0..EVENT_TYPES.len() as u8 {
+                let breaking = range(
+                    &mut self.krng,
+                    CONTRACT_COMPATIBLE as u64,
+                    CONTRACT_SCHEMAS.len() as u64 - 1,
+                );
+                for entry in [1, 2, breaking as u8] {
+                    plan.push((range(&mut self.krng, 0, end), t, entry));
+                }
+            }
+            k.writes = (0..self.facts.len())
+                .map(|_| {
+                    if chance(&mut self.krng, 125) {
+                        range(
+                            &mut self.krng,
+                            CONTRACT_COMPATIBLE as u64,
+                            CONTRACT_SCHEMAS.len() as u64 - 1,
+                        ) as u8
+                    } else {
+                        range(&mut self.krng, 0, CONTRACT_COMPATIBLE as u64 - 1) as u8
+                    }
+                })
+                .collect();
+            k.payloads = vec![None; self.facts.len()];
+            for (t, event_type, entry) in plan {
+                self.at(t, Ev::Register { event_type, entry });
             }
         }
         // The CDC publisher's start and faults, from the CDC model's own randomness.
@@ -1408,6 +1616,7 @@ impl World {
                 }
             }
             Ev::ShadowRead => self.shadow_read(),
+            Ev::Register { event_type, entry } => self.contract_register(event_type, entry),
             Ev::CdcCrash => {
                 if self.faults_on {
                     self.cdc_crash();
@@ -1485,6 +1694,13 @@ impl World {
             // F1: killed before the commit; the client retries with the same command.
             self.fault(Fault::CrashBeforeCommit);
             let t = self.now + range(&mut self.rng, 500, 5_000);
+            self.at(t, Ev::WriterCommit { fact });
+            return;
+        }
+        if !self.contract_enqueue(fact) {
+            // R26: `enqueue` refused the payload; the transaction rolled back, and the
+            // producer writes again (with the newest registered version) a little later.
+            let t = self.now + range(&mut self.krng, 500, 5_000);
             self.at(t, Ev::WriterCommit { fact });
             return;
         }
@@ -4015,6 +4231,9 @@ impl World {
                     }
                 }
                 let in_tx = self.proto.inbox_in_effect_tx();
+                if !m.forged {
+                    self.contract_read(ci, m.event_id);
+                }
                 self.apply_effect(ci, &m);
                 if !in_tx && self.faults_on && chance(&mut self.rng, self.cfg.p_consumer_crash) {
                     // Mutant: the effect committed alone; the inbox row never did.
@@ -4272,6 +4491,7 @@ impl World {
         };
         self.fault(Fault::DatabaseRestored);
         self.db = snap;
+        self.contract_reregister();
         // The restored aliases may put a route back in shadow.
         self.schedule_shadow();
         for f in 0..self.facts.len() {
@@ -4330,6 +4550,193 @@ impl World {
                 .iter()
                 .map(|r| r.state.phase() != Phase::Dispatchable)
                 .collect();
+        }
+    }
+
+    // ---------------------------------------------------------------- contracts (R26)
+    //
+    // The registry's decision is the core's `contract::Check` (through
+    // `Protocol::register_contract`), `enqueue`'s the core's `contract::check_payload`
+    // (through `Protocol::check_payload`), and a consumer reads with the core's
+    // `contract::Reader`: the same functions `sealpost::contract` and both store flavours run.
+
+    /// The registered versions of event type `t`, oldest first.
+    fn registered_versions(&self, t: u8) -> Vec<SchemaVersion> {
+        let catalogue = &contract_catalogue()[usize::from(t)];
+        self.db.registry[usize::from(t)]
+            .iter()
+            .enumerate()
+            .map(|(i, e)| {
+                let mut v = catalogue[usize::from(*e)].clone();
+                v.version = i as u32 + 1;
+                v
+            })
+            .collect()
+    }
+
+    /// The registrar registers catalogue entry `entry` for event type `t` (one transaction:
+    /// the registered versions read under the event type's lock, the decision, the insert).
+    fn contract_register(&mut self, t: u8, entry: u8) {
+        if self.contracts.is_none() {
+            return;
+        }
+        let registered = self.registered_versions(t);
+        let candidate = contract_catalogue()[usize::from(t)][usize::from(entry)].clone();
+        match self.proto.register_contract(&registered, candidate) {
+            Ok((v, new)) => {
+                if new {
+                    self.db.registry[usize::from(t)].push(entry);
+                    self.stats.contracts.registered += 1;
+                    if let Some(k) = self.contracts.as_mut() {
+                        k.made.push((t, entry));
+                    }
+                    self.note(|| format!("registered {} (entry {entry})", v.id()));
+                }
+            }
+            Err(e) => {
+                self.stats.contracts.refused += 1;
+                self.note(|| format!("registration of entry {entry} refused: {e}"));
+            }
+        }
+    }
+
+    /// After a restore: the operator registers again, in their order, the versions the
+    /// restored registry lacks (so every version keeps its number).
+    fn contract_reregister(&mut self) {
+        let Some(made) = self.contracts.as_ref().map(|k| k.made.clone()) else {
+            return;
+        };
+        let mut present = vec![0usize; EVENT_TYPES.len()];
+        for (t, entry) in made {
+            let ti = usize::from(t);
+            if self.db.registry[ti].get(present[ti]) == Some(&entry) {
+                present[ti] += 1;
+                continue;
+            }
+            let registered = self.registered_versions(t);
+            let candidate = contract_catalogue()[ti][usize::from(entry)].clone();
+            if let Ok((_, true)) = self.proto.register_contract(&registered, candidate) {
+                self.db.registry[ti].push(entry);
+                self.stats.contracts.registered += 1;
+                present[ti] += 1;
+            }
+        }
+    }
+
+    /// `enqueue`'s contract check of fact `fact` on a route that requires contracts: its
+    /// producer names the version its schema was registered as (the next number if it was
+    /// not), and the core checks the payload against the registered text. False when it is
+    /// refused: the producer then falls back to the newest registered version.
+    fn contract_enqueue(&mut self, fact: u32) -> bool {
+        let Some(k) = self.contracts.as_ref() else {
+            return true;
+        };
+        let f = fact as usize;
+        let t = self.facts[f].event_type;
+        let ti = usize::from(t);
+        let entry = k.writes[f];
+        let catalogue = &contract_catalogue()[ti];
+        let registry = &self.db.registry[ti];
+        let version = registry
+            .iter()
+            .position(|e| *e == entry)
+            .map_or(registry.len() + 1, |i| i + 1) as u32;
+        let text = registry
+            .get(version as usize - 1)
+            .map(|e| catalogue[usize::from(*e)].text.as_str());
+        let payload = contract_payload(
+            &catalogue[usize::from(entry)],
+            fact,
+            self.facts[f].aggregate,
+        )
+        .expect("a catalogue payload encodes");
+        let id = contract::schema_id(EVENT_TYPES[ti], version);
+        match self
+            .proto
+            .check_payload(EVENT_TYPES[ti], &id, text, &payload)
+        {
+            Ok(()) => {
+                if let Some(k) = self.contracts.as_mut() {
+                    k.payloads[f] = Some((version, payload.into()));
+                }
+                true
+            }
+            Err(e) => {
+                self.stats.contracts.enqueue_refused += 1;
+                self.note(|| format!("enqueue of fact {fact} refused: {e}"));
+                let newest = *self.db.registry[ti]
+                    .last()
+                    .expect("version 1 is registered");
+                if let Some(k) = self.contracts.as_mut() {
+                    k.writes[f] = newest;
+                }
+                false
+            }
+        }
+    }
+
+    /// Consumer `ci`'s handler reads the payload of `event_id` with its `contract::Reader`
+    /// (loaded again when the registry grew). Checker: the reader accepts every registered
+    /// version, resolves the writer's, decodes the payload, and takes the total to mean
+    /// what the producer meant.
+    fn contract_read(&mut self, ci: usize, event_id: EventId) {
+        let Some(k) = self.contracts.as_ref() else {
+            return;
+        };
+        let Some(f) = self.facts.iter().position(|x| x.event_id == event_id) else {
+            return;
+        };
+        let Some((version, payload)) = k.payloads[f].clone() else {
+            return;
+        };
+        let t = self.facts[f].event_type;
+        let ti = usize::from(t);
+        let len = self.db.registry[ti].len();
+        let reader = match &k.readers[ci][ti] {
+            Some((n, r)) if *n == len => Ok(Rc::clone(r)),
+            _ => {
+                // Consumer 0 stays at version 1; consumer 1 moves to the newest.
+                let at = if ci == 0 { 1 } else { len as u32 };
+                Reader::new(EVENT_TYPES[ti], at, self.registered_versions(t)).map(Rc::new)
+            }
+        };
+        let reader = match reader {
+            Ok(r) => r,
+            Err(e) => {
+                self.violation(Violation::UnreadableEvents, || {
+                    format!(
+                        "consumer {ci} cannot load its reader of {}: {e}",
+                        EVENT_TYPES[ti]
+                    )
+                });
+                return;
+            }
+        };
+        if let Some(k) = self.contracts.as_mut() {
+            k.readers[ci][ti] = Some((len, Rc::clone(&reader)));
+        }
+        let id = contract::schema_id(EVENT_TYPES[ti], version);
+        let digest = Digest::of_bytes(sealpost_core::envelope::SCHEMA_DOMAIN, id.as_bytes());
+        match reader.read(&digest, &payload) {
+            Ok((writer, value)) => {
+                self.stats.contracts.reads += 1;
+                if writer != reader.version().version {
+                    self.stats.contracts.reads_across_versions += 1;
+                }
+                let meant = cents_of(f as u32);
+                let read = read_cents(reader.version(), &value);
+                if read != Some(meant) {
+                    self.violation(Violation::UnreadableEvents, || {
+                        format!(
+                            "consumer {ci} read {id} of {event_id} as version {} and took its total for {read:?} cents, the producer meant {meant}",
+                            reader.version().version
+                        )
+                    });
+                }
+            }
+            Err(e) => self.violation(Violation::UnreadableEvents, || {
+                format!("consumer {ci} cannot read {id} of {event_id}: {e}")
+            }),
         }
     }
 

@@ -137,6 +137,8 @@ fn expected_class(m: Mutant) -> Option<Violation> {
         Mutant::SetCompletesEarly => Some(Violation::SetCompletedEarly),
         Mutant::ClaimWithoutAliasFence => Some(Violation::SendWithoutAlias),
         Mutant::ShadowComparesOwnReceipt => Some(Violation::ShadowMissedDivergence),
+        Mutant::RegisterWithoutCompatibilityCheck => Some(Violation::UnreadableEvents),
+        Mutant::EnqueueWithoutContractCheck => Some(Violation::UnreadableEvents),
     }
 }
 
