@@ -1261,6 +1261,10 @@ pub const ANNOUNCE_EVERY_MS: u64 = 30_000;
 /// How often a candidate's shadow reads what the incumbent published (R25).
 pub const SHADOW_EVERY_MS: u64 = 1_000;
 
+/// How long one shadow round looks messages up before it records what it compared (the
+/// rest of its page is read in the next round).
+pub const SHADOW_ROUND_MAX_MS: u64 = 2_000;
+
 /// The shadow reader of a dispatcher process (R25, `sealpost rollout shadow`): while this
 /// process's implementation is a route's candidate in shadow or takeover on this broker's
 /// cluster, it walks the messages the incumbent published there, reads each back from the
@@ -1315,7 +1319,16 @@ async fn shadow_round<B: Broker>(
         let cursor = store::shadow_cursor(&*client, &a.route, me).await?;
         let page = store::shadow_page(&*client, &a, me, cursor).await?;
         let mut compared = Vec::with_capacity(page.rows.len());
+        // The page's lookups end after SHADOW_ROUND_MAX_MS (a slow broker answers a page
+        // of 200 in minutes): what was compared is recorded, the rest read next round.
+        let started = std::time::Instant::now();
+        let mut read_to = page.read_to;
+        let mut handled = cursor;
         for r in &page.rows {
+            if started.elapsed() > Duration::from_millis(SHADOW_ROUND_MAX_MS) {
+                read_to = handled;
+                break;
+            }
             let looked = broker
                 .lookup(&r.row.destination, r.row.event_id, r.row.member)
                 .await;
@@ -1332,9 +1345,15 @@ async fn shadow_round<B: Broker>(
                 Lookup::Found(receipt) | Lookup::Unsealed { receipt, .. } => (receipt, None),
                 // Not at the broker any more (a retention limit), or not askable: nothing
                 // to compare; the reconciler reports a missing message.
-                Lookup::Absent | Lookup::Unqueryable => continue,
-                // Nothing learned: this page is read again next time.
-                Lookup::Unavailable => return Ok(()),
+                Lookup::Absent | Lookup::Unqueryable => {
+                    handled = r.key;
+                    continue;
+                }
+                // Nothing learned: the rest of the page is read again next time.
+                Lookup::Unavailable => {
+                    read_to = handled;
+                    break;
+                }
             };
             let ds = shadow_compare(
                 &r.row,
@@ -1353,9 +1372,10 @@ async fn shadow_round<B: Broker>(
                 tracing::warn!(route = %a.route, event_id = %r.row.event_id, divergences = ds.len(), "shadow: the candidate would have sent this event differently");
             }
             compared.push((r.row.event_id, r.row.member, ds));
+            handled = r.key;
         }
-        if page.read_to != cursor {
-            store::record_shadow(client, &a.route, me, &compared, cursor, page.read_to).await?;
+        if read_to != cursor {
+            store::record_shadow(client, &a.route, me, &compared, cursor, read_to).await?;
         }
     }
     Ok(())

@@ -649,6 +649,9 @@ pub struct ShadowRow {
     /// An earlier version of the aggregate, bound for the same destination, was stored
     /// after it or is not stored yet.
     pub earlier_stored_later: bool,
+    /// Its place in the walk (event id, member): where the cursor stands once it is
+    /// compared.
+    pub key: (Uuid, i16),
 }
 
 /// One page of the shadow's walk.
@@ -759,7 +762,8 @@ pub async fn shadow_page(
         if young {
             break;
         }
-        page.read_to = (uuid_of(row.event_id), row.member as i16);
+        let key = (uuid_of(row.event_id), row.member as i16);
+        page.read_to = key;
         let owner_impl: Option<String> = r.get(extra + 9);
         let mine = owner_impl.as_deref() == Some(candidate);
         let ours = row.destination.topic == alias.topic;
@@ -771,6 +775,7 @@ pub async fn shadow_page(
             envelope: wire_envelope(r, extra)?,
             primary_attempt_id: r.get::<_, Option<i64>>(extra + 8).map(|a| a as u64),
             earlier_stored_later: r.get(extra + 10),
+            key,
             row,
         });
     }
