@@ -13,72 +13,25 @@ use std::time::Duration;
 
 #[path = "../../sealpost/tests/common/mod.rs"]
 mod common;
+#[path = "support/rollout.rs"]
+mod support;
 #[path = "../../sealpost/tests/common/teardown_nats.rs"]
 mod teardown_nats;
 
 use sealpost::runtime::{self, CancellationToken, Config, Counters};
 use sealpost::store::{self, ErrorKind, RolloutCommand};
-use sealpost_core::envelope::NewEvent;
 use sealpost_core::port::Broker;
 use sealpost_core::rollout::{self, Alias, Implementation, Stage};
 use sealpost_nats::async_nats::jetstream;
 use sealpost_nats::Nats;
-
-const CREATED: &str = "order.created.v1";
-const PAID: &str = "order.paid.v1";
-
-/// Enqueues one event per id in one transaction, alternating created and paid.
-async fn enqueue(pg: &mut tokio_postgres::Client, route: &str, prefix: &str, n: usize) {
-    let tx = pg.transaction().await.unwrap();
-    for i in 0..n {
-        let id = format!("{prefix}-{i}");
-        let ev = NewEvent {
-            aggregate_id: &id,
-            event_type: if i % 2 == 0 { CREATED } else { PAID },
-            ..sealpost_cli::demo::order_created("", br#"{"total":1}"#)
-        };
-        store::enqueue(&tx, route, sealpost_cli::demo::mint_event_id(), &ev, &id)
-            .await
-            .unwrap();
-    }
-    tx.commit().await.unwrap();
-}
-
-/// Per event of `prefix`: (event type, aggregate id, state, implementation of its latest
-/// attempt's owner).
-async fn senders(
-    pg: &tokio_postgres::Client,
-    prefix: &str,
-) -> Vec<(String, String, String, Option<String>)> {
-    pg.query(
-        "SELECT e.event_type, e.aggregate_id, w.state, i.implementation
-           FROM sealpost.work w
-           JOIN sealpost.envelope e ON e.event_id = w.event_id AND e.member = w.member
-           LEFT JOIN sealpost.implementation i ON i.owner = w.attempt_owner
-          WHERE e.aggregate_id LIKE $1 || '-%' ORDER BY e.aggregate_id",
-        &[&prefix],
-    )
-    .await
-    .unwrap()
-    .iter()
-    .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
-    .collect()
-}
+use support::{enqueue, senders, CREATED, PAID};
 
 async fn all_published(pg: &tokio_postgres::Client, prefix: &str) -> bool {
-    senders(pg, prefix)
-        .await
-        .iter()
-        .all(|(_, _, state, _)| state == "PUBLISHED")
+    support::published(pg, prefix).await
 }
 
 async fn alias(pg: &tokio_postgres::Client, route: &str) -> Alias {
-    let s = store::rollout_status(pg).await.unwrap();
-    s.aliases
-        .into_iter()
-        .find(|a| a.alias.route == route)
-        .unwrap()
-        .alias
+    support::alias(pg, route).await
 }
 
 async fn shadow_of(pg: &tokio_postgres::Client, candidate: &str) -> store::ShadowView {
@@ -92,14 +45,13 @@ async fn shadow_of(pg: &tokio_postgres::Client, candidate: &str) -> store::Shado
 }
 
 async fn switch(pg: &mut tokio_postgres::Client, route: &str, cmd: RolloutCommand) -> Alias {
-    let c = store::rollout(pg, route, &cmd).await.unwrap();
-    assert!(c.changed, "{cmd:?} should switch the alias: {c:?}");
+    let (a, warnings) = support::switch(pg, route, cmd).await;
     assert_eq!(
-        c.warnings,
+        warnings,
         Vec::<String>::new(),
         "every claimant has dispatchers"
     );
-    alias(pg, route).await
+    a
 }
 
 /// Every event of `prefix` is published, by the implementation `expected` names for it.
@@ -109,12 +61,15 @@ async fn sent_as(
     expected: impl Fn(&str, &str) -> String,
 ) -> HashMap<String, usize> {
     let mut by = HashMap::new();
-    for (ty, agg, state, who) in senders(pg, prefix).await {
-        assert_eq!(state, "PUBLISHED", "{agg}");
-        let who = who.unwrap_or_else(|| panic!("{agg}: no announced sender"));
+    for e in senders(pg, prefix).await {
+        let (ty, agg) = (&e.event_type, &e.aggregate_id);
+        assert_eq!(e.state, "PUBLISHED", "{agg}");
+        let who = e
+            .last_attempt_by
+            .unwrap_or_else(|| panic!("{agg}: no announced sender"));
         assert_eq!(
             who,
-            expected(&ty, &agg),
+            expected(ty, agg),
             "{agg} ({ty}) sent by the wrong implementation"
         );
         *by.entry(who).or_insert(0) += 1;
@@ -285,11 +240,12 @@ async fn two_implementations_claim_what_the_alias_names_through_shadow_takeover_
     );
     let (what, limit) = wait("the batch of the rollback to publish");
     common::wait_for(what, limit, async || all_published(&pg, "c").await).await;
-    for (ty, agg, _, who) in senders(&pg, "c").await {
-        let who = who.unwrap();
+    for e in senders(&pg, "c").await {
+        let (ty, agg) = (&e.event_type, &e.aggregate_id);
+        let who = e.last_attempt_by.unwrap();
         if who == "v2" {
             assert_eq!(
-                takeover.claimant(&ty, rollout::share_bucket("order", &agg)),
+                takeover.claimant(ty, rollout::share_bucket("order", agg)),
                 "v2",
                 "{agg}: v2 sent a row the takeover never gave it"
             );
@@ -364,7 +320,7 @@ async fn two_implementations_claim_what_the_alias_names_through_shadow_takeover_
     assert!(senders(&pg, "f")
         .await
         .iter()
-        .all(|(_, _, s, who)| s == "PENDING" && who.is_none()));
+        .all(|e| e.state == "PENDING" && e.last_attempt_by.is_none()));
     switch(&mut pg, "orders", RolloutCommand::Rollback).await;
     let (what, limit) = wait("the batch after the second rollback to publish");
     common::wait_for(what, limit, async || all_published(&pg, "f").await).await;
@@ -499,8 +455,13 @@ async fn the_claim_filter_takes_what_the_core_gives_a_switch_waits_for_claims_an
     let want2: Vec<(String, String)> = senders(&pg, "o")
         .await
         .into_iter()
-        .filter(|(ty, agg, _, _)| a.claimant(ty, rollout::share_bucket("order", agg)) == "v2")
-        .map(|(ty, agg, _, _)| (ty, agg))
+        .filter(|e| {
+            a.claimant(
+                &e.event_type,
+                rollout::share_bucket("order", &e.aggregate_id),
+            ) == "v2"
+        })
+        .map(|e| (e.event_type, e.aggregate_id))
         .collect();
     let mut got2_orders: Vec<_> = got2
         .iter()

@@ -28,6 +28,8 @@ use std::time::Duration;
 
 #[path = "../../sealpost/tests/common/mod.rs"]
 mod common;
+#[path = "support/rollout.rs"]
+mod support;
 #[path = "../../sealpost/tests/common/teardown_nats.rs"]
 mod teardown_nats;
 #[path = "../../sealpost/tests/common/teardown_rabbitmq.rs"]
@@ -39,15 +41,13 @@ use sealpost::consumer::{self, Databases, Delivery, HandlerError, Options};
 use sealpost::ops::{self, NoScan, ReconcileOptions};
 use sealpost::runtime::{self, CancellationToken, Config, Counters, RunError};
 use sealpost::store::{self, RolloutCommand};
-use sealpost_core::envelope::NewEvent;
 use sealpost_core::port::Broker;
 use sealpost_core::rollout::{self, Alias, Stage};
 use sealpost_core::subscription::Subscription;
 use sealpost_nats::async_nats::jetstream;
 use sealpost_nats::Nats;
+use support::{CREATED, PAID};
 
-const CREATED: &str = "order.created.v1";
-const PAID: &str = "order.paid.v1";
 const ROUTE: &str = "orders";
 
 /// A fleet of one implementation: two dispatchers, the shadow reader and a reconciler.
@@ -124,66 +124,18 @@ async fn kill_while_sending(
 }
 
 async fn enqueue(pg: &mut tokio_postgres::Client, prefix: &str, n: usize) {
-    let tx = pg.transaction().await.unwrap();
-    for i in 0..n {
-        let id = format!("{prefix}-{i}");
-        let ev = NewEvent {
-            aggregate_id: &id,
-            event_type: if i % 2 == 0 { CREATED } else { PAID },
-            ..sealpost_cli::demo::order_created("", br#"{"total":1}"#)
-        };
-        store::enqueue(&tx, ROUTE, sealpost_cli::demo::mint_event_id(), &ev, &id)
-            .await
-            .unwrap();
-    }
-    tx.commit().await.unwrap();
-}
-
-/// (event type, aggregate id, state, implementation of the primary receipt's attempt).
-async fn senders(
-    pg: &tokio_postgres::Client,
-    prefix: &str,
-) -> Vec<(String, String, String, Option<String>)> {
-    pg.query(
-        "SELECT e.event_type, e.aggregate_id, w.state,
-                (SELECT i.implementation FROM sealpost.implementation i
-                  WHERE i.owner = coalesce(
-                        (SELECT a.owner FROM sealpost.attempt a WHERE a.attempt_id = w.primary_attempt_id),
-                        CASE WHEN w.attempt_id = w.primary_attempt_id THEN w.attempt_owner END))
-           FROM sealpost.work w
-           JOIN sealpost.envelope e ON e.event_id = w.event_id AND e.member = w.member
-          WHERE e.aggregate_id LIKE $1 || '-%' ORDER BY e.aggregate_id",
-        &[&prefix],
-    )
-    .await
-    .unwrap()
-    .iter()
-    .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
-    .collect()
-}
-
-async fn published(pg: &tokio_postgres::Client, prefix: &str) -> bool {
-    senders(pg, prefix)
-        .await
-        .iter()
-        .all(|(_, _, s, _)| s == "PUBLISHED")
+    support::enqueue(pg, ROUTE, prefix, n).await;
 }
 
 async fn wait_published(pg: &tokio_postgres::Client, prefix: &'static str) {
     wait_for(prefix, Duration::from_secs(120), async || {
-        published(pg, prefix).await
+        support::published(pg, prefix).await
     })
     .await;
 }
 
-async fn alias(pg: &tokio_postgres::Client) -> Alias {
-    store::aliases(pg).await.unwrap().remove(0).alias
-}
-
 async fn switch(pg: &mut tokio_postgres::Client, cmd: RolloutCommand) -> Alias {
-    let c = store::rollout(pg, ROUTE, &cmd).await.unwrap();
-    assert!(c.changed, "{cmd:?}: {c:?}");
-    alias(pg).await
+    support::switch(pg, ROUTE, cmd).await.0
 }
 
 async fn compared(pg: &tokio_postgres::Client) -> (u64, u64, u64) {
@@ -202,10 +154,13 @@ async fn sent_by(
     allowed: impl Fn(&str, &str, &str) -> bool,
 ) -> (usize, usize) {
     let (mut v1, mut v2) = (0, 0);
-    for (ty, agg, state, who) in senders(pg, prefix).await {
-        assert_eq!(state, "PUBLISHED", "{agg}");
-        let who = who.unwrap_or_else(|| panic!("{agg}: no announced sender"));
-        assert!(allowed(&ty, &agg, &who), "{agg} ({ty}) sent by {who}");
+    for e in support::senders(pg, prefix).await {
+        let (ty, agg) = (&e.event_type, &e.aggregate_id);
+        assert_eq!(e.state, "PUBLISHED", "{agg}");
+        let who = e
+            .accepted_from
+            .unwrap_or_else(|| panic!("{agg}: no announced sender"));
+        assert!(allowed(ty, agg, &who), "{agg} ({ty}) sent by {who}");
         if who == "v1" {
             v1 += 1;
         } else {
