@@ -251,6 +251,9 @@ fn read_cents(reader: &SchemaVersion, value: &Value) -> Option<i64> {
     }
 }
 
+/// A consumer's contract reader, and the length of the registry it was loaded from.
+type LoadedReader = (usize, Rc<Reader>);
+
 /// The contract model of a trace (R26): every route requires contracts. The registry is
 /// database state ([`Db::registry`]); the registrar's attempts are events; each fact's
 /// producer writes with a catalogue schema; consumer 0 reads with version 1 (an old reader
@@ -262,7 +265,7 @@ struct Contracts {
     /// Each committed fact's payload: the version it names and its bytes.
     payloads: Vec<Option<(u32, Rc<[u8]>)>>,
     /// Per consumer and event type: the reader it loaded, and the registry's length then.
-    readers: Vec<Vec<Option<(usize, Rc<Reader>)>>>,
+    readers: Vec<Vec<Option<LoadedReader>>>,
     /// Ghost: every registration the registrar made, in order (after a restore, the
     /// operator registers again what the restored registry lacks, in the same order, so
     /// every version keeps its number).
