@@ -308,6 +308,16 @@ impl SchemaVersion {
         &self.schema
     }
 
+    /// Annotation `key` (one of [`ANNOTATION_KEYS`]) of the record's field `field`, if the
+    /// field has it: what a reader takes the field's values to mean (e.g. its `unit`).
+    pub fn annotation(&self, field: &str, key: &str) -> Option<&serde_json::Value> {
+        let f = record_of(&self.schema)?
+            .fields
+            .iter()
+            .find(|f| f.name == field)?;
+        f.custom_attributes.get(ANNOTATION)?.as_object()?.get(key)
+    }
+
     /// Encodes `value` as one Avro datum of this schema (what `enqueue` expects), resolved
     /// against the schema first (a string names an enum symbol, a plain value picks its
     /// union branch, a missing field takes its default).

@@ -178,17 +178,9 @@ fn contract_catalogue() -> &'static [Vec<SchemaVersion>] {
     })
 }
 
-/// The `unit` annotation of field `name` of `s` (a record).
-fn unit_of(s: &SchemaVersion, name: &str) -> Option<String> {
-    let Schema::Record(r) = s.schema() else {
-        return None;
-    };
-    let f = r.fields.iter().find(|f| f.name == name)?;
-    f.custom_attributes
-        .get(contract::ANNOTATION)?
-        .get("unit")?
-        .as_str()
-        .map(str::to_string)
+/// The `unit` annotation of field `name` of `s` (the core's [`SchemaVersion::annotation`]).
+fn unit_of<'a>(s: &'a SchemaVersion, name: &str) -> Option<&'a str> {
+    s.annotation(name, "unit")?.as_str()
 }
 
 /// What the producer of fact `fact` means by its total, in cents (a multiple of 100).
@@ -215,7 +207,7 @@ fn contract_payload(
                 Schema::String if f.name == "order_id" => Value::String(format!("o-{aggregate}")),
                 Schema::String => Value::String("EUR".into()),
                 Schema::Long | Schema::Int => {
-                    let n = match unit_of(s, &f.name).as_deref() {
+                    let n = match unit_of(s, &f.name) {
                         Some("euros") => cents / 100,
                         _ => cents,
                     };
@@ -245,7 +237,7 @@ fn read_cents(reader: &SchemaVersion, value: &Value) -> Option<i64> {
         Value::Int(n) => i64::from(*n),
         _ => return None,
     };
-    match unit_of(reader, "total").as_deref() {
+    match unit_of(reader, "total") {
         Some("euros") => Some(n * 100),
         _ => Some(n),
     }
@@ -4583,17 +4575,14 @@ impl World {
         if self.contracts.is_none() {
             return;
         }
-        let registered = self.registered_versions(t);
-        let candidate = contract_catalogue()[usize::from(t)][usize::from(entry)].clone();
-        match self.proto.register_contract(&registered, candidate) {
-            Ok((v, new)) => {
+        match self.register_entry(t, entry) {
+            Ok(new) => {
                 if new {
-                    self.db.registry[usize::from(t)].push(entry);
-                    self.stats.contracts.registered += 1;
                     if let Some(k) = self.contracts.as_mut() {
                         k.made.push((t, entry));
                     }
-                    self.note(|| format!("registered {} (entry {entry})", v.id()));
+                    let version = self.db.registry[usize::from(t)].len();
+                    self.note(|| format!("registered version {version} (entry {entry})"));
                 }
             }
             Err(e) => {
@@ -4601,6 +4590,20 @@ impl World {
                 self.note(|| format!("registration of entry {entry} refused: {e}"));
             }
         }
+    }
+
+    /// One registration transaction of catalogue entry `entry` for event type `t`: stored
+    /// when the decision allows a new version (true), nothing when it is already registered
+    /// (false) or refused.
+    fn register_entry(&mut self, t: u8, entry: u8) -> Result<bool, ContractError> {
+        let registered = self.registered_versions(t);
+        let candidate = contract_catalogue()[usize::from(t)][usize::from(entry)].clone();
+        let (_, new) = self.proto.register_contract(&registered, candidate)?;
+        if new {
+            self.db.registry[usize::from(t)].push(entry);
+            self.stats.contracts.registered += 1;
+        }
+        Ok(new)
     }
 
     /// After a restore: the operator registers again, in their order, the versions the
@@ -4612,15 +4615,9 @@ impl World {
         let mut present = vec![0usize; EVENT_TYPES.len()];
         for (t, entry) in made {
             let ti = usize::from(t);
-            if self.db.registry[ti].get(present[ti]) == Some(&entry) {
-                present[ti] += 1;
-                continue;
-            }
-            let registered = self.registered_versions(t);
-            let candidate = contract_catalogue()[ti][usize::from(entry)].clone();
-            if let Ok((_, true)) = self.proto.register_contract(&registered, candidate) {
-                self.db.registry[ti].push(entry);
-                self.stats.contracts.registered += 1;
+            if self.db.registry[ti].get(present[ti]) == Some(&entry)
+                || matches!(self.register_entry(t, entry), Ok(true))
+            {
                 present[ti] += 1;
             }
         }
