@@ -8,7 +8,17 @@
 //! - `subject per event`: a subject per event with `Nats-Msg-Id` and
 //!   `Nats-Expected-Last-Subject-Sequence: 0` (create-if-absent), no other header;
 //! - `adapter`: [`Nats::send_batch`] as the dispatcher calls it (the same subject per event,
-//!   and Sealpost's headers).
+//!   and Sealpost's headers);
+//! - `atomic batch` (NATS 2.12 and later; skipped on an older server): the `subject per event`
+//!   messages without `Nats-Msg-Id` (a batch refuses it), each batch of 1,000 sent as one
+//!   atomic batch (`Nats-Batch-Id`, `Nats-Batch-Sequence`, the first message and the commit
+//!   as requests, the rest plain publishes) into a stream with `allow_atomic`.
+//!
+//! Before the rates, on a 2.12+ server, it shows what an atomic batch does with
+//! create-if-absent messages (`Nats-Expected-Last-Subject-Sequence: 0`): a batch of new
+//! subjects, a batch with one subject already stored, and a batch carrying `Nats-Msg-Id`.
+//! For each: the server's answer to the commit, and which of the subjects the stream holds
+//! afterwards, at which sequences.
 //!
 //! ```text
 //! cargo run --release -p sealpost-cli --example nats_cost -- 100000
@@ -41,11 +51,12 @@ fn event_id(n: usize) -> EventId {
     EventId(id)
 }
 
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, PartialEq)]
 enum Way {
     Relay,
     PerEventSubject,
     Adapter,
+    AtomicBatch,
 }
 
 impl Way {
@@ -54,6 +65,7 @@ impl Way {
             Way::Relay => "relay",
             Way::PerEventSubject => "subject per event",
             Way::Adapter => "adapter",
+            Way::AtomicBatch => "atomic batch",
         }
     }
 }
@@ -66,6 +78,9 @@ async fn run(nats: &Nats, way: Way, n: usize, tag: &str) -> Result<(f64, cpu::Pe
     nats.ensure_stream(&topic)
         .await
         .map_err(|e| e.to_string())?;
+    if way == Way::AtomicBatch {
+        allow_atomic(nats, &topic).await?;
+    }
     let out = publish(nats, way, n, &topic).await;
     let _ = nats.js.delete_stream(&topic).await;
     out
@@ -112,6 +127,20 @@ async fn publish(
                     if !matches!(r, SendResult::Receipt(_)) {
                         return Err(format!("the adapter answered {r:?}"));
                     }
+                }
+            }
+            Way::AtomicBatch => {
+                let messages: Vec<(String, HeaderMap)> = (sent..upto)
+                    .map(|i| {
+                        let id = event_id(i);
+                        let mut headers = HeaderMap::new();
+                        headers.insert(NATS_EXPECTED_LAST_SUBJECT_SEQUENCE, "0");
+                        (subject(topic, id, 0), headers)
+                    })
+                    .collect();
+                let answer = atomic_batch(nats, messages).await?;
+                if !answer.contains("\"count\"") {
+                    return Err(format!("the batch's commit was answered {answer}"));
                 }
             }
             Way::Relay | Way::PerEventSubject => {
@@ -176,12 +205,27 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         "{n} messages of {} bytes, batches of {BATCH}",
         PAYLOAD.len()
     );
+    let version = nats.client.server_info().version;
+    let atomic = at_least(&version, 2, 12);
+    if atomic {
+        atomic_semantics(&nats).await?;
+    } else {
+        println!("nats-server {version}: no atomic batches (2.12 and later), that way is skipped");
+    }
     // Twice each, interleaved, so a warming server or page cache does not favour one way.
     for round in 0..2 {
-        for (k, way) in [Way::Relay, Way::PerEventSubject, Way::Adapter]
-            .into_iter()
-            .enumerate()
+        for (k, way) in [
+            Way::Relay,
+            Way::PerEventSubject,
+            Way::Adapter,
+            Way::AtomicBatch,
+        ]
+        .into_iter()
+        .enumerate()
         {
+            if way == Way::AtomicBatch && !atomic {
+                continue;
+            }
             if only.as_deref().is_some_and(|o| !way.name().starts_with(o)) {
                 continue;
             }
@@ -198,4 +242,126 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
     }
     Ok(())
+}
+
+/// Whether a `nats-server` version string is at least `major.minor`.
+fn at_least(version: &str, major: u64, minor: u64) -> bool {
+    let mut parts = version
+        .trim_start_matches('v')
+        .split(['.', '-'])
+        .map(|p| p.parse::<u64>().unwrap_or(0));
+    let (a, b) = (parts.next().unwrap_or(0), parts.next().unwrap_or(0));
+    (a, b) >= (major, minor)
+}
+
+/// Turns on atomic batch publishes for the stream `topic` (`allow_atomic`, 2.12+).
+async fn allow_atomic(nats: &Nats, topic: &str) -> Result<(), String> {
+    let mut stream = nats.js.get_stream(topic).await.map_err(|e| e.to_string())?;
+    let mut config = stream
+        .info()
+        .await
+        .map_err(|e| e.to_string())?
+        .config
+        .clone();
+    config.allow_atomic_publish = true;
+    nats.js
+        .update_stream(config)
+        .await
+        .map_err(|e| format!("allow_atomic on {topic}: {e}"))?;
+    Ok(())
+}
+
+/// Sends `messages` (subject, headers) as one atomic batch of a fresh id: the first message
+/// and the commit as requests, the rest as plain publishes. Returns the server's answer to
+/// the commit (its JSON), or to the first message if that was an error.
+async fn atomic_batch(nats: &Nats, messages: Vec<(String, HeaderMap)>) -> Result<String, String> {
+    let batch_id = uuid::Uuid::new_v4().simple().to_string();
+    let last = messages.len();
+    for (k, (subj, mut headers)) in messages.into_iter().enumerate() {
+        let seq = k + 1;
+        headers.insert("Nats-Batch-Id", batch_id.as_str());
+        headers.insert("Nats-Batch-Sequence", seq.to_string().as_str());
+        if seq == last {
+            headers.insert("Nats-Batch-Commit", "1");
+        }
+        let payload = PAYLOAD.to_vec().into();
+        if seq == 1 || seq == last {
+            let answer = nats
+                .client
+                .request_with_headers(subj, headers, payload)
+                .await
+                .map_err(|e| e.to_string())?;
+            let answer = String::from_utf8_lossy(&answer.payload).into_owned();
+            if seq == last || answer.contains("\"error\"") {
+                return Ok(answer);
+            }
+        } else {
+            nats.client
+                .publish_with_headers(subj, headers, payload)
+                .await
+                .map_err(|e| e.to_string())?;
+        }
+    }
+    Err("an empty batch".into())
+}
+
+/// What an atomic batch does with create-if-absent messages, printed: new subjects, one
+/// subject already stored, and `Nats-Msg-Id` in a batch.
+async fn atomic_semantics(nats: &Nats) -> Result<(), String> {
+    let topic = format!("COSTATOMIC{}", std::process::id());
+    let _ = nats.js.delete_stream(&topic).await;
+    nats.ensure_stream(&topic)
+        .await
+        .map_err(|e| e.to_string())?;
+    allow_atomic(nats, &topic).await?;
+    let out = async {
+        let ids: Vec<EventId> = (0..9).map(event_id).collect();
+        let create = |i: usize, msg_id: bool| {
+            let mut headers = HeaderMap::new();
+            headers.insert(NATS_EXPECTED_LAST_SUBJECT_SEQUENCE, "0");
+            if msg_id {
+                headers.insert(NATS_MESSAGE_ID, ids[i].to_string().as_str());
+            }
+            (subject(&topic, ids[i], 0), headers)
+        };
+        let cases: [(&str, Vec<(String, HeaderMap)>); 3] = [
+            ("5 new subjects", (0..5).map(|i| create(i, false)).collect()),
+            (
+                "2 new, then 1 already stored, then 2 new",
+                [5, 6, 2, 7, 3].iter().map(|&i| create(i, false)).collect(),
+            ),
+            ("1 new with Nats-Msg-Id", vec![create(8, true)]),
+        ];
+        let mut stream = nats
+            .js
+            .get_stream(&topic)
+            .await
+            .map_err(|e| e.to_string())?;
+        for (name, messages) in cases {
+            let subjects: Vec<String> = messages.iter().map(|m| m.0.clone()).collect();
+            let answer = atomic_batch(nats, messages).await?;
+            let mut held = Vec::new();
+            for (k, subj) in subjects.iter().enumerate() {
+                held.push(match stream.get_last_raw_message_by_subject(subj).await {
+                    Ok(m) => format!("#{} at {}", k + 1, m.sequence),
+                    Err(_) => format!("#{} absent", k + 1),
+                });
+            }
+            let messages = stream
+                .info()
+                .await
+                .map_err(|e| e.to_string())?
+                .state
+                .messages;
+            println!("atomic batch, {name}: commit answered {answer}");
+            println!(
+                "  the stream holds {messages} messages; {}",
+                held.join(", ")
+            );
+        }
+        Ok(())
+    }
+    .await;
+    let _ = nats.js.delete_stream(&topic).await;
+    out
 }
