@@ -37,10 +37,11 @@ use sealpost::runtime;
 use sealpost::store;
 use sealpost_cli::cpu::process_cpu_s;
 use sealpost_core::dispatcher::Submission;
-use sealpost_core::envelope::{EventId, NewEvent};
-use sealpost_core::receipt::{Receipt, ReceiptSource};
 use tokio_postgres::Client;
 use uuid::Uuid;
+
+#[path = "support/cycle.rs"]
+mod cycle;
 
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
@@ -165,7 +166,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             if variant != Variant::V2 {
                 pg.batch_execute(CANDIDATE_DDL).await?;
             }
-            fill(&mut pg, n).await?;
+            cycle::fill(&mut pg, n).await?;
             pg.batch_execute("VACUUM (ANALYZE) sealpost.work, sealpost.envelope")
                 .await?;
             pg.batch_execute("CHECKPOINT").await?;
@@ -231,39 +232,6 @@ fn print_row(name: &str, round: &str, f: &Figures) {
         f.hot as f64 / e,
         f.deleted as f64 / e,
     );
-}
-
-/// `n` pending events of one route through the store's own enqueue, 2,000 per transaction.
-async fn fill(pg: &mut Client, n: usize) -> Result<(), Box<dyn std::error::Error>> {
-    let payload = vec![b'x'; 200];
-    let mut filled = 0;
-    while filled < n {
-        let keys: Vec<String> = (filled..(filled + 2_000).min(n))
-            .map(|k| format!("o-{k}"))
-            .collect();
-        let events: Vec<_> = keys
-            .iter()
-            .map(|k| {
-                let event = NewEvent {
-                    aggregate_type: "order",
-                    aggregate_id: k,
-                    aggregate_version: 1,
-                    event_type: "order.created.v1",
-                    payload_schema: "order.created.v1",
-                    payload: &payload,
-                    tenant: "t",
-                    occurred_at_ms: 1,
-                    creating_txid: 0,
-                };
-                (EventId(*Uuid::now_v7().as_bytes()), event, k.clone())
-            })
-            .collect();
-        let tx = pg.transaction().await?;
-        store::enqueue_many(&tx, "orders", &events).await?;
-        tx.commit().await?;
-        filled += keys.len();
-    }
-    Ok(())
 }
 
 /// The table counters of the `sealpost` schema: inserted, updated, HOT-updated, deleted.
@@ -348,27 +316,7 @@ async fn drain_v2(pg: &mut Client) -> Result<Figures, Box<dyn std::error::Error>
         if batch.outgoing.is_empty() {
             break;
         }
-        let receipts: Vec<Receipt> = batch
-            .outgoing
-            .iter()
-            .map(|o| {
-                sequence += 1;
-                Receipt {
-                    event_id: o.event_id,
-                    member: o.member,
-                    envelope_generation: o.envelope_generation,
-                    attempt_id: o.attempt_id,
-                    payload_digest: o.payload_digest,
-                    destination_digest: o.destination_digest,
-                    cluster: o.destination.cluster.clone(),
-                    stream: o.destination.topic.clone(),
-                    partition: None,
-                    sequence,
-                    broker_duplicate: false,
-                    source: ReceiptSource::Ack,
-                }
-            })
-            .collect();
+        let receipts = cycle::ack_receipts(&batch.outgoing, &mut sequence);
         f.events += receipts.len();
         let submission = Submission {
             receipts,

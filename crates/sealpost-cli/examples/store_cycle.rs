@@ -18,8 +18,9 @@ use sealpost::runtime;
 use sealpost::store;
 use sealpost_cli::cpu::process_cpu_s;
 use sealpost_core::dispatcher::Submission;
-use sealpost_core::envelope::{EventId, NewEvent};
-use sealpost_core::receipt::{Receipt, ReceiptSource};
+
+#[path = "support/cycle.rs"]
+mod cycle;
 
 /// The `sealpost` binary's allocator, so that the process CPU is what a dispatcher spends.
 #[global_allocator]
@@ -48,34 +49,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut pg = runtime::pg_connect(&url).await?;
     store::migrate(&pg).await?;
     store::set_route(&pg, "orders", "cycle", "CYCLE").await?;
-    let payload = vec![b'x'; 200];
-    let mut filled = 0;
-    while filled < n {
-        let keys: Vec<String> = (filled..(filled + 2_000).min(n))
-            .map(|k| format!("o-{k}"))
-            .collect();
-        let events: Vec<_> = keys
-            .iter()
-            .map(|k| {
-                let event = NewEvent {
-                    aggregate_type: "order",
-                    aggregate_id: k,
-                    aggregate_version: 1,
-                    event_type: "order.created.v1",
-                    payload_schema: "order.created.v1",
-                    payload: &payload,
-                    tenant: "t",
-                    occurred_at_ms: 1,
-                    creating_txid: 0,
-                };
-                (EventId(*uuid::Uuid::now_v7().as_bytes()), event, k.clone())
-            })
-            .collect();
-        let tx = pg.transaction().await?;
-        store::enqueue_many(&tx, "orders", &events).await?;
-        tx.commit().await?;
-        filled += keys.len();
-    }
+    cycle::fill(&mut pg, n).await?;
     pg.batch_execute("VACUUM (ANALYZE) sealpost.work, sealpost.envelope")
         .await?;
     let backend: i32 = pg.query_one("SELECT pg_backend_pid()", &[]).await?.get(0);
@@ -95,27 +69,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         if batch.outgoing.is_empty() {
             break;
         }
-        let receipts: Vec<Receipt> = batch
-            .outgoing
-            .iter()
-            .map(|o| {
-                sequence += 1;
-                Receipt {
-                    event_id: o.event_id,
-                    member: o.member,
-                    envelope_generation: o.envelope_generation,
-                    attempt_id: o.attempt_id,
-                    payload_digest: o.payload_digest,
-                    destination_digest: o.destination_digest,
-                    cluster: o.destination.cluster.clone(),
-                    stream: o.destination.topic.clone(),
-                    partition: None,
-                    sequence,
-                    broker_duplicate: false,
-                    source: ReceiptSource::Ack,
-                }
-            })
-            .collect();
+        let receipts = cycle::ack_receipts(&batch.outgoing, &mut sequence);
         events += receipts.len();
         let submission = Submission {
             receipts,
