@@ -118,6 +118,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             .map_err(|e| format!("rounds must be a number ({s:?}: {e})"))?,
         None => 3,
     };
+    if n == 0 || rounds == 0 {
+        return Err("events and rounds must each be at least 1".into());
+    }
     let admin_url = std::env::var("DATABASE_ADMIN_URL")
         .unwrap_or_else(|_| "host=127.0.0.1 user=postgres dbname=test".to_string());
     let admin = runtime::pg_connect(&admin_url).await?;
