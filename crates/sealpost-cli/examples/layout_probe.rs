@@ -157,12 +157,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut totals: Vec<(Variant, Figures)> = Vec::new();
     for round in 1..=rounds {
         for variant in [Variant::V2, Variant::LeaseUpdate, Variant::LeaseReceipt] {
-            admin
-                .batch_execute(&format!("DROP DATABASE IF EXISTS {DB} WITH (FORCE)"))
-                .await?;
-            admin
-                .batch_execute(&format!("CREATE DATABASE {DB}"))
-                .await?;
+            cycle::fresh_database(&admin, DB).await?;
             let mut pg = runtime::pg_connect(&url).await?;
             store::migrate(&pg).await?;
             store::set_route(&pg, "orders", "layout", "LAYOUT").await?;
@@ -200,9 +195,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             t.backend_cpu_s / t.events as f64 / base
         );
     }
-    admin
-        .batch_execute(&format!("DROP DATABASE IF EXISTS {DB} WITH (FORCE)"))
-        .await?;
+    cycle::drop_database(&admin, DB).await?;
     Ok(())
 }
 

@@ -39,12 +39,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let admin_url = std::env::var("DATABASE_ADMIN_URL")
         .unwrap_or_else(|_| "host=127.0.0.1 user=postgres dbname=test".to_string());
     let admin = runtime::pg_connect(&admin_url).await?;
-    admin
-        .batch_execute(&format!("DROP DATABASE IF EXISTS {DB} WITH (FORCE)"))
-        .await?;
-    admin
-        .batch_execute(&format!("CREATE DATABASE {DB}"))
-        .await?;
+    cycle::fresh_database(&admin, DB).await?;
     let url = format!("{admin_url} dbname={DB}");
     let mut pg = runtime::pg_connect(&url).await?;
     store::migrate(&pg).await?;
@@ -103,8 +98,6 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         );
     }
     drop(pg);
-    admin
-        .batch_execute(&format!("DROP DATABASE IF EXISTS {DB} WITH (FORCE)"))
-        .await?;
+    cycle::drop_database(&admin, DB).await?;
     Ok(())
 }

@@ -1,9 +1,31 @@
-//! What `store_cycle` and `layout_probe` share: a backlog of pending events enqueued through
-//! the store, and the ACK receipts a broker would give for a claim's sends.
+//! What `store_cycle` and `layout_probe` share: a database of their own, a backlog of
+//! pending events enqueued through the store, and the ACK receipts a broker would give for a
+//! claim's sends.
 
 use sealpost::store;
 use sealpost_core::envelope::{EventId, NewEvent};
 use sealpost_core::receipt::{Receipt, ReceiptSource};
+
+/// Drops `db` if it exists (closing its connections) and creates it empty.
+pub async fn fresh_database(
+    admin: &tokio_postgres::Client,
+    db: &str,
+) -> Result<(), tokio_postgres::Error> {
+    admin
+        .batch_execute(&format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))
+        .await?;
+    admin.batch_execute(&format!("CREATE DATABASE {db}")).await
+}
+
+/// Drops `db` if it exists, closing its connections.
+pub async fn drop_database(
+    admin: &tokio_postgres::Client,
+    db: &str,
+) -> Result<(), tokio_postgres::Error> {
+    admin
+        .batch_execute(&format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))
+        .await
+}
 
 /// `n` pending events of the route `orders` (200-byte payloads, one aggregate each),
 /// through the store's own enqueue, 2,000 per transaction.
