@@ -270,7 +270,8 @@ async fn submit_held_in(
 ) -> Result<Submitted> {
     let receipts = &submission.receipts;
     let mut accepted: Vec<Option<Accepted>> = vec![None; receipts.len()];
-    let mut seen: HashMap<(EventId, u16), usize> = HashMap::new();
+    let mut seen: foldhash::HashMap<(EventId, u16), usize> =
+        foldhash::HashMap::with_capacity_and_hasher(receipts.len(), Default::default());
     for r in receipts {
         *seen.entry((r.event_id, r.member)).or_default() += 1;
     }
@@ -302,13 +303,13 @@ async fn submit_held_in(
                 continue;
             };
             fast.push(k);
-            before.push(h.row.clone());
+            before.push(&h.row);
             after.push(a);
             xmins.push(h.xmin);
         }
     }
     if !fast.is_empty() {
-        let written: std::collections::HashSet<(EventId, u16)> = persist_guarded(
+        let written: foldhash::HashSet<(EventId, u16)> = persist_guarded(
             &*client,
             &before,
             &after,

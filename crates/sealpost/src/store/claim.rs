@@ -219,7 +219,7 @@ pub async fn claim(
 /// ACK.
 #[derive(Debug, Default)]
 pub struct Held {
-    pub(super) rows: HashMap<(EventId, u16), HeldRow>,
+    pub(super) rows: foldhash::HashMap<(EventId, u16), HeldRow>,
     /// The database clock at the last claim and the local clock then.
     pub(super) clock: Option<(u64, std::time::Instant)>,
     /// The claim's and the guarded acceptance's statements, prepared on the connection.
@@ -354,18 +354,22 @@ async fn claim_in(
             ],
         )
         .await?;
-    // The batch in claim order: the order of the pick (cluster, then commit position).
-    let mut found = found;
-    found.sort_by(|a, b| {
-        (
-            a.get::<_, &str>(4),
-            a.get::<_, i64>(ClaimCol::Position.at()),
-        )
-            .cmp(&(
-                b.get::<_, &str>(4),
-                b.get::<_, i64>(ClaimCol::Position.at()),
-            ))
-    });
+    // The batch in claim order: the order of the pick (cluster, then commit position). The
+    // keys are read once per row, not once per comparison.
+    let found = {
+        let mut order: Vec<(&str, i64, usize)> = found
+            .iter()
+            .enumerate()
+            .map(|(i, r)| (r.get(4), r.get(ClaimCol::Position.at()), i))
+            .collect();
+        order.sort_unstable();
+        let order: Vec<usize> = order.into_iter().map(|(_, _, i)| i).collect();
+        let mut slots: Vec<Option<tokio_postgres::Row>> = found.into_iter().map(Some).collect();
+        order
+            .into_iter()
+            .filter_map(|i| slots[i].take())
+            .collect::<Vec<_>>()
+    };
     let now_ms = match found.first() {
         Some(r) => r.get::<_, i64>(ClaimCol::NowMs.at()) as u64,
         None => db_now_ms(&tx).await?,
@@ -429,7 +433,7 @@ async fn claim_in(
             destination_digest: sent.begin.destination_digest,
             payload: std::mem::take(&mut payloads[i]),
             lease_until_ms: sent.lease_until_ms,
-            envelope: envelopes[i].clone(),
+            envelope: std::mem::take(&mut envelopes[i]),
         });
     }
     persist_guarded(
@@ -453,13 +457,12 @@ async fn claim_in(
                 .as_ref()
                 .is_some_and(|c| c.lease_until_ms + HELD_AFTER_LEASE_MS > now_ms)
         });
-        let sent: std::collections::HashSet<(EventId, u16)> = batch
-            .outgoing
-            .iter()
-            .map(|o| (o.event_id, o.member))
-            .collect();
-        for (row, r) in after.into_iter().zip(&found) {
-            if sent.contains(&(row.event_id, row.member)) {
+        let mut sent = vec![false; after.len()];
+        for (i, _) in step.sends() {
+            sent[i] = true;
+        }
+        for ((row, r), sent) in after.into_iter().zip(&found).zip(sent) {
+            if sent {
                 held.rows.insert(
                     (row.event_id, row.member),
                     HeldRow {

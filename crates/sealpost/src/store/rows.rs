@@ -797,9 +797,9 @@ pub(super) static WRITTEN: &[ColumnGroup] = &[
 /// `before`) a compare-and-set: a row is written only if no one has written it since, and
 /// the keys of the rows written are returned. A guarded write changes the work row only
 /// (the caller ensures `after` adds no attempt history).
-pub(super) async fn persist_guarded(
+pub(super) async fn persist_guarded<B: std::borrow::Borrow<EventRow>>(
     tx: &impl GenericClient,
-    before: &[EventRow],
+    before: &[B],
     after: &[EventRow],
     guard: Option<&[i64]>,
     prepared: Option<&mut Prepared>,
@@ -824,7 +824,7 @@ pub(super) async fn persist_guarded(
     // claim writes the state, the claim and the inline attempt; an acceptance the state, the
     // slot and the attempt's status).
     let mut groups = vec![false; WRITTEN.len()];
-    for (k, (b, a)) in before.iter().zip(after).enumerate() {
+    for (k, (b, a)) in before.iter().map(B::borrow).zip(after).enumerate() {
         debug_assert_eq!((b.event_id, b.member), (a.event_id, a.member));
         let mut row_changed = false;
         for (g, group) in WRITTEN.iter().enumerate() {
