@@ -293,9 +293,15 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("sealpost-config-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let good = dir.join("good.toml");
-        std::fs::write(&good, "lease_ms = 4000\nack_timeout_ms = 1000\n").unwrap();
+        std::fs::write(
+            &good,
+            "lease_ms = 4000\nack_timeout_ms = 1000\nrescan_every_ms = 200\n",
+        )
+        .unwrap();
         let c = load(Some(good.to_str().unwrap())).unwrap();
         assert_eq!((c.lease_ms, c.ack_timeout_ms), (4_000, 1_000));
+        // The dispatcher machine gets the full-scan period the file names.
+        assert_eq!(c.dispatcher_config().rescan_every_ms, 200);
         let bad = dir.join("bad.toml");
         std::fs::write(&bad, "no_such_key = 1\n").unwrap();
         let e = load(Some(bad.to_str().unwrap())).unwrap_err().to_string();

@@ -25,7 +25,8 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 #[command(name = "sealpost", version, about = "Sealpost transactional outbox")]
 struct Cli {
     /// TOML config file: top-level keys database_url, database_password_file, lease_ms,
-    /// batch_size_max, ack_timeout_ms, idle_poll_ms, error_backoff_ms, error_backoff_max_ms,
+    /// batch_size_max, ack_timeout_ms, idle_poll_ms, rescan_every_ms, error_backoff_ms,
+    /// error_backoff_max_ms,
     /// submit_tries_max, rejection_limit, reconcile_batch_max, reconcile_every_ms,
     /// lookups_in_flight_max, unknown_check_every_ms, verify_every_ms, verify_batch_max,
     /// unknown_alert_s, consumer_*, outbox_database_url, required_consumers, broker; tables

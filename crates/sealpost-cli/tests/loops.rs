@@ -203,6 +203,78 @@ impl Fleet {
     }
 }
 
+/// A transaction that drew its commit position before another one, and committed after a
+/// dispatcher had claimed the other's row, lies behind the dispatcher's scan position: it was
+/// found only by the next full scan (up to `rescan_every_ms`, 1 s by default; measured by the
+/// `late_commit` example). Now the claims read the database's horizon and scan from behind
+/// the positions that were not final, so the next claim after the commit finds it. The full
+/// scan is put off for an hour here: without the horizon the event would wait that long.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_committing_transaction_is_claimed_without_waiting_for_the_full_scan() {
+    let (mut cfg, mut pg, _) = fresh("late").await;
+    cfg.rescan_every_ms = 3_600_000;
+    let n = nats(&cfg).await;
+    let t = topic("late");
+    let _stream = teardown_nats::stream(&common::nats_url(), &t);
+    n.ensure_stream(&t).await.unwrap();
+    store::set_route(&pg, "orders", common::NATS_CLUSTER, &t)
+        .await
+        .unwrap();
+    let f = fleet(&cfg, &n, 1, false);
+    // The fleet's first claims find nothing: the scan position and the horizon are set.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut a = runtime::pg_connect(&cfg.database_url).await.unwrap();
+    let late_tx = a.transaction().await.unwrap();
+    let late = EventId(*uuid::Uuid::now_v7().as_bytes());
+    let ev = NewEvent {
+        aggregate_type: "order",
+        aggregate_id: "late",
+        aggregate_version: 1,
+        event_type: "order.created.v1",
+        payload_schema: "order.created.v1",
+        payload: b"{}",
+        tenant: "t",
+        occurred_at_ms: 1,
+        creating_txid: 0,
+    };
+    store::enqueue(&late_tx, "orders", late, &ev, "late")
+        .await
+        .unwrap();
+    // A later position, committed first and published: the scan position passes the late one.
+    let early = enqueue(&mut pg, "orders", b"{}", 1).await;
+    wait_for("the early event", Duration::from_secs(20), async || {
+        all_published(&pg, &early).await
+    })
+    .await;
+    let position = |id: EventId| {
+        let pg = &pg;
+        async move {
+            int(
+                pg,
+                "SELECT committed_seq FROM sealpost.work WHERE event_id = $1",
+                id,
+            )
+            .await
+        }
+    };
+    assert!(
+        position(early[0]).await > 0,
+        "the early event has a commit position"
+    );
+    // The dispatcher claims on (and finds nothing) past the early event for a while.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    late_tx.commit().await.unwrap();
+    assert!(
+        position(late).await < position(early[0]).await,
+        "the late event drew the lower position"
+    );
+    wait_for("the late event", Duration::from_secs(30), async || {
+        all_published(&pg, &[late]).await
+    })
+    .await;
+    f.stop().await;
+}
+
 /// Bug: a dispatcher that stalls between its claim and the send woke up after its row had
 /// been moved to UNKNOWN, looked up as absent and retried by another, and sent a second copy.
 /// Now the send carries the deadline the machine derives from the lease and is refused

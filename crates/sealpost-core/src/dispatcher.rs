@@ -122,6 +122,74 @@ pub struct Claimed {
     /// once this batch is submitted the next claim scans from here, so a successor that
     /// became claimable is found at once and not only at the next full scan.
     pub ordered_from: Option<u64>,
+    /// What the database said about its transactions when the claim began (`None`: not
+    /// read; the scan position then moves as if none were in progress).
+    pub horizon: Option<Horizon>,
+}
+
+/// The database's transactions as a claim saw them, read at its start: a snapshot's bounds
+/// and, after that snapshot was taken, the commit-position sequence's last value.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Horizon {
+    /// `pg_snapshot_xmin`: every transaction with a lower id had ended.
+    pub xmin: u64,
+    /// `pg_snapshot_xmax`: every transaction that had an id had a lower one.
+    pub xmax: u64,
+    /// The last commit position drawn (`pg_sequence_last_value`; 0 if none was).
+    pub last_position: u64,
+}
+
+/// Which commit positions are final: every transaction that could still commit a row with
+/// such a position has ended, so a scan from behind them finds whatever they committed.
+///
+/// Positions are drawn from a sequence when a row is inserted, and the transaction commits
+/// later: a transaction that drew a lower position can commit after one that drew a higher
+/// one, whose rows a claim already took. Its rows then lie behind the dispatcher's scan
+/// position. The rule, from two claims on one connection:
+/// * a producer's transaction has its id before it draws a position (`enqueue` reads
+///   `txid_current()` first), so a position drawn before claim *k* read the sequence
+///   belongs to a transaction whose id is below the `xmax` of any snapshot taken after that
+///   read, such as claim *k + 1*'s;
+/// * once a later snapshot's `xmin` reaches that `xmax`, all of those transactions have
+///   ended: every position up to claim *k*'s reading is final.
+///
+/// A claim never scans from past the final positions unless they are far behind
+/// ([`DispatcherMachine::scan_position`]), so such a row is found by the next claim after
+/// its transaction ends, not by the next full scan. The horizon only ever moves a scan
+/// *back*: the full scan every [`DispatcherConfig::rescan_every_ms`] stays the backstop.
+#[derive(Clone, Debug, Default)]
+pub struct ScanHorizon {
+    /// The previous claim's sequence reading, waiting for a later snapshot's `xmax`.
+    pending: Option<u64>,
+    /// (`xmax` of a snapshot taken after the reading, the reading), in claim order.
+    marks: VecDeque<(u64, u64)>,
+    /// Every position up to this one is final.
+    final_through: Option<u64>,
+}
+
+/// Marks kept at most; beyond it the oldest go (the final positions then advance later,
+/// never wrongly).
+const HORIZON_MARKS_MAX: usize = 4_096;
+
+impl ScanHorizon {
+    /// Takes a claim's horizon; returns the highest position up to which all are final
+    /// (`None`: none is known to be, so a scan must start from the beginning).
+    pub fn observe(&mut self, h: Horizon) -> Option<u64> {
+        if let Some(reading) = self.pending.replace(h.last_position) {
+            self.marks.push_back((h.xmax, reading));
+            if self.marks.len() > HORIZON_MARKS_MAX {
+                self.marks.pop_front();
+            }
+        }
+        while let Some(&(xmax, reading)) = self.marks.front() {
+            if xmax > h.xmin {
+                break;
+            }
+            self.final_through = Some(self.final_through.map_or(reading, |f| f.max(reading)));
+            self.marks.pop_front();
+        }
+        self.final_through
+    }
 }
 
 /// A sender's report on its own attempt, without a receipt.
@@ -255,6 +323,10 @@ pub struct DispatcherMachine {
     stopping: bool,
     /// [`Claimed::ordered_from`] of the batches not yet submitted.
     ordered_resume: Option<u64>,
+    /// Which positions are final, from the claims' horizons.
+    horizon: ScanHorizon,
+    /// Every position before this one is final (`u64::MAX` until a claim read a horizon).
+    final_before: u64,
     /// Database failures in a row (claims, receipt transactions, the database unreachable):
     /// the backoff grows with them and resets on the next success.
     failures_in_row: u32,
@@ -276,7 +348,22 @@ impl DispatcherMachine {
             full_scan_at_ms: now_ms,
             stopping: false,
             ordered_resume: None,
+            horizon: ScanHorizon::default(),
+            final_before: u64::MAX,
             failures_in_row: 0,
+        }
+    }
+
+    /// Where the next claim scans from: after its previous batch, or, if positions before
+    /// that are not known to be final (a transaction that drew one may still commit, and
+    /// its rows would wait for the full scan), from the first of those. A window wider than
+    /// ten batches (a long transaction holds the horizon back) is left to the full scan.
+    fn scan_position(&self) -> u64 {
+        let behind = self.scan_from.saturating_sub(self.final_before);
+        if behind > 0 && behind <= 10 * self.cfg.batch_size_max.max(1) as u64 {
+            self.final_before
+        } else {
+            self.scan_from
         }
     }
 
@@ -363,7 +450,7 @@ impl DispatcherMachine {
             }
             return Some(DispatchAction::Claim {
                 batch_size_max: self.cfg.batch_size_max,
-                from_position: self.scan_from,
+                from_position: self.scan_position(),
             });
         }
         None
@@ -402,6 +489,11 @@ impl DispatcherMachine {
             // Everything before it was claimed, is in flight or waits: the next scan starts
             // after it until the next full scan.
             self.scan_from = self.scan_from.max(p + 1);
+        }
+        if let Some(h) = claimed.horizon {
+            // ... but not past positions that are not known to be final
+            // ([`DispatcherMachine::scan_position`]).
+            self.final_before = self.horizon.observe(h).map_or(0, |f| f + 1);
         }
         if let Some(p) = claimed.ordered_from {
             self.ordered_resume = Some(self.ordered_resume.map_or(p, |q| q.min(p)));
@@ -702,6 +794,7 @@ mod tests {
                 .collect(),
             last_position: (n > 0).then_some(100 + n),
             ordered_from: None,
+            horizon: None,
         }
     }
 
@@ -741,6 +834,124 @@ mod tests {
             from(m.poll_action(1_000)),
             0,
             "a full scan when the rescan period is over"
+        );
+    }
+
+    /// Positions drawn by transactions that may still commit are scanned again until the
+    /// horizon says they are final; a window wider than ten batches is left to the full scan.
+    #[test]
+    fn a_scan_goes_back_behind_positions_that_are_not_final() {
+        let cfg = DispatcherConfig {
+            rescan_every_ms: 3_600_000,
+            ..DispatcherConfig::default()
+        };
+        let mut m = DispatcherMachine::new(cfg, 0);
+        let mut now = 0;
+        let mut claim = |m: &mut DispatcherMachine, last: Option<u64>, (xmin, xmax, l)| {
+            now += 100;
+            let from = match m.poll_action(now) {
+                Some(DispatchAction::Claim { from_position, .. }) => from_position,
+                other => panic!("expected a claim, got {other:?}"),
+            };
+            let horizon = Some(Horizon {
+                xmin,
+                xmax,
+                last_position: l,
+            });
+            m.handle_claimed(
+                now,
+                Claimed {
+                    last_position: last,
+                    horizon,
+                    ..Claimed::default()
+                },
+            );
+            from
+        };
+        assert_eq!(claim(&mut m, Some(10), (100, 101, 10)), 0);
+        assert_eq!(
+            claim(&mut m, Some(20), (100, 105, 20)),
+            0,
+            "nothing is known final yet (transaction 100 runs): the scan starts over"
+        );
+        assert_eq!(
+            claim(&mut m, Some(20), (106, 107, 20)),
+            0,
+            "still from the start: the first reading becomes final only now"
+        );
+        assert_eq!(
+            claim(&mut m, None, (107, 108, 20)),
+            11,
+            "positions up to the first reading (10) are final: the scan starts after them"
+        );
+        assert_eq!(
+            claim(&mut m, None, (108, 108, 20)),
+            21,
+            "all final: the scan starts after the last batch"
+        );
+
+        let mut h = ScanHorizon::default();
+        let at = |xmin, xmax, l| Horizon {
+            xmin,
+            xmax,
+            last_position: l,
+        };
+        assert_eq!(
+            h.observe(at(10, 12, 5)),
+            None,
+            "a reading waits for a later snapshot"
+        );
+        assert_eq!(
+            h.observe(at(11, 13, 8)),
+            None,
+            "transaction 11 may hold a position <= 5"
+        );
+        assert_eq!(h.observe(at(13, 14, 9)), Some(5));
+        assert_eq!(
+            h.observe(at(20, 20, 12)),
+            Some(9),
+            "nothing runs: all read so far"
+        );
+        assert_eq!(
+            h.observe(at(20, 21, 12)),
+            Some(9),
+            "12 waits for transaction 20"
+        );
+
+        // A window wider than ten batches (a long transaction) is left to the full scan.
+        let cfg = DispatcherConfig {
+            batch_size_max: 1,
+            rescan_every_ms: 3_600_000,
+            ..DispatcherConfig::default()
+        };
+        let mut m = DispatcherMachine::new(cfg, 0);
+        let mut now = 0;
+        let mut claim = |m: &mut DispatcherMachine, last: Option<u64>| {
+            now += 100;
+            let from = match m.poll_action(now) {
+                Some(DispatchAction::Claim { from_position, .. }) => from_position,
+                other => panic!("expected a claim, got {other:?}"),
+            };
+            m.handle_claimed(
+                now,
+                Claimed {
+                    last_position: last,
+                    horizon: Some(Horizon {
+                        xmin: 1,
+                        xmax: 50,
+                        last_position: 50,
+                    }),
+                    ..Claimed::default()
+                },
+            );
+            from
+        };
+        assert_eq!(claim(&mut m, Some(5)), 0);
+        assert_eq!(claim(&mut m, Some(50)), 0, "six behind: scanned again");
+        assert_eq!(
+            claim(&mut m, None),
+            51,
+            "fifty-one behind: left to the full scan"
         );
     }
 

@@ -24,8 +24,8 @@ use sealpost_core::contract::apache_avro::types::Value;
 use sealpost_core::contract::{self, ContractError, Reader, SchemaVersion};
 use sealpost_core::delivery_set::{CompletionRule, SetStatus, MEMBERS_MAX};
 use sealpost_core::dispatcher::{
-    Claimed, ClaimedSend, DispatchAction, DispatcherConfig, DispatcherMachine, OutcomeReport,
-    Submission,
+    Claimed, ClaimedSend, DispatchAction, DispatcherConfig, DispatcherMachine, Horizon,
+    OutcomeReport, Submission,
 };
 use sealpost_core::encoding::Digest;
 use sealpost_core::envelope::{
@@ -1912,6 +1912,15 @@ impl World {
             sends: Vec::new(),
             last_position: None,
             ordered_from: None,
+            // The model's writers commit at once, with the positions they draw: no
+            // transaction is ever in progress at a claim, and every position drawn is final
+            // (the store version stands for the transaction ids). A claim of named rows
+            // reads none.
+            horizon: only.is_none().then(|| Horizon {
+                xmin: self.db_version,
+                xmax: self.db_version,
+                last_position: (self.db.rows.len() as u64).saturating_sub(1),
+            }),
         };
         // A claim of named rows (the CDC publisher's) is no scan: it starts at 0.
         let from = match only {
@@ -2380,7 +2389,10 @@ impl World {
                     .count();
                 let ordering = ds.len() > content;
                 // Ghost: every earlier version bound for this stream had its first copy
-                // stored before this event's first copy (the ordering checker's record).
+                // stored before this event's first copy (the ordering checker's record), and
+                // in this stream too: a restore that undid a migration sends an earlier
+                // version to its old stream again, after a later version's copy there.
+                let first_here = |e: EventId| st.msgs.iter().position(|x| x.event_id == e);
                 let in_order = !self.restore_broken.contains(&agg)
                     && self
                         .ordered_stored
@@ -2391,7 +2403,12 @@ impl World {
                                 let e = self.db.rows[j].event_id;
                                 self.ordered_stored[..at].iter().any(|x| x.2 == e)
                             })
-                        });
+                        })
+                    && first_here(row.event_id).is_some_and(|at| {
+                        earlier
+                            .iter()
+                            .all(|&j| first_here(self.db.rows[j].event_id).is_some_and(|x| x < at))
+                    });
                 let (event_id, seq) = (row.event_id, k + 1);
                 let r = &mut self.stats.rollout;
                 r.shadow_compared += 1;
@@ -4809,6 +4826,7 @@ impl World {
                 sends: Vec::new(),
                 last_position: None,
                 ordered_from: None,
+                horizon: None,
             },
             ClaimFrom::Scan => {
                 self.stats.cdc.sweeps += 1;

@@ -57,6 +57,13 @@ pub struct Config {
     pub ack_timeout_ms: u64,
     /// Sleep when a scan found nothing.
     pub idle_poll_ms: u64,
+    /// A claim scans on from the position after its previous batch, and from the start at
+    /// least this often. A transaction that took its commit positions before another one
+    /// and committed after the dispatcher claimed the other's rows is found only by such a
+    /// full scan, so this bounds how long its events wait (`DispatcherConfig::rescan_every_ms`;
+    /// docs/performance.md, "Late-committing transactions"). 0: every claim scans from the
+    /// start.
+    pub rescan_every_ms: u64,
     /// Wait after the first failed claim or receipt transaction (the database unreachable
     /// included); each further failure in a row doubles it, up to `error_backoff_max_ms`.
     pub error_backoff_ms: u64,
@@ -161,6 +168,7 @@ impl Default for Config {
             batch_size_max: 1000,
             ack_timeout_ms: 5_000,
             idle_poll_ms: 50,
+            rescan_every_ms: DispatcherConfig::default().rescan_every_ms,
             error_backoff_ms: 500,
             error_backoff_max_ms: 10_000,
             submit_tries_max: 5,
@@ -203,6 +211,7 @@ impl fmt::Debug for Config {
             batch_size_max,
             ack_timeout_ms,
             idle_poll_ms,
+            rescan_every_ms,
             error_backoff_ms,
             error_backoff_max_ms,
             submit_tries_max,
@@ -238,6 +247,7 @@ impl fmt::Debug for Config {
             .field("batch_size_max", batch_size_max)
             .field("ack_timeout_ms", ack_timeout_ms)
             .field("idle_poll_ms", idle_poll_ms)
+            .field("rescan_every_ms", rescan_every_ms)
             .field("error_backoff_ms", error_backoff_ms)
             .field("error_backoff_max_ms", error_backoff_max_ms)
             .field("submit_tries_max", submit_tries_max)
@@ -661,7 +671,7 @@ impl Config {
             error_backoff_ms: self.error_backoff_ms,
             error_backoff_max_ms: self.error_backoff_max_ms,
             submit_tries_max: self.submit_tries_max,
-            rescan_every_ms: DispatcherConfig::default().rescan_every_ms,
+            rescan_every_ms: self.rescan_every_ms,
         }
     }
 

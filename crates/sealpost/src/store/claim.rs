@@ -70,6 +70,9 @@ pub struct ClaimBatch {
     pub ordered_from: Option<u64>,
     /// Rows the scan locked that wait for an earlier event of their aggregate (R29).
     pub ordering_waits: usize,
+    /// The database's transactions when the claim began (a scan's claim; `None` for a claim
+    /// of named rows).
+    pub horizon: Option<Horizon>,
 }
 
 impl ClaimBatch {
@@ -82,6 +85,7 @@ impl ClaimBatch {
             ordered_from: self.ordered_from,
             claim_started_ms,
             db_now_ms,
+            horizon: self.horizon,
             sends: self
                 .outgoing
                 .into_iter()
@@ -314,7 +318,7 @@ async fn claim_in(
     // are prepared once per connection, but planned for their parameters every time (a
     // generic plan could not use the cluster and position as index bounds). These settings
     // end with the transaction.
-    let aliases = claim_settings_and_aliases(&tx).await?;
+    let (aliases, horizon) = claim_settings_and_aliases(&tx).await?;
     let slices = slices_param(&aliases, implementation);
     // One statement reads the clock, picks and locks the batch, joins the sealed envelope
     // (destination, digests, payload) and draws an attempt id per row.
@@ -418,6 +422,7 @@ async fn claim_in(
         ordered_from: step.ordered_from,
         expired_to_unknown: step.expired_to_unknown,
         ordering_waits: step.ordering_waits,
+        horizon: only.is_none().then_some(horizon),
         ..ClaimBatch::default()
     };
     for (i, sent) in step.sends() {

@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use sealpost_core::claim::apply_release_quarantine;
 use sealpost_core::claim::NEVER_SENT_ALERT_COUNT;
 use sealpost_core::claim::{ClaimToken, SendOutcomeDecision};
-use sealpost_core::dispatcher::{Claimed, ClaimedSend, Submission};
+use sealpost_core::dispatcher::{Claimed, ClaimedSend, Horizon, Submission};
 use sealpost_core::encoding::Digest;
 use sealpost_core::envelope::{
     ordering_key, Destination, EventId, EventOrdering, NewEvent, PartitionAlgorithm, RoutePolicy,

@@ -25,27 +25,49 @@ fn alias_of(r: &tokio_postgres::Row) -> Result<Alias> {
     })
 }
 
-/// The claim's first statement: the transaction's planner settings, then the aliases read
-/// through `sealpost.rollout_aliases()`, which holds the rollout table in SHARE mode until
-/// the claim commits (a switch waits for it; every later claim sees the switch). One round
-/// trip (the simple query protocol carries both).
-pub(super) async fn claim_settings_and_aliases(tx: &Transaction<'_>) -> Result<Vec<Alias>> {
+/// The claim's first statement: the transaction's planner settings, the database's
+/// [`Horizon`] (a snapshot's bounds, then the commit-position sequence's last value), then the
+/// aliases read through `sealpost.rollout_aliases()`, which holds the rollout table in SHARE
+/// mode until the claim commits (a switch waits for it; every later claim sees the switch).
+/// One round trip (the simple query protocol carries all three).
+pub(super) async fn claim_settings_and_aliases(
+    tx: &Transaction<'_>,
+) -> Result<(Vec<Alias>, Horizon)> {
     counted(1);
+    // The horizon's statement runs before the pick's, so the pick's snapshot is newer:
+    // whatever was final for the horizon is visible to the pick (`ScanHorizon`).
     let msgs = tx
         .simple_query(
             "SET LOCAL enable_bitmapscan = off; SET LOCAL enable_seqscan = off;
              SET LOCAL plan_cache_mode = force_custom_plan;
+             SELECT pg_snapshot_xmin(s)::text, pg_snapshot_xmax(s)::text,
+                    coalesce(pg_sequence_last_value('sealpost.committed_seq'), 0)::text
+               FROM pg_current_snapshot() s;
              SELECT coalesce(json_agg(a), '[]')::text FROM sealpost.rollout_aliases() a",
         )
         .await?;
-    let text = msgs
-        .iter()
-        .find_map(|m| match m {
-            tokio_postgres::SimpleQueryMessage::Row(r) => r.get(0).map(str::to_string),
-            _ => None,
+    let mut rows = msgs.iter().filter_map(|m| match m {
+        tokio_postgres::SimpleQueryMessage::Row(r) => Some(r),
+        _ => None,
+    });
+    let horizon = rows
+        .next()
+        .and_then(|r| {
+            let n = |i| r.get(i).and_then(|v: &str| v.parse::<u64>().ok());
+            Some(Horizon {
+                xmin: n(0)?,
+                xmax: n(1)?,
+                last_position: n(2)?,
+            })
         })
+        .ok_or_else(|| StoreError::Corrupt("claim horizon: no snapshot bounds".into()))?;
+    let text = rows
+        .next()
+        .and_then(|r| r.get(0).map(str::to_string))
         .unwrap_or_else(|| "[]".to_string());
-    serde_json::from_str(&text).map_err(|e| StoreError::Corrupt(format!("rollout aliases: {e}")))
+    let aliases = serde_json::from_str(&text)
+        .map_err(|e| StoreError::Corrupt(format!("rollout aliases: {e}")))?;
+    Ok((aliases, horizon))
 }
 
 /// The claim filter's parameter: for each destination where `implementation` claims only
