@@ -30,7 +30,7 @@ use std::time::Duration;
 use sealpost::pg::{PgConnector, PgSource};
 use sealpost::runtime::{self, CancellationToken, Config, Counters};
 use sealpost::store;
-use sealpost_core::envelope::{EventId, NewEvent};
+use sealpost_core::envelope::EventId;
 
 #[allow(dead_code)] // the backlog fill and receipts are the other examples'
 #[path = "support/cycle.rs"]
@@ -45,17 +45,7 @@ async fn enqueue_one(
 ) -> Result<EventId, Box<dyn std::error::Error>> {
     let payload = vec![b'x'; 200];
     let id = EventId(*uuid::Uuid::now_v7().as_bytes());
-    let event = NewEvent {
-        aggregate_type: "order",
-        aggregate_id: key,
-        aggregate_version: 1,
-        event_type: "order.created.v1",
-        payload_schema: "order.created.v1",
-        payload: &payload,
-        tenant: "t",
-        occurred_at_ms: 1,
-        creating_txid: 0,
-    };
+    let event = cycle::order_event(key, &payload);
     store::enqueue_many(tx, "orders", &[(id, event, key.to_string())]).await?;
     Ok(id)
 }

@@ -27,6 +27,21 @@ pub async fn drop_database(
         .await
 }
 
+/// An `order.created.v1` event of aggregate `key` (version 1), as the examples enqueue it.
+pub fn order_event<'a>(key: &'a str, payload: &'a [u8]) -> NewEvent<'a> {
+    NewEvent {
+        aggregate_type: "order",
+        aggregate_id: key,
+        aggregate_version: 1,
+        event_type: "order.created.v1",
+        payload_schema: "order.created.v1",
+        payload,
+        tenant: "t",
+        occurred_at_ms: 1,
+        creating_txid: 0,
+    }
+}
+
 /// `n` pending events of the route `orders` (200-byte payloads, one aggregate each),
 /// through the store's own enqueue, 2,000 per transaction.
 pub async fn fill(
@@ -42,17 +57,7 @@ pub async fn fill(
         let events: Vec<_> = keys
             .iter()
             .map(|k| {
-                let event = NewEvent {
-                    aggregate_type: "order",
-                    aggregate_id: k,
-                    aggregate_version: 1,
-                    event_type: "order.created.v1",
-                    payload_schema: "order.created.v1",
-                    payload: &payload,
-                    tenant: "t",
-                    occurred_at_ms: 1,
-                    creating_txid: 0,
-                };
+                let event = order_event(k, &payload);
                 (EventId(*uuid::Uuid::now_v7().as_bytes()), event, k.clone())
             })
             .collect();
