@@ -197,6 +197,15 @@ fn print_table(s: &TraceStats, elapsed_s: f64) {
         ("  enqueues refused", s.contracts.enqueue_refused),
         ("  payloads read", s.contracts.reads),
         ("    across versions", s.contracts.reads_across_versions),
+        ("traces with late commits", s.late.traces),
+        ("  transactions committed late", s.late.commits),
+        ("  rows behind a scan", s.late.behind_scan),
+        (
+            "    found by a scan from behind",
+            s.late.found_by_scan_from_behind,
+        ),
+        ("    found by a full scan", s.late.found_by_full_scan),
+        ("    found in the CDC log", s.late.found_by_log),
     ];
     for (k, v) in rows {
         println!("  {k:<30}{v:>10}");

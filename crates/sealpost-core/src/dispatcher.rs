@@ -268,6 +268,8 @@ pub struct DispatchCounts {
     pub refused: u64,
     /// Receipt transactions given up after every retry (left to the reconciler).
     pub submits_abandoned: u64,
+    /// Claims that scanned from the start (the rescan period was over).
+    pub full_scans: u64,
 }
 
 /// What each send of a batch carries into its outcome report.
@@ -327,6 +329,9 @@ pub struct DispatcherMachine {
     horizon: ScanHorizon,
     /// Every position before this one is final (`u64::MAX` until a claim read a horizon).
     final_before: u64,
+    /// The previous claim's rows all waited (R29): the next claim scans on after them, not
+    /// from behind them again.
+    scan_on: bool,
     /// Database failures in a row (claims, receipt transactions, the database unreachable):
     /// the backoff grows with them and resets on the next success.
     failures_in_row: u32,
@@ -350,6 +355,7 @@ impl DispatcherMachine {
             ordered_resume: None,
             horizon: ScanHorizon::default(),
             final_before: u64::MAX,
+            scan_on: false,
             failures_in_row: 0,
         }
     }
@@ -447,10 +453,16 @@ impl DispatcherMachine {
             if now_ms >= self.full_scan_at_ms {
                 self.scan_from = 0;
                 self.full_scan_at_ms = now_ms + self.cfg.rescan_every_ms;
+                self.counts.full_scans += 1;
             }
+            let from_position = if std::mem::take(&mut self.scan_on) {
+                self.scan_from
+            } else {
+                self.scan_position()
+            };
             return Some(DispatchAction::Claim {
                 batch_size_max: self.cfg.batch_size_max,
-                from_position: self.scan_position(),
+                from_position,
             });
         }
         None
@@ -501,8 +513,11 @@ impl DispatcherMachine {
         if claimed.sends.is_empty() {
             // Rows were found but none could be sent (they wait for an earlier event of
             // their aggregate, R29): scan on behind them at once instead of idling. Each such
-            // claim moves `scan_from` forward, so this ends with a claim that finds nothing.
-            self.wake_at_ms = if claimed.last_position.is_some() {
+            // claim scans from `scan_from` (not from behind it, where the waiting rows still
+            // are while the horizon lags) and moves it forward, so this ends with a claim
+            // that finds nothing.
+            self.scan_on = claimed.last_position.is_some();
+            self.wake_at_ms = if self.scan_on {
                 now_ms
             } else {
                 now_ms + self.cfg.idle_poll_ms
@@ -847,6 +862,7 @@ mod tests {
         };
         let mut m = DispatcherMachine::new(cfg, 0);
         let mut now = 0;
+        // A claim that sends one row at `last` (or finds nothing), and the batch settled.
         let mut claim = |m: &mut DispatcherMachine, last: Option<u64>, (xmin, xmax, l)| {
             now += 100;
             let from = match m.poll_action(now) {
@@ -858,14 +874,13 @@ mod tests {
                 xmax,
                 last_position: l,
             });
-            m.handle_claimed(
-                now,
-                Claimed {
-                    last_position: last,
-                    horizon,
-                    ..Claimed::default()
-                },
-            );
+            let mut c = claimed(u64::from(last.is_some()), now, now, 10_000);
+            c.last_position = last;
+            c.horizon = horizon;
+            if m.handle_claimed(now, c).is_some() {
+                m.handle_sent(now, vec![SendResult::NoAnswer]);
+                m.handle_submitted(now, true);
+            }
             from
         };
         assert_eq!(claim(&mut m, Some(10), (100, 101, 10)), 0);
@@ -932,18 +947,17 @@ mod tests {
                 Some(DispatchAction::Claim { from_position, .. }) => from_position,
                 other => panic!("expected a claim, got {other:?}"),
             };
-            m.handle_claimed(
-                now,
-                Claimed {
-                    last_position: last,
-                    horizon: Some(Horizon {
-                        xmin: 1,
-                        xmax: 50,
-                        last_position: 50,
-                    }),
-                    ..Claimed::default()
-                },
-            );
+            let mut c = claimed(u64::from(last.is_some()), now, now, 10_000);
+            c.last_position = last;
+            c.horizon = Some(Horizon {
+                xmin: 1,
+                xmax: 50,
+                last_position: 50,
+            });
+            if m.handle_claimed(now, c).is_some() {
+                m.handle_sent(now, vec![SendResult::NoAnswer]);
+                m.handle_submitted(now, true);
+            }
             from
         };
         assert_eq!(claim(&mut m, Some(5)), 0);
@@ -952,6 +966,70 @@ mod tests {
             claim(&mut m, None),
             51,
             "fifty-one behind: left to the full scan"
+        );
+    }
+
+    /// R29 with a lagging horizon: a claim from behind whose rows all wait scans on from
+    /// after the previous batch, not from behind again (that found the same waiting rows at
+    /// once, for as long as a transaction held the horizon back: a claim loop).
+    #[test]
+    fn rows_that_wait_behind_a_lagging_horizon_do_not_make_the_claims_spin() {
+        let cfg = DispatcherConfig {
+            rescan_every_ms: 3_600_000,
+            ..DispatcherConfig::default()
+        };
+        let mut m = DispatcherMachine::new(cfg, 0);
+        // Transaction 100 stays open: positions after 10 never become final.
+        let h = |last_position| {
+            Some(Horizon {
+                xmin: 100,
+                xmax: 101,
+                last_position,
+            })
+        };
+        let mut claims = Vec::new();
+        let mut now = 0;
+        for last in [Some(10), Some(20), None] {
+            let Some(DispatchAction::Claim { from_position, .. }) = m.poll_action(now) else {
+                panic!("expected a claim at {now}");
+            };
+            claims.push(from_position);
+            m.handle_claimed(
+                now,
+                Claimed {
+                    last_position: last,
+                    horizon: h(20),
+                    ..Claimed::default()
+                },
+            );
+            now = m.poll_timeout().expect("a wake-up");
+        }
+        assert_eq!(
+            claims,
+            [0, 11, 21],
+            "each claim scans on after the rows that wait"
+        );
+        assert_eq!(now, cfg.idle_poll_ms, "then an idle poll");
+        // After the idle poll the scan starts behind again (the horizon still lags), and
+        // the waiting rows found there send the next claim on once more.
+        let Some(DispatchAction::Claim { from_position, .. }) = m.poll_action(now) else {
+            panic!("expected a claim after the idle poll");
+        };
+        assert_eq!(from_position, 0, "positions after the first are not final");
+        m.handle_claimed(
+            now,
+            Claimed {
+                last_position: Some(20),
+                horizon: h(20),
+                ..Claimed::default()
+            },
+        );
+        let Some(DispatchAction::Claim { from_position, .. }) = m.poll_action(now) else {
+            panic!("expected a claim at once");
+        };
+        assert_eq!(
+            from_position, 21,
+            "on from the previous batch, not from behind"
         );
     }
 

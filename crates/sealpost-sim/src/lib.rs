@@ -11,7 +11,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
 pub use protocol::{Mutant, Protocol};
-pub use stats::{CdcCounts, ContractCounts, Fault, RolloutCounts, TraceStats, Violation};
+pub use stats::{
+    CdcCounts, ContractCounts, Fault, LateCommitCounts, RolloutCounts, TraceStats, Violation,
+};
 
 /// The seed of trace `index` of a run seeded with `seed` (SplitMix64 of both).
 pub fn trace_seed(seed: u64, index: u64) -> u64 {

@@ -478,6 +478,38 @@ pub struct TraceStats {
     pub rollout: RolloutCounts,
     /// R26: the contracts' counts.
     pub contracts: ContractCounts,
+    /// Writers' transactions that committed after others that drew higher positions.
+    pub late: LateCommitCounts,
+}
+
+/// What the late-commit model did (traces whose writers sometimes commit late).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LateCommitCounts {
+    /// Traces with late commits.
+    pub traces: u64,
+    /// Transactions that drew their positions, stayed open and then committed.
+    pub commits: u64,
+    /// Their rows that committed behind a dispatcher's scan (a scan had passed their
+    /// position).
+    pub behind_scan: u64,
+    /// Of those, first claimed by a scan that started behind the dispatcher's previous
+    /// batch, because the positions were not known to be final (`ScanHorizon`).
+    pub found_by_scan_from_behind: u64,
+    /// First claimed by a full scan (from the start).
+    pub found_by_full_scan: u64,
+    /// First claimed by the CDC publisher from the log.
+    pub found_by_log: u64,
+}
+
+impl LateCommitCounts {
+    fn merge(&mut self, o: &LateCommitCounts) {
+        self.traces += o.traces;
+        self.commits += o.commits;
+        self.behind_scan += o.behind_scan;
+        self.found_by_scan_from_behind += o.found_by_scan_from_behind;
+        self.found_by_full_scan += o.found_by_full_scan;
+        self.found_by_log += o.found_by_log;
+    }
 }
 
 /// What the contract registry and the readers did (traces with contracts only).
@@ -642,6 +674,7 @@ impl TraceStats {
         self.sets_blocked += o.sets_blocked;
         self.rollout.merge(&o.rollout);
         self.contracts.merge(&o.contracts);
+        self.late.merge(&o.late);
         self.inbox_duplicates += o.inbox_duplicates;
         self.inbox_quarantined += o.inbox_quarantined;
         self.effect_retries += o.effect_retries;

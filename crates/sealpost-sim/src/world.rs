@@ -100,6 +100,12 @@ const BROKER_OUTAGE_MAX_MS: u64 = 600_000;
 /// dispatcher (the publisher alone).
 const CDC_TRACES: u32 = 300;
 const CDC_ALONE: u32 = 250;
+/// Actions a dispatcher machine takes at one instant before the simulator calls it a
+/// loop (a handful is normal: a claim, a send, a submission).
+const DRIVE_ACTIONS_MAX: u32 = 1_000;
+/// Per mille of the traces whose writers sometimes commit late (draw positions, commit
+/// after others that drew higher ones).
+const LATE_COMMIT_TRACES: u32 = 333;
 /// The CDC publisher's owner id (its dispatcher machine's claims).
 const CDC_OWNER: u64 = 900;
 
@@ -430,6 +436,12 @@ enum Ev {
     WriterCommit {
         fact: u32,
     },
+    /// A writer's transaction that drew its positions earlier ends (commits, or rolls back
+    /// if its writer is killed first).
+    WriterLateCommit {
+        fact: u32,
+        epoch: u32,
+    },
     DispatchWake {
         d: u8,
         inc: u32,
@@ -563,6 +575,15 @@ struct Fact {
 struct Db {
     rows: Vec<EventRow>,
     row_fact: Vec<u32>,
+    /// Each row's commit position, drawn from the position sequence when the row was
+    /// inserted (`rows` is in commit order: a transaction that drew its positions and
+    /// committed later has rows after higher positions).
+    row_position: Vec<u64>,
+    /// The rows in commit-position order: the claim index's order.
+    by_position: Vec<u32>,
+    /// The position sequence: the next value it gives (a rolled-back transaction's
+    /// positions are never given again; a restore takes it back with the rows).
+    next_position: u64,
     business: Vec<u32>,
     duplicates: Vec<(u32, Receipt)>,
     next_attempt_id: u64,
@@ -731,6 +752,8 @@ struct Dispatcher {
     claim_meta: Vec<(u32, u8, ClaimToken, u64)>,
     /// The highest position this dispatcher's claim scans reached (the mutant's cursor).
     scan_high_water: u64,
+    /// The machine's full scan count at its previous claim.
+    full_scans_seen: u64,
     /// The earliest wake-up already queued.
     wake_at: Option<u64>,
     /// The rows this process's claims wrote, as they wrote them (`store::Held`): an ordinary
@@ -751,7 +774,10 @@ struct Reconciler {
     verify_after: usize,
 }
 
-fn dispatcher_config() -> DispatcherConfig {
+/// The dispatchers' full scan period unless a trace sets another (the default setting).
+const RESCAN_EVERY_MS: u64 = 1_000;
+
+fn dispatcher_config(rescan_every_ms: u64) -> DispatcherConfig {
     DispatcherConfig {
         batch_size_max: CLAIM_BATCH_MAX,
         lease_ms: LEASE_MS,
@@ -760,7 +786,7 @@ fn dispatcher_config() -> DispatcherConfig {
         error_backoff_ms: 500,
         error_backoff_max_ms: 8_000,
         submit_tries_max: 5,
-        rescan_every_ms: 1_000,
+        rescan_every_ms,
     }
 }
 
@@ -894,6 +920,34 @@ pub struct World {
     krng: ChaCha8Rng,
     /// R26: the contract model, in traces whose routes require contracts.
     contracts: Option<Box<Contracts>>,
+    /// The late-commit model's own randomness (traces without late commits draw what they
+    /// drew before it existed).
+    lrng: ChaCha8Rng,
+    /// Per mille of the writers' transactions that insert their rows (drawing positions)
+    /// and commit later, while others commit (0: none in this trace).
+    p_late_commit: u32,
+    /// The dispatchers' full scan period (`DispatcherConfig::rescan_every_ms`).
+    rescan_every_ms: u64,
+    /// The writers' transactions in progress: they hold a transaction id and drew
+    /// positions, and their rows are not visible yet.
+    open_txns: Vec<OpenTxn>,
+    /// A dispatcher machine looped without waiting: the trace stops after this step.
+    halted: bool,
+    /// Ghost: rows that committed behind a dispatcher's scan (a scan already passed their
+    /// position), not yet claimed.
+    late_behind: Vec<u32>,
+}
+
+/// A writer's transaction in progress (the late-commit model).
+#[derive(Clone, Copy, Debug)]
+struct OpenTxn {
+    fact: u32,
+    /// Its transaction id (the store version when it began: ids are the store's versions).
+    txid: u64,
+    /// The first of the positions its rows drew (one per member).
+    first_position: u64,
+    /// The database incarnation it began in (a restore ends it).
+    epoch: u32,
 }
 
 fn chance(rng: &mut ChaCha8Rng, per_mille: u32) -> bool {
@@ -1059,6 +1113,21 @@ impl World {
             }
         }
         let n = cfg.dispatchers;
+        // Late commits, from the model's own randomness: in a third of the traces, some
+        // writers' transactions insert their rows and commit up to a minute later, and in
+        // half of those the dispatchers' full scan comes every ten minutes instead of every
+        // second (`rescan_every_ms`), so that a scan from behind finds most late rows.
+        let mut lrng = ChaCha8Rng::seed_from_u64(trace_seed ^ 0x1A7E_C033_17A5_0C1D);
+        let (p_late_commit, rescan_every_ms) = if chance(&mut lrng, LATE_COMMIT_TRACES) {
+            let rescan = if chance(&mut lrng, 500) {
+                RESCAN_EVERY_MS
+            } else {
+                600_000
+            };
+            (range(&mut lrng, 200, 1000) as u32, rescan)
+        } else {
+            (0, RESCAN_EVERY_MS)
+        };
         let dispatchers = (0..n)
             .map(|i| {
                 // Dispatcher 0 serves every cluster; others may serve one only, so rows of
@@ -1076,11 +1145,12 @@ impl World {
                     paused_until: 0,
                     owner: 100 + i as u64,
                     clusters,
-                    machine: DispatcherMachine::new(dispatcher_config(), 0),
+                    machine: DispatcherMachine::new(dispatcher_config(rescan_every_ms), 0),
                     batch: None,
                     next_batch: 0,
                     claim_meta: Vec::new(),
                     scan_high_water: 0,
+                    full_scans_seen: 0,
                     wake_at: None,
                     held: Vec::new(),
                     implementation: (i % 2) as u8,
@@ -1104,11 +1174,12 @@ impl World {
                 paused_until: 0,
                 owner: CDC_OWNER,
                 clusters: clusters.clone(),
-                machine: DispatcherMachine::new(dispatcher_config(), 0),
+                machine: DispatcherMachine::new(dispatcher_config(rescan_every_ms), 0),
                 batch: None,
                 next_batch: 0,
                 claim_meta: Vec::new(),
                 scan_high_water: 0,
+                full_scans_seen: 0,
                 wake_at: None,
                 held: Vec::new(),
                 implementation: d % 2,
@@ -1225,7 +1296,14 @@ impl World {
             shadow_done: Vec::new(),
             krng,
             contracts,
+            p_late_commit,
+            rescan_every_ms,
+            lrng,
+            open_txns: Vec::new(),
+            halted: false,
+            late_behind: Vec::new(),
         };
+        w.stats.late.traces = u64::from(p_late_commit > 0);
         w.stats.contracts.traces = u64::from(w.contracts.is_some());
         w.stats.rollout.traces = u64::from(rollout);
         if w.cdc.is_some() {
@@ -1443,7 +1521,7 @@ impl World {
             {
                 break;
             }
-            if self.steps >= STEPS_MAX {
+            if self.steps >= STEPS_MAX || self.halted {
                 break;
             }
         }
@@ -1487,6 +1565,7 @@ impl World {
     fn step(&mut self, ev: Ev) {
         match ev {
             Ev::WriterCommit { fact } => self.writer_commit(fact),
+            Ev::WriterLateCommit { fact, epoch } => self.writer_late_commit(fact, epoch),
             Ev::DispatchWake { d, inc } => self.dispatch_wake(d, inc),
             Ev::Leave { d, inc, batch } => self.leave(d, inc, batch),
             Ev::BrokerReceive { req } => self.broker_receive(*req),
@@ -1699,8 +1778,77 @@ impl World {
             self.at(t, Ev::WriterCommit { fact });
             return;
         }
+        let members = u64::from(self.facts[f].members);
+        // The enqueue statement: the transaction has its id (`txid_current()`, the store
+        // version here) before the rows draw their positions.
+        let first_position = self.db.next_position;
+        self.db.next_position += members;
+        if self.p_late_commit > 0 && chance(&mut self.lrng, self.p_late_commit) {
+            // The transaction stays open: its rows are not visible, its id holds the
+            // horizon back, and it commits (or is killed) later.
+            self.open_txns.push(OpenTxn {
+                fact,
+                txid: self.db_version,
+                first_position,
+                epoch: self.epoch,
+            });
+            let t = self.now + range(&mut self.lrng, 20, 60_000);
+            let epoch = self.epoch;
+            self.at(t, Ev::WriterLateCommit { fact, epoch });
+            self.note(|| {
+                format!("fact {fact}'s transaction drew position(s) from {first_position}; it commits at {t}")
+            });
+            return;
+        }
+        self.writer_insert(fact, first_position);
+    }
+
+    /// The end of a transaction that drew its positions earlier: it commits, unless its
+    /// writer is killed first (F1: the positions are lost, the client retries) or a restore
+    /// ended it (the database it ran in is gone: the client retries).
+    fn writer_late_commit(&mut self, fact: u32, epoch: u32) {
+        self.db_version += 1;
+        let txn = match self.open_txns.iter().position(|t| t.fact == fact) {
+            Some(k) => self.open_txns.remove(k),
+            None => {
+                // A restore ended it: the client's commit fails and it retries the command.
+                let t = self.now + range(&mut self.lrng, 500, 5_000);
+                self.at(t, Ev::WriterCommit { fact });
+                return;
+            }
+        };
+        if epoch != self.epoch || txn.epoch != self.epoch {
+            let t = self.now + range(&mut self.lrng, 500, 5_000);
+            self.at(t, Ev::WriterCommit { fact });
+            return;
+        }
+        if self.faults_on && chance(&mut self.lrng, self.cfg.p_writer_crash) {
+            self.fault(Fault::CrashBeforeCommit);
+            self.note(|| format!("fact {fact}'s transaction rolls back (writer killed)"));
+            let t = self.now + range(&mut self.lrng, 500, 5_000);
+            self.at(t, Ev::WriterCommit { fact });
+            return;
+        }
+        self.stats.late.commits += 1;
+        let behind = (0..self.dispatchers.len()).any(|d| {
+            self.dispatchers[d].alive && self.dispatchers[d].scan_high_water > txn.first_position
+        });
+        let first_row = self.db.rows.len() as u32;
+        self.writer_insert(fact, txn.first_position);
+        if behind {
+            let n = self.db.rows.len() as u32 - first_row;
+            self.stats.late.behind_scan += u64::from(n);
+            self.late_behind.extend(first_row..first_row + n);
+        }
+    }
+
+    /// The rows of a transaction become visible (it commits): the business row, every
+    /// member's `PENDING` envelope at the positions it drew, the delivery set.
+    fn writer_insert(&mut self, fact: u32, first_position: u64) {
+        let f = fact as usize;
         let facts = &self.facts[f];
         let event_id = facts.event_id;
+        let agg = facts.aggregate;
         let payload = Digest::of_bytes(PAYLOAD_DOMAIN, &fact.to_be_bytes());
         let members = facts.members;
         let rule = facts.rule;
@@ -1723,10 +1871,16 @@ impl World {
                 };
                 self.db.row_lsn.push(lsn);
             }
+            let row = self.db.rows.len() as u32;
+            let position = first_position + u64::from(m);
             self.db
                 .rows
                 .push(EventRow::new_pending(event_id, m, payload, dest));
             self.db.row_fact.push(fact);
+            self.db.row_position.push(position);
+            let (order, positions) = (&self.db.by_position, &self.db.row_position);
+            let at = order.partition_point(|&r| positions[r as usize] < position);
+            self.db.by_position.insert(at, row);
             self.unknown_since.push(None);
         }
         if let Some(rule) = rule {
@@ -1781,7 +1935,8 @@ impl World {
         let disp = &mut self.dispatchers[d as usize];
         disp.alive = true;
         disp.inc += 1;
-        disp.machine = DispatcherMachine::new(dispatcher_config(), now);
+        disp.machine = DispatcherMachine::new(dispatcher_config(self.rescan_every_ms), now);
+        disp.full_scans_seen = 0;
         disp.batch = None;
         disp.claim_meta.clear();
         disp.held.clear();
@@ -1829,11 +1984,23 @@ impl World {
         self.drive_dispatcher(d);
     }
 
-    /// Polls the machine and performs its actions until it waits.
+    /// Polls the machine and performs its actions until it waits. A machine that never
+    /// waits (claims in a loop at one instant) is a liveness violation: the shell would
+    /// spin on the database.
     fn drive_dispatcher(&mut self, d: u8) {
         let di = d as usize;
+        let mut actions = 0;
         while let Some(action) = self.dispatchers[di].machine.poll_action(self.now) {
             self.dispatch_action(d, action);
+            actions += 1;
+            if actions == DRIVE_ACTIONS_MAX {
+                self.violation(Violation::Liveness, || {
+                    format!("d{d} took {DRIVE_ACTIONS_MAX} actions without waiting (a claim loop)")
+                });
+                // It would loop at every wake-up: the trace ends here.
+                self.halted = true;
+                break;
+            }
         }
         if let Some(t) = self.dispatchers[di].machine.poll_timeout() {
             let t = t.max(self.now);
@@ -1903,6 +2070,12 @@ impl World {
     ) -> Claimed {
         self.db_version += 1;
         let di = d as usize;
+        // Whether this is the machine's full scan (for the late-commit counts).
+        let full_scan = {
+            let m = &mut self.dispatchers[di];
+            let n = m.machine.counts().full_scans;
+            std::mem::replace(&mut m.full_scans_seen, n) < n
+        };
         let owner = self.dispatchers[di].owner;
         let clusters = std::mem::take(&mut self.dispatchers[di].clusters);
         let now = self.now;
@@ -1912,14 +2085,18 @@ impl World {
             sends: Vec::new(),
             last_position: None,
             ordered_from: None,
-            // The model's writers commit at once, with the positions they draw: no
-            // transaction is ever in progress at a claim, and every position drawn is final
-            // (the store version stands for the transaction ids). A claim of named rows
+            // The claim's first round trip: a snapshot (the store versions stand for the
+            // transaction ids: every one below this claim's has ended, except the writers'
+            // transactions still open), then the position sequence. A claim of named rows
             // reads none.
             horizon: only.is_none().then(|| Horizon {
-                xmin: self.db_version,
+                xmin: self
+                    .open_txns
+                    .iter()
+                    .map(|t| t.txid)
+                    .fold(self.db_version, u64::min),
                 xmax: self.db_version,
-                last_position: (self.db.rows.len() as u64).saturating_sub(1),
+                last_position: self.db.next_position.saturating_sub(1),
             }),
         };
         // A claim of named rows (the CDC publisher's) is no scan: it starts at 0.
@@ -1946,7 +2123,15 @@ impl World {
         let rows = &self.db.rows;
         let named = |i: usize| only.is_none_or(|o| o.contains(&(rows[i].event_id, rows[i].member)));
         let mut skipped = 0;
-        let idx: Vec<usize> = ((from as usize)..self.db.rows.len())
+        // The claim index, in commit-position order from `from`.
+        let positions = &self.db.row_position;
+        let start = self
+            .db
+            .by_position
+            .partition_point(|&r| positions[r as usize] < from);
+        let idx: Vec<usize> = self.db.by_position[start..]
+            .iter()
+            .map(|&r| r as usize)
             .filter(|&i| named(i) && step::picks(&self.db.rows[i], served, now))
             .filter(|&i| {
                 let mine =
@@ -1962,7 +2147,7 @@ impl World {
             .iter()
             .enumerate()
             .map(|(k, &i)| Pick {
-                position: i as u64,
+                position: self.db.row_position[i],
                 earlier_unresolved: self.earlier_unresolved(i),
                 attempt_id: self.db.next_attempt_id + k as u64,
                 facts: self.claim_facts(i),
@@ -1981,21 +2166,20 @@ impl World {
         let (policy, mode) = (self.db.policy, self.cfg.ordering_mode);
         let (facts, row_fact) = (&self.facts, &self.db.row_fact);
         let rng = &mut self.rng;
+        // The picked rows, in the claim's (position) order.
         let mut rows: Vec<&mut EventRow> = {
-            let mut want = idx.iter().copied().peekable();
-            self.db
-                .rows
-                .iter_mut()
-                .enumerate()
-                .filter_map(|(i, r)| {
-                    if want.peek() == Some(&i) {
-                        want.next();
-                        Some(r)
-                    } else {
-                        None
-                    }
-                })
-                .collect()
+            let mut by_index: Vec<(usize, usize)> =
+                idx.iter().enumerate().map(|(k, &i)| (i, k)).collect();
+            by_index.sort_unstable();
+            let mut slots: Vec<Option<&mut EventRow>> = (0..idx.len()).map(|_| None).collect();
+            let mut want = by_index.into_iter().peekable();
+            for (i, r) in self.db.rows.iter_mut().enumerate() {
+                if let Some(&(_, k)) = want.peek().filter(|(wi, _)| *wi == i) {
+                    slots[k] = Some(r);
+                    want.next();
+                }
+            }
+            slots.into_iter().flatten().collect()
         };
         let members: Vec<u16> = rows.iter().map(|r| r.member).collect();
         let step = self.proto.step_claim(
@@ -2059,6 +2243,19 @@ impl World {
             }
         }
         claimed.last_position = step.last_position;
+        if !self.late_behind.is_empty() {
+            for &(r, ..) in &meta {
+                if let Some(k) = self.late_behind.iter().position(|&x| x == r) {
+                    self.late_behind.swap_remove(k);
+                    let late = &mut self.stats.late;
+                    match (only.is_some(), full_scan) {
+                        (true, _) => late.found_by_log += 1,
+                        (false, true) => late.found_by_full_scan += 1,
+                        (false, false) => late.found_by_scan_from_behind += 1,
+                    }
+                }
+            }
+        }
         claimed.ordered_from = step.ordered_from;
         for &(r, ..) in &meta {
             let row = self.db.rows[r as usize].clone();
@@ -3480,9 +3677,10 @@ impl World {
             .collect();
         due.sort_unstable();
         due.truncate(max);
-        let mut front: Vec<(&str, usize)> = (0..rows.len())
+        let positions = &self.db.row_position;
+        let mut front: Vec<(&str, u64, usize)> = (0..rows.len())
             .filter(|&i| rows[i].state.phase() == Phase::Dispatchable)
-            .map(|i| (rows[i].destination.cluster.as_str(), i))
+            .map(|i| (rows[i].destination.cluster.as_str(), positions[i], i))
             .collect();
         front.sort_unstable();
         front.truncate(max * step::EXPIRY_FRONT_PER_BATCH);
@@ -3490,7 +3688,7 @@ impl World {
         picked.extend(
             front
                 .into_iter()
-                .map(|(_, i)| i)
+                .map(|(_, _, i)| i)
                 .filter(|&i| {
                     rows[i].state == State::Sending && step::picks_for_reconcile(&rows[i], now)
                 })
@@ -4503,6 +4701,11 @@ impl World {
         };
         self.fault(Fault::DatabaseRestored);
         self.db = snap;
+        // The writers' open transactions died with the old database (their clients retry
+        // when the late commit finds them gone); the late rows it lost are not waiting.
+        self.open_txns.clear();
+        let n = self.db.rows.len() as u32;
+        self.late_behind.retain(|&r| r < n);
         self.contract_reregister();
         // The restored aliases may put a route back in shadow.
         self.schedule_shadow();

@@ -95,6 +95,15 @@ fn gate_100k_traces_zero_violations() {
         r.shadow_reads > 0 && r.shadow_compared > 0 && r.shadow_foreign > 0,
         "the shadow (R25) must compare rows, some against a copy that is not the sealed envelope: {r:?}"
     );
+    let late = &s.late;
+    assert!(
+        late.traces > 0
+            && late.commits > 0
+            && late.behind_scan > 0
+            && late.found_by_scan_from_behind > 0
+            && late.found_by_full_scan > 0,
+        "transactions must commit late, behind a scan, and be found from behind it: {late:?}"
+    );
     for f in sealpost_sim::Fault::ALL {
         assert!(
             s.faults.get(f) > 0,

@@ -958,6 +958,7 @@ pub(crate) async fn dispatch_loop<B: Broker>(
     tracing::info!(
         owner,
         batches = c.batches,
+        full_scans = c.full_scans,
         deadline_passed = c.deadline_passed,
         "dispatcher stopped"
     );
