@@ -852,6 +852,28 @@ mod tests {
         );
     }
 
+    /// The machine's claim at `now`: it sends one row at `last` (or finds nothing) under
+    /// `horizon`, and the batch is settled. Returns where the claim scanned from.
+    fn claim_sending(
+        m: &mut DispatcherMachine,
+        now: u64,
+        last: Option<u64>,
+        horizon: Horizon,
+    ) -> u64 {
+        let from = match m.poll_action(now) {
+            Some(DispatchAction::Claim { from_position, .. }) => from_position,
+            other => panic!("expected a claim, got {other:?}"),
+        };
+        let mut c = claimed(u64::from(last.is_some()), now, now, 10_000);
+        c.last_position = last;
+        c.horizon = Some(horizon);
+        if m.handle_claimed(now, c).is_some() {
+            m.handle_sent(now, vec![SendResult::NoAnswer]);
+            m.handle_submitted(now, true);
+        }
+        from
+    }
+
     /// Positions drawn by transactions that may still commit are scanned again until the
     /// horizon says they are final; a window wider than ten batches is left to the full scan.
     #[test]
@@ -862,26 +884,18 @@ mod tests {
         };
         let mut m = DispatcherMachine::new(cfg, 0);
         let mut now = 0;
-        // A claim that sends one row at `last` (or finds nothing), and the batch settled.
         let mut claim = |m: &mut DispatcherMachine, last: Option<u64>, (xmin, xmax, l)| {
             now += 100;
-            let from = match m.poll_action(now) {
-                Some(DispatchAction::Claim { from_position, .. }) => from_position,
-                other => panic!("expected a claim, got {other:?}"),
-            };
-            let horizon = Some(Horizon {
-                xmin,
-                xmax,
-                last_position: l,
-            });
-            let mut c = claimed(u64::from(last.is_some()), now, now, 10_000);
-            c.last_position = last;
-            c.horizon = horizon;
-            if m.handle_claimed(now, c).is_some() {
-                m.handle_sent(now, vec![SendResult::NoAnswer]);
-                m.handle_submitted(now, true);
-            }
-            from
+            claim_sending(
+                m,
+                now,
+                last,
+                Horizon {
+                    xmin,
+                    xmax,
+                    last_position: l,
+                },
+            )
         };
         assert_eq!(claim(&mut m, Some(10), (100, 101, 10)), 0);
         assert_eq!(
@@ -943,22 +957,16 @@ mod tests {
         let mut now = 0;
         let mut claim = |m: &mut DispatcherMachine, last: Option<u64>| {
             now += 100;
-            let from = match m.poll_action(now) {
-                Some(DispatchAction::Claim { from_position, .. }) => from_position,
-                other => panic!("expected a claim, got {other:?}"),
-            };
-            let mut c = claimed(u64::from(last.is_some()), now, now, 10_000);
-            c.last_position = last;
-            c.horizon = Some(Horizon {
-                xmin: 1,
-                xmax: 50,
-                last_position: 50,
-            });
-            if m.handle_claimed(now, c).is_some() {
-                m.handle_sent(now, vec![SendResult::NoAnswer]);
-                m.handle_submitted(now, true);
-            }
-            from
+            claim_sending(
+                m,
+                now,
+                last,
+                Horizon {
+                    xmin: 1,
+                    xmax: 50,
+                    last_position: 50,
+                },
+            )
         };
         assert_eq!(claim(&mut m, Some(5)), 0);
         assert_eq!(claim(&mut m, Some(50)), 0, "six behind: scanned again");
