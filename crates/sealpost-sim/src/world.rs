@@ -1750,6 +1750,9 @@ impl World {
         if self.db.business.contains(&fact) {
             return; // a retried command finds its committed fact: no second id (R3)
         }
+        if self.open_txns.iter().any(|t| t.fact == fact) {
+            return; // its transaction is still open: it commits or retries itself
+        }
         // The producer writes version v of an aggregate after reading version v - 1 under
         // the aggregate's lock: a later version never commits before an earlier one.
         let (agg, version) = (self.facts[f].aggregate, self.facts[f].version);
@@ -1808,7 +1811,11 @@ impl World {
     /// ended it (the database it ran in is gone: the client retries).
     fn writer_late_commit(&mut self, fact: u32, epoch: u32) {
         self.db_version += 1;
-        let txn = match self.open_txns.iter().position(|t| t.fact == fact) {
+        let found = self
+            .open_txns
+            .iter()
+            .position(|t| t.fact == fact && t.epoch == epoch);
+        let txn = match found {
             Some(k) => self.open_txns.remove(k),
             None => {
                 // A restore ended it: the client's commit fails and it retries the command.
@@ -1817,11 +1824,6 @@ impl World {
                 return;
             }
         };
-        if epoch != self.epoch || txn.epoch != self.epoch {
-            let t = self.now + range(&mut self.lrng, 500, 5_000);
-            self.at(t, Ev::WriterCommit { fact });
-            return;
-        }
         if self.faults_on && chance(&mut self.lrng, self.cfg.p_writer_crash) {
             self.fault(Fault::CrashBeforeCommit);
             self.note(|| format!("fact {fact}'s transaction rolls back (writer killed)"));
