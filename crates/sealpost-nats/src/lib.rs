@@ -59,7 +59,7 @@ mod subscription;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use async_nats::connection::State;
@@ -229,7 +229,39 @@ pub fn server_urls(urls: &str) -> Vec<String> {
 ///
 /// A value NATS cannot carry (a CR or LF ends a header line) is an error naming the header,
 /// never a panic: the caller refuses that one message ([`encode_request`]).
+///
+/// `async_nats::HeaderMap` is a hash map that starts empty and grows (and rehashes every
+/// name) four times on the way to these 15 or 16 names. Every send carries the same names
+/// (the signature's only when the dispatcher signs), so the first message's map is kept as
+/// a shape and each later message starts from a copy of it: its inserts replace values in a
+/// table already the right size. The shape's values are empty, and every name of it is
+/// written again for each message.
 fn send_headers(r: &SendRequest) -> Result<HeaderMap, String> {
+    static SIGNED: OnceLock<HeaderMap> = OnceLock::new();
+    static UNSIGNED: OnceLock<HeaderMap> = OnceLock::new();
+    let shape = if r.signature.is_some() {
+        &SIGNED
+    } else {
+        &UNSIGNED
+    };
+    match shape.get() {
+        Some(headers) => fill_send_headers(headers.clone(), r),
+        None => {
+            let headers = fill_send_headers(HeaderMap::new(), r)?;
+            // Its names with empty values: a copy then allocates no value of its own.
+            let _ = shape.set(
+                headers
+                    .iter()
+                    .map(|(name, _)| (name.clone(), HeaderValue::new()))
+                    .collect(),
+            );
+            Ok(headers)
+        }
+    }
+}
+
+/// Writes every header of one send into `headers` (see [`send_headers`]).
+fn fill_send_headers(mut headers: HeaderMap, r: &SendRequest) -> Result<HeaderMap, String> {
     fn name(n: &'static str) -> HeaderName {
         HeaderName::from_static(n)
     }
@@ -243,7 +275,6 @@ fn send_headers(r: &SendRequest) -> Result<HeaderMap, String> {
     } else {
         format!("{event_id}.{}", r.member)
     };
-    let mut headers = HeaderMap::new();
     headers.insert(name(H_EVENT_ID), value(H_EVENT_ID, event_id)?);
     headers.insert(name(H_MEMBER), value(H_MEMBER, r.member.to_string())?);
     headers.insert(
@@ -945,6 +976,82 @@ mod tests {
             server_urls("nats://a:1, nats://b:2,,nats://c:3 "),
             ["nats://a:1", "nats://b:2", "nats://c:3"]
         );
+    }
+
+    fn request(n: u8, signature: Option<&str>) -> SendRequest {
+        use sealpost_core::envelope::{EventOrdering, PartitionAlgorithm, RoutePolicy};
+        let destination = RoutePolicy {
+            generation: 1,
+            cluster: "c".into(),
+            topic: format!("T{n}"),
+            partition_algorithm: PartitionAlgorithm::None,
+            serializer: "json.v1".into(),
+            durability: "file".into(),
+            required_ack: "stream".into(),
+            ordering: EventOrdering::Unordered,
+        }
+        .resolve("k");
+        SendRequest {
+            event_id: EventId([n; 16]),
+            member: u16::from(n),
+            envelope_generation: u32::from(n),
+            attempt_id: u64::from(n),
+            payload_digest: Digest([n; 32]),
+            destination_digest: destination.digest(),
+            destination,
+            payload: b"{}".to_vec(),
+            envelope: WireEnvelope {
+                event_type: format!("order.created.v{n}"),
+                aggregate_type: format!("order{n}"),
+                aggregate_id: format!("o-{n}"),
+                aggregate_version: u64::from(n),
+                occurred_at_ms: u64::from(n),
+                tenant: format!("t{n}"),
+                payload_schema_digest: Digest([n; 32]),
+            },
+            signature: signature.map(str::to_string),
+        }
+    }
+
+    /// Every header of a map, sorted, one line each.
+    fn lines(h: &HeaderMap) -> Vec<String> {
+        let mut v: Vec<String> = h
+            .iter()
+            .flat_map(|(k, vs)| vs.iter().map(move |v| format!("{k}: {v}")))
+            .collect();
+        v.sort();
+        v
+    }
+
+    #[test]
+    fn a_send_built_on_the_first_sends_shape_carries_its_own_headers_only() {
+        for signature in [None, Some("sig-a")] {
+            // The first send of its kind in this process (or not: the statics are shared
+            // with other tests, which is what the comparison below must not depend on).
+            let first = send_headers(&request(1, signature)).unwrap();
+            let second = send_headers(&request(2, signature.map(|_| "sig-b"))).unwrap();
+            // The same names and values a map built from nothing carries.
+            let fresh =
+                fill_send_headers(HeaderMap::new(), &request(2, signature.map(|_| "sig-b")))
+                    .unwrap();
+            assert_eq!(lines(&second), lines(&fresh));
+            assert_eq!(second.len(), first.len());
+            assert_eq!(second.len(), 15 + usize::from(signature.is_some()));
+            // No value of another send survives in it.
+            let firsts = lines(&first);
+            for line in lines(&second) {
+                assert!(
+                    !firsts.contains(&line)
+                        || line.starts_with("Nats-Expected-Last-Subject-Sequence"),
+                    "{line} came from the first send"
+                );
+            }
+        }
+        // A signed send after unsigned ones carries its signature, and an unsigned one none.
+        let signed = send_headers(&request(3, Some("sig-c"))).unwrap();
+        assert_eq!(signed.get(H_SIGNATURE).map(|v| v.as_str()), Some("sig-c"));
+        let unsigned = send_headers(&request(3, None)).unwrap();
+        assert!(unsigned.get(H_SIGNATURE).is_none());
     }
 
     #[test]
