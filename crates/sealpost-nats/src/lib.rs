@@ -237,25 +237,44 @@ pub fn server_urls(urls: &str) -> Vec<String> {
 /// table already the right size. The shape's values are empty, and every name of it is
 /// written again for each message.
 fn send_headers(r: &SendRequest) -> Result<HeaderMap, String> {
-    static SIGNED: OnceLock<HeaderMap> = OnceLock::new();
-    static UNSIGNED: OnceLock<HeaderMap> = OnceLock::new();
-    let shape = if r.signature.is_some() {
-        &SIGNED
-    } else {
-        &UNSIGNED
-    };
-    match shape.get() {
-        Some(headers) => fill_send_headers(headers.clone(), r),
-        None => {
-            let headers = fill_send_headers(HeaderMap::new(), r)?;
-            // Its names with empty values: a copy then allocates no value of its own.
-            let _ = shape.set(
-                headers
-                    .iter()
-                    .map(|(name, _)| (name.clone(), HeaderValue::new()))
-                    .collect(),
-            );
-            Ok(headers)
+    static SHAPES: HeaderShapes = HeaderShapes::new();
+    SHAPES.build(r)
+}
+
+/// The header names of a signed and of an unsigned send, each kept from the first such send
+/// with empty values (see [`send_headers`]).
+struct HeaderShapes {
+    signed: OnceLock<HeaderMap>,
+    unsigned: OnceLock<HeaderMap>,
+}
+
+impl HeaderShapes {
+    const fn new() -> Self {
+        HeaderShapes {
+            signed: OnceLock::new(),
+            unsigned: OnceLock::new(),
+        }
+    }
+
+    fn build(&self, r: &SendRequest) -> Result<HeaderMap, String> {
+        let shape = if r.signature.is_some() {
+            &self.signed
+        } else {
+            &self.unsigned
+        };
+        match shape.get() {
+            Some(headers) => fill_send_headers(headers.clone(), r),
+            None => {
+                let headers = fill_send_headers(HeaderMap::new(), r)?;
+                // Its names with empty values: a copy then allocates no value of its own.
+                let _ = shape.set(
+                    headers
+                        .iter()
+                        .map(|(name, _)| (name.clone(), HeaderValue::new()))
+                        .collect(),
+                );
+                Ok(headers)
+            }
         }
     }
 }
@@ -1025,33 +1044,44 @@ mod tests {
 
     #[test]
     fn a_send_built_on_the_first_sends_shape_carries_its_own_headers_only() {
-        for signature in [None, Some("sig-a")] {
-            // The first send of its kind in this process (or not: the statics are shared
-            // with other tests, which is what the comparison below must not depend on).
-            let first = send_headers(&request(1, signature)).unwrap();
-            let second = send_headers(&request(2, signature.map(|_| "sig-b"))).unwrap();
-            // The same names and values a map built from nothing carries.
-            let fresh =
-                fill_send_headers(HeaderMap::new(), &request(2, signature.map(|_| "sig-b")))
-                    .unwrap();
-            assert_eq!(lines(&second), lines(&fresh));
-            assert_eq!(second.len(), first.len());
-            assert_eq!(second.len(), 15 + usize::from(signature.is_some()));
-            // No value of another send survives in it.
-            let firsts = lines(&first);
-            for line in lines(&second) {
-                assert!(
-                    !firsts.contains(&line)
-                        || line.starts_with("Nats-Expected-Last-Subject-Sequence"),
-                    "{line} came from the first send"
-                );
+        // Signed sends first, then unsigned ones, and the other way round, each order on
+        // shapes of its own.
+        for signed_first in [true, false] {
+            let shapes = HeaderShapes::new();
+            let kinds = if signed_first {
+                [Some("sig"), None]
+            } else {
+                [None, Some("sig")]
+            };
+            for signature in kinds {
+                for n in 1..=3u8 {
+                    let sig = signature.map(|s| format!("{s}-{n}"));
+                    let r = request(n, sig.as_deref());
+                    let built = shapes.build(&r).unwrap();
+                    // The same names and values as a map built from nothing.
+                    let fresh = fill_send_headers(HeaderMap::new(), &r).unwrap();
+                    assert_eq!(lines(&built), lines(&fresh), "send {n}, {signature:?}");
+                    assert_eq!(built.len(), 15 + usize::from(signature.is_some()));
+                    assert_eq!(
+                        built.get(H_SIGNATURE).map(|v| v.as_str()),
+                        sig.as_deref(),
+                        "send {n}"
+                    );
+                    // Nothing of the shape's first send is left in a later one.
+                    let n_event_id = EventId([n; 16]).to_string();
+                    assert_eq!(
+                        built.get(H_EVENT_ID).map(|v| v.as_str()),
+                        Some(n_event_id.as_str())
+                    );
+                }
             }
         }
-        // A signed send after unsigned ones carries its signature, and an unsigned one none.
-        let signed = send_headers(&request(3, Some("sig-c"))).unwrap();
-        assert_eq!(signed.get(H_SIGNATURE).map(|v| v.as_str()), Some("sig-c"));
-        let unsigned = send_headers(&request(3, None)).unwrap();
-        assert!(unsigned.get(H_SIGNATURE).is_none());
+        // The process-wide shapes give the same.
+        let r = request(4, Some("sig-4"));
+        assert_eq!(
+            lines(&send_headers(&r).unwrap()),
+            lines(&fill_send_headers(HeaderMap::new(), &r).unwrap())
+        );
     }
 
     #[test]
