@@ -224,8 +224,9 @@ pub fn server_urls(urls: &str) -> Vec<String> {
 
 /// The headers of one send: Sealpost's (event id, member, envelope generation, attempt id,
 /// digests and the [`WireEnvelope`](sealpost_core::port::WireEnvelope)), `Nats-Msg-Id` and
-/// `Nats-Expected-Last-Subject-Sequence: 0`. Names are static and values moved in, so a
-/// message costs one allocation per value (a dispatcher builds one per event sent).
+/// `Nats-Expected-Last-Subject-Sequence: 0`. Names are static. Each value is checked and
+/// copied once by `HeaderValue`'s `FromStr` (its `From<String>` would move it, but panics on
+/// a CR or LF), and a dispatcher builds one map per event sent.
 ///
 /// A value NATS cannot carry (a CR or LF ends a header line) is an error naming the header,
 /// never a panic: the caller refuses that one message ([`encode_request`]).
