@@ -31,6 +31,9 @@ pub struct NatsSubscription {
     consumer_id: String,
     ack_wait: Duration,
     consumer: Consumer<pull::Config>,
+    /// The next batch, requested as soon as the last one was taken, so JetStream delivers
+    /// it while the consumer applies the last one (its messages wait in the client).
+    next: Option<pull::Batch>,
 }
 
 impl NatsSubscription {
@@ -49,6 +52,7 @@ impl NatsSubscription {
             consumer_id: consumer_id.to_string(),
             ack_wait,
             consumer,
+            next: None,
         })
     }
 
@@ -59,11 +63,9 @@ impl NatsSubscription {
         }
     }
 
-    async fn fetch_once(
-        &self,
-        limits: FetchLimits,
-        bytes: bool,
-    ) -> Result<(Vec<Message>, Option<String>), NatsError> {
+    /// Sends one pull request bounded by `limits` (in bytes too when `bytes`); its messages
+    /// arrive in the returned batch.
+    async fn request(&self, limits: FetchLimits, bytes: bool) -> Result<pull::Batch, NatsError> {
         let mut req = self
             .consumer
             .fetch()
@@ -72,7 +74,19 @@ impl NatsSubscription {
         if bytes {
             req = req.max_bytes(limits.bytes_max.max(1));
         }
-        let mut batch = req.messages().await.map_err(|e| self.error(e))?;
+        req.messages().await.map_err(|e| self.error(e))
+    }
+
+    /// Takes one batch: the one requested ahead if there is one, else a new request.
+    async fn fetch_once(
+        &mut self,
+        limits: FetchLimits,
+        bytes: bool,
+    ) -> Result<(Vec<Message>, Option<String>), NatsError> {
+        let mut batch = match self.next.take() {
+            Some(b) => b,
+            None => self.request(limits, bytes).await?,
+        };
         let mut out = Vec::new();
         let mut failed = None;
         while let Some(m) = batch.next().await {
@@ -183,8 +197,17 @@ impl Subscription for NatsSubscription {
 
     /// One pull request bounded by `messages_max`, `bytes_max` and `wait_ms`. A message
     /// larger than `bytes_max` alone (the server refuses such a request) is fetched alone.
+    ///
+    /// While messages keep coming, the next request is sent as soon as a batch is taken:
+    /// JetStream delivers it while the caller applies this one (the ack wait of those
+    /// messages starts then; one batch's apply is far shorter). An idle consumer sends one
+    /// request per fetch, as before.
     async fn fetch(&mut self, limits: FetchLimits) -> Result<Vec<Message>, NatsError> {
         let (out, failed) = self.fetch_once(limits, true).await?;
+        if !out.is_empty() && failed.is_none() {
+            // A failed request ahead is not an error yet: the next fetch asks again.
+            self.next = self.request(limits, true).await.ok();
+        }
         match failed {
             Some(e) if out.is_empty() && e.to_ascii_lowercase().contains("bytes") => {
                 let one = FetchLimits {
@@ -271,6 +294,8 @@ impl Subscription for NatsSubscription {
     }
 
     async fn reconnect(&mut self) -> Result<(), NatsError> {
+        // What the request ahead delivered comes back after the ack wait.
+        self.next = None;
         self.consumer = open(&self.nats, &self.topic, &self.consumer_id, self.ack_wait).await?;
         Ok(())
     }

@@ -942,3 +942,75 @@ async fn rights_a_consumer_consumes_its_own_consumer_but_may_not_publish_an_even
         "the consumer is still there"
     );
 }
+
+/// The subscription requests the next batch while the caller applies the last one. Across
+/// batches the stream's order holds; a subscription reopened while a batch it requested
+/// ahead is in the client loses none of it: those messages come back after the ack wait
+/// (delivered a second time), and every message is taken in the end.
+#[tokio::test]
+async fn a_batch_requested_ahead_keeps_order_and_a_reopen_loses_none_of_it() {
+    use sealpost_core::subscription::{FetchLimits, Settlement, Subscription};
+    use sealpost_nats::NatsSubscription;
+
+    let topic = topic("AHEAD");
+    let (nats, _guard) = connect(&topic).await;
+    let d = destination(CLUSTER, &topic);
+    let sent: Vec<SendRequest> = (0..60)
+        .map(|i| request(&d, format!("{{\"n\":{i}}}").as_bytes()))
+        .collect();
+    for o in nats.send_batch(sent.clone(), later()).await {
+        assert!(matches!(o, SendResult::Receipt(_)), "{o:?}");
+    }
+    let limits = FetchLimits {
+        messages_max: 10,
+        bytes_max: 1 << 20,
+        wait_ms: 500,
+    };
+    let mut sub = NatsSubscription::subscribe(&nats, &topic, "ahead", Duration::from_secs(1))
+        .await
+        .expect("subscribe");
+
+    // Three batches in a row: the first 30 messages in the stream's order.
+    let mut taken = Vec::new();
+    while taken.len() < 30 {
+        let batch = sub.fetch(limits).await.expect("fetch");
+        assert!(!batch.is_empty(), "the stream holds 60 messages");
+        let seqs: Vec<u64> = batch.iter().map(|m| sub.read(m).sequence).collect();
+        taken.extend(seqs);
+        sub.settle(batch.into_iter().map(|m| (m, Settlement::Ack)).collect())
+            .await
+            .unwrap();
+    }
+    assert_eq!(
+        taken,
+        (1..=30).collect::<Vec<u64>>(),
+        "in the stream's order"
+    );
+
+    // The batch requested ahead (31..=40) reaches the client, and the reopen drops it.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    sub.reconnect().await.expect("reopen");
+    let mut redelivered = 0;
+    let until = Instant::now() + Duration::from_secs(30);
+    while taken.len() < 60 && Instant::now() < until {
+        let batch = sub.fetch(limits).await.expect("fetch");
+        for m in &batch {
+            let r = sub.read(m);
+            if r.delivered > 1 {
+                redelivered += 1;
+            }
+            if !taken.contains(&r.sequence) {
+                taken.push(r.sequence);
+            }
+        }
+        sub.settle(batch.into_iter().map(|m| (m, Settlement::Ack)).collect())
+            .await
+            .unwrap();
+    }
+    taken.sort_unstable();
+    assert_eq!(taken, (1..=60).collect::<Vec<u64>>(), "every message taken");
+    assert!(
+        redelivered >= 1,
+        "what the request ahead held came back after the ack wait"
+    );
+}
