@@ -502,12 +502,20 @@ async fn advance_watermark(
     consumer_id: &str,
     applied: &[&Delivery],
 ) -> Result<()> {
-    let streams: Vec<&str> = applied.iter().map(|d| d.stream.as_str()).collect();
-    let seqs: Vec<i64> = applied.iter().map(|d| d.sequence as i64).collect();
+    // One entry per stream (a batch usually comes from one), not one per delivery.
+    let mut high: Vec<(&str, i64)> = Vec::new();
+    for d in applied {
+        let seq = d.sequence as i64;
+        match high.iter_mut().find(|(s, _)| *s == d.stream) {
+            Some((_, q)) => *q = (*q).max(seq),
+            None => high.push((d.stream.as_str(), seq)),
+        }
+    }
+    let (streams, seqs): (Vec<&str>, Vec<i64>) = high.into_iter().unzip();
     tx.execute(
         "INSERT INTO sealpost.consumer_watermark (consumer_id, stream, high_water, updated_at_ms)
-         SELECT $1, s, max(q), (extract(epoch from clock_timestamp()) * 1000)::bigint
-         FROM unnest($2::text[], $3::int8[]) AS t(s, q) GROUP BY s
+         SELECT $1, s, q, (extract(epoch from clock_timestamp()) * 1000)::bigint
+         FROM unnest($2::text[], $3::int8[]) AS t(s, q)
          ON CONFLICT (consumer_id, stream) DO UPDATE
          SET high_water = greatest(sealpost.consumer_watermark.high_water, EXCLUDED.high_water),
              updated_at_ms = EXCLUDED.updated_at_ms",
