@@ -4,8 +4,7 @@
 //! its events (drained, produced or retained) in the outbox. No figure is compared with
 //! a speed: this checks that the bench measures, not how fast this machine is.
 
-#[path = "../../sealpost/tests/common/mod.rs"]
-mod common;
+use crate::common;
 
 use sealpost::runtime;
 use sealpost_cli::bench::{self, BenchArgs};

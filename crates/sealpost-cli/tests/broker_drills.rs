@@ -27,12 +27,9 @@
 //! Each test has its own databases and its own exchange or topic, removed at the end, pass
 //! or fail.
 
-#[path = "../../sealpost/tests/common/mod.rs"]
-mod common;
-#[path = "../../sealpost/tests/common/teardown_kafka.rs"]
-mod teardown_kafka;
-#[path = "../../sealpost/tests/common/teardown_rabbitmq.rs"]
-mod teardown_rabbitmq;
+use crate::common;
+use crate::teardown_kafka;
+use crate::teardown_rabbitmq;
 
 use common::{count, wait_for};
 use std::collections::BTreeSet;

@@ -7,12 +7,9 @@
 //! work to scans of the claim index, and the next start creates the slot again; CDC and a
 //! polling dispatcher together store each event once.
 
-#[path = "../../sealpost/tests/common/cluster.rs"]
-mod cluster;
-#[path = "../../sealpost/tests/common/mod.rs"]
-mod common;
-#[path = "../../sealpost/tests/common/teardown_nats.rs"]
-mod teardown_nats;
+use crate::cluster;
+use crate::common;
+use crate::teardown_nats;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -4,10 +4,8 @@
 //! of a consumed event in a batch applies once, and a batch quarantines exactly what
 //! `process` quarantines. Every test has its own database and its own stream.
 
-#[path = "../../sealpost/tests/common/mod.rs"]
-mod common;
-#[path = "../../sealpost/tests/common/teardown_nats.rs"]
-mod teardown_nats;
+use crate::common;
+use crate::teardown_nats;
 
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -6,10 +6,8 @@
 //! `sealpost.inbox_quarantine`), nothing applied twice (the effect rows are counted) and the
 //! evidence queryable in SQL. Every test has its own database and its own stream.
 
-#[path = "../../sealpost/tests/common/mod.rs"]
-mod common;
-#[path = "../../sealpost/tests/common/teardown_nats.rs"]
-mod teardown_nats;
+use crate::common;
+use crate::teardown_nats;
 
 use common::count;
 use std::sync::atomic::AtomicU64;

@@ -3,10 +3,8 @@
 //! different payload under a known event id. Each asserts zero duplicate effects and zero
 //! lost events.
 
-#[path = "../../sealpost/tests/common/mod.rs"]
-mod common;
-#[path = "../../sealpost/tests/common/teardown_nats.rs"]
-mod teardown_nats;
+use crate::common;
+use crate::teardown_nats;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;

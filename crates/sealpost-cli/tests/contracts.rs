@@ -9,10 +9,8 @@
 use std::process::Command;
 use std::time::Duration;
 
-#[path = "../../sealpost/tests/common/mod.rs"]
-mod common;
-#[path = "../../sealpost/tests/common/teardown_nats.rs"]
-mod teardown_nats;
+use crate::common;
+use crate::teardown_nats;
 
 use futures::future::BoxFuture;
 use sealpost::consumer::{self, CancellationToken, Databases, Delivery, HandlerError, Options};

@@ -10,12 +10,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-#[path = "../../sealpost/tests/common/mod.rs"]
-mod common;
-#[path = "../../sealpost/tests/common/teardown_nats.rs"]
-mod teardown_nats;
-#[path = "../../sealpost/tests/common/teardown_rabbitmq.rs"]
-mod teardown_rabbitmq;
+use crate::common;
+use crate::teardown_nats;
+use crate::teardown_rabbitmq;
 
 use sealpost::ops::{self, NoScan, ReconcileOptions};
 use sealpost::runtime::{self, CancellationToken, Counters};

@@ -14,14 +14,10 @@ use std::collections::HashMap;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-#[path = "../../sealpost/tests/common/mod.rs"]
-mod common;
-#[path = "../../sealpost/tests/common/teardown_kafka.rs"]
-mod teardown_kafka;
-#[path = "../../sealpost/tests/common/teardown_nats.rs"]
-mod teardown_nats;
-#[path = "../../sealpost/tests/common/teardown_rabbitmq.rs"]
-mod teardown_rabbitmq;
+use crate::common;
+use crate::teardown_kafka;
+use crate::teardown_nats;
+use crate::teardown_rabbitmq;
 
 use futures::future::BoxFuture;
 use sealpost::consumer::{self, CancellationToken, Databases, Delivery, HandlerError, Options};

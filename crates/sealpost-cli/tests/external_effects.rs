@@ -12,10 +12,8 @@
 //! the key holds across a redelivery and across the service's own retry; it does not show a
 //! compensation path, because Sealpost has none.
 
-#[path = "../../sealpost/tests/common/mod.rs"]
-mod common;
-#[path = "../../sealpost/tests/common/teardown_nats.rs"]
-mod teardown_nats;
+use crate::common;
+use crate::teardown_nats;
 
 use std::collections::BTreeMap;
 use std::time::Duration;

@@ -17,8 +17,7 @@
 //! The drill uses a database of its own (`sealpost_failover_<tag>`, dropped at the end) and
 //! a stream of its own; the servers and their directories are removed even when it fails.
 
-#[path = "../../sealpost/tests/common/mod.rs"]
-mod common;
+use crate::common;
 
 use common::count;
 use std::collections::{HashMap, HashSet};

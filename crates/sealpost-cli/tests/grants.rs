@@ -12,10 +12,8 @@
 //! It needs `rabbitmqctl` (`.ci/run` runs as root on the RabbitMQ node); elsewhere it prints
 //! "skipped" and passes, never under `CI`.
 
-#[path = "../../sealpost/tests/common/mod.rs"]
-mod common;
-#[path = "../../sealpost/tests/common/teardown_rabbitmq.rs"]
-mod teardown_rabbitmq;
+use crate::common;
+use crate::teardown_rabbitmq;
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;

@@ -12,14 +12,10 @@
 //!
 //! Every test has its own database and its own stream, exchange or topic, removed at the end.
 
-#[path = "../../sealpost/tests/common/mod.rs"]
-mod common;
-#[path = "../../sealpost/tests/common/teardown_kafka.rs"]
-mod teardown_kafka;
-#[path = "../../sealpost/tests/common/teardown_nats.rs"]
-mod teardown_nats;
-#[path = "../../sealpost/tests/common/teardown_rabbitmq.rs"]
-mod teardown_rabbitmq;
+use crate::common;
+use crate::teardown_kafka;
+use crate::teardown_nats;
+use crate::teardown_rabbitmq;
 
 use common::count;
 use std::sync::atomic::Ordering;

@@ -15,10 +15,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-#[path = "../../sealpost/tests/common/mod.rs"]
-mod common;
-#[path = "../../sealpost/tests/common/teardown_nats.rs"]
-mod teardown_nats;
+use crate::common;
+use crate::teardown_nats;
 
 use futures::future::BoxFuture;
 use sealpost::consumer::{self, Databases, Delivery, HandlerError, Options};

@@ -6,12 +6,9 @@
 //! with each aggregate's versions in one partition in order, and four dispatcher processes
 //! over 10,000 events. Every test has its own database and topic, removed at the end.
 
-#[path = "support/chaos.rs"]
-mod chaos;
-#[path = "../../sealpost/tests/common/mod.rs"]
-mod common;
-#[path = "../../sealpost/tests/common/teardown_kafka.rs"]
-mod teardown_kafka;
+use crate::chaos;
+use crate::common;
+use crate::teardown_kafka;
 
 use std::collections::HashMap;
 use std::process::{Child, Command, Stdio};
@@ -367,9 +364,10 @@ async fn dispatcher_killed_between_send_and_receipt_is_resolved_by_the_partition
 }
 
 /// The measurement of issue 25's bulk lookups (a figure, not a gate: run it with
-/// `cargo test --release --test kafka -- --ignored --nocapture`). The same drill as above,
-/// twice in one process: a reconciler whose adapter answers one event per partition scan
-/// (`[kafka] lookup_group_max = 1`, the per-event rule), then one with the default groups.
+/// `cargo test --release -p sealpost-cli --test cli -- --ignored --nocapture kafka::`). The
+/// same drill as above, twice in one process: a reconciler whose adapter answers one event
+/// per partition scan (`[kafka] lookup_group_max = 1`, the per-event rule), then one with the
+/// default groups.
 /// Each prints unknowns resolved per second, from the moment the second dispatcher starts
 /// (the first one's lease of 3 s still running) to the last row `PUBLISHED`.
 #[tokio::test]

@@ -4,12 +4,10 @@
 //! must commit together, poison and its operator exit, an acknowledged message lost at the
 //! broker (R31), and a restore older than the duplicate window. Every test has its own
 //! database and its own streams, so they run in parallel with each other and with the
-//! other test binaries.
+//! other files' tests.
 
-#[path = "../../sealpost/tests/common/mod.rs"]
-mod common;
-#[path = "../../sealpost/tests/common/teardown_nats.rs"]
-mod teardown_nats;
+use crate::common;
+use crate::teardown_nats;
 
 use std::process::Command;
 use std::sync::atomic::Ordering;

@@ -5,10 +5,8 @@
 //! database, and the latency histogram's count with the events the process published. Then
 //! a `sealpost consume` process applies them and its scrape shows what its inbox holds.
 
-#[path = "../../sealpost/tests/common/mod.rs"]
-mod common;
-#[path = "../../sealpost/tests/common/teardown_nats.rs"]
-mod teardown_nats;
+use crate::common;
+use crate::teardown_nats;
 
 use std::collections::BTreeMap;
 use std::process::{Child, Command, Stdio};

@@ -14,14 +14,10 @@
 //! tansu (the binary `.ci/run` caches) listening on the broker link's host address instead.
 //! Making namespaces needs root (CI runs as root): elsewhere the tests print "skipped".
 
-#[path = "../../sealpost/tests/common/mod.rs"]
-mod common;
-#[path = "../../sealpost/tests/common/teardown_kafka.rs"]
-mod teardown_kafka;
-#[path = "../../sealpost/tests/common/teardown_nats.rs"]
-mod teardown_nats;
-#[path = "../../sealpost/tests/common/teardown_rabbitmq.rs"]
-mod teardown_rabbitmq;
+use crate::common;
+use crate::teardown_kafka;
+use crate::teardown_nats;
+use crate::teardown_rabbitmq;
 
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};

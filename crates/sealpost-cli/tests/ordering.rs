@@ -4,10 +4,8 @@
 //! became unknown holds its successor back until the reconciler resolves it. Each test has
 //! its own database and stream.
 
-#[path = "../../sealpost/tests/common/mod.rs"]
-mod common;
-#[path = "../../sealpost/tests/common/teardown_nats.rs"]
-mod teardown_nats;
+use crate::common;
+use crate::teardown_nats;
 
 use std::collections::HashMap;
 use std::sync::Arc;

@@ -4,10 +4,8 @@
 //! share the `sealpost` schema, so they run one at a time under a lock and each uses its own
 //! stream.
 
-#[path = "../../sealpost/tests/common/mod.rs"]
-mod common;
-#[path = "../../sealpost/tests/common/teardown_nats.rs"]
-mod teardown_nats;
+use crate::common;
+use crate::teardown_nats;
 
 use std::time::Duration;
 

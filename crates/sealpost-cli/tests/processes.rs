@@ -7,10 +7,8 @@
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-#[path = "../../sealpost/tests/common/mod.rs"]
-mod common;
-#[path = "../../sealpost/tests/common/teardown_nats.rs"]
-mod teardown_nats;
+use crate::common;
+use crate::teardown_nats;
 
 use sealpost::runtime;
 use sealpost::store;

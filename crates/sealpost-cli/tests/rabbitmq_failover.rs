@@ -16,8 +16,7 @@
 //! The drill has its own database (dropped at the end); the nodes and their directory are
 //! removed even when it fails.
 
-#[path = "../../sealpost/tests/common/mod.rs"]
-mod common;
+use crate::common;
 
 use common::count;
 use std::path::{Path, PathBuf};

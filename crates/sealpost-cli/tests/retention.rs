@@ -5,10 +5,8 @@
 //! a database restored from a `pg_dump` taken mid-run republishes under the same event ids
 //! with zero second effects (F11, R21). Every test has its own databases and stream.
 
-#[path = "../../sealpost/tests/common/mod.rs"]
-mod common;
-#[path = "../../sealpost/tests/common/teardown_nats.rs"]
-mod teardown_nats;
+use crate::common;
+use crate::teardown_nats;
 
 use common::wait_for;
 use std::collections::BTreeSet;

@@ -8,10 +8,8 @@
 //! its Sealpost role and the grant it lacks. Each test has its own database, its own role
 //! prefix (roles are cluster-wide) and its own logins, all dropped when it ends.
 
-#[path = "../../sealpost/tests/common/mod.rs"]
-mod common;
-#[path = "../../sealpost/tests/common/teardown_nats.rs"]
-mod teardown_nats;
+use crate::common;
+use crate::teardown_nats;
 
 use common::wait_for;
 use std::process::Command;

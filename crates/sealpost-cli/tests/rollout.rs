@@ -11,12 +11,9 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-#[path = "../../sealpost/tests/common/mod.rs"]
-mod common;
-#[path = "support/rollout.rs"]
-mod support;
-#[path = "../../sealpost/tests/common/teardown_nats.rs"]
-mod teardown_nats;
+use crate::common;
+use crate::rollout_support as support;
+use crate::teardown_nats;
 
 use sealpost::runtime::{self, CancellationToken, Config, Counters};
 use sealpost::store::{self, ErrorKind, RolloutCommand};

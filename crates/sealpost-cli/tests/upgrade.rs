@@ -6,10 +6,8 @@
 //! every row that can be published is, each exactly once at the broker, and the quarantined
 //! row waits for its operator. The database and the stream are this test's own.
 
-#[path = "../../sealpost/tests/common/mod.rs"]
-mod common;
-#[path = "../../sealpost/tests/common/teardown_nats.rs"]
-mod teardown_nats;
+use crate::common;
+use crate::teardown_nats;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

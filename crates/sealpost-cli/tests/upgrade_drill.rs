@@ -26,14 +26,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-#[path = "../../sealpost/tests/common/mod.rs"]
-mod common;
-#[path = "support/rollout.rs"]
-mod support;
-#[path = "../../sealpost/tests/common/teardown_nats.rs"]
-mod teardown_nats;
-#[path = "../../sealpost/tests/common/teardown_rabbitmq.rs"]
-mod teardown_rabbitmq;
+use crate::common;
+use crate::rollout_support as support;
+use crate::teardown_nats;
+use crate::teardown_rabbitmq;
 
 use common::{count, wait_for};
 use futures::future::BoxFuture;

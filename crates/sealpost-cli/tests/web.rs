@@ -13,10 +13,8 @@
 //! ports. It needs `chromedriver` and `chromium` (`apt-get install -y chromium
 //! chromium-driver`; or set `CHROMEDRIVER`). With `SEALPOST_WEB_SCREENSHOT=PATH` it saves a screenshot of the page.
 
-#[path = "../../sealpost/tests/common/mod.rs"]
-mod common;
-#[path = "../../sealpost/tests/common/teardown_nats.rs"]
-mod teardown_nats;
+use crate::common;
+use crate::teardown_nats;
 
 use std::net::TcpListener;
 use std::path::PathBuf;

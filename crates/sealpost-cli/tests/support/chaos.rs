@@ -1,6 +1,6 @@
-//! Seed 000's process chaos for the drills of `kafka.rs` and `rabbitmq.rs` (included by
-//! path): for a while, at random, a dispatcher process is killed with SIGKILL and started
-//! again (two faults in three) or frozen with SIGSTOP for 1 to 8 s, a fault every 0.2 to 1 s.
+//! Seed 000's process chaos for the drills of `kafka.rs` and `rabbitmq.rs` (the test
+//! binary's `chaos` module): for a while, at random, a dispatcher process is killed with
+//! SIGKILL and started again (two faults in three) or frozen with SIGSTOP for 1 to 8 s, a fault every 0.2 to 1 s.
 //! Producers keep committing orders all the while (100 at each fault), so the drill also
 //! measures the tail after the faults stop, not only a backlog drained during them. The
 //! choices come from a seed the caller prints, so a failing run can be replayed.

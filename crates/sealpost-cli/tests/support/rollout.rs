@@ -1,6 +1,6 @@
-//! Two implementations over one outbox, for `rollout.rs` and `upgrade_drill.rs` (included by
-//! path): the events they enqueue, who sent each one, and the alias switches. Each test
-//! reads the fields it needs, so some go unread in one of them.
+//! Two implementations over one outbox, for `rollout.rs` and `upgrade_drill.rs` (the test
+//! binary's `rollout_support` module): the events they enqueue, who sent each one, and the
+//! alias switches. Each test reads the fields it needs, so some go unread in one of them.
 #![allow(dead_code)]
 
 use sealpost::store::{self, RolloutCommand};
