@@ -5,8 +5,9 @@
 //! by side, two at a time, instead of one binary after the other.
 //!
 //! Each file keeps its own resources (databases, streams, topics, queues, processes), and a
-//! file whose tests must not overlap holds its own `static` lock, as before. One file's tests:
-//! `cargo test --release -p sealpost-cli --test cli -- kafka::`.
+//! file whose tests must not overlap holds its own `static` lock, as before. A test that stops
+//! a service the others share belongs in `exclusive.rs`, which `cargo test` runs alone. One
+//! file's tests: `cargo test --release -p sealpost-cli --test cli -- kafka::`.
 
 // Shared helpers, one copy for every module (`use crate::common;` in each file).
 #[path = "support/chaos.rs"]
@@ -15,6 +16,8 @@ mod chaos;
 mod cluster;
 #[path = "../../sealpost/tests/common/mod.rs"]
 mod common;
+#[path = "support/process_drill.rs"]
+mod process_drill;
 #[path = "support/rollout.rs"]
 mod rollout_support;
 #[path = "../../sealpost/tests/common/teardown_kafka.rs"]
