@@ -15,6 +15,7 @@ pub mod dispatcher;
 pub mod encoding;
 pub mod envelope;
 pub mod inbox;
+pub mod lease;
 pub mod migration;
 pub mod port;
 pub mod receipt;

@@ -29,7 +29,11 @@ use std::fmt;
 /// The protocol version of the rows this build writes: what a dispatcher must understand
 /// to send one (the sealed envelope, the frozen destination, attempt generations and the
 /// shared publish slot). A later build that changes any of it writes a higher version.
-pub const PROTOCOL_VERSION: u16 = 1;
+///
+/// Version 2 (migration 12): the first claim of a row may live in a batch lease instead of
+/// the row ([`crate::lease`]); a dispatcher that does not know leases would read such a row
+/// as never claimed, so it must not claim rows of version 2.
+pub const PROTOCOL_VERSION: u16 = 2;
 
 /// The lowest row protocol this build can send.
 pub const PROTOCOL_MIN: u16 = 1;
