@@ -703,10 +703,13 @@ async fn check_rows(
     let found = pg
         .query(
             &format!(
-                "SELECT w.event_id, w.member, w.phase, w.state, w.lease_until_ms, {}
+                "SELECT w.event_id, w.member, w.phase,
+                        CASE WHEN x.lease_id IS NULL THEN w.state ELSE 'SENDING' END,
+                        coalesce(x.lease_until_ms, w.lease_until_ms), {}
                  FROM sealpost.work w
                  JOIN unnest($1::uuid[], $2::int2[]) AS k(event_id, member)
-                   ON w.event_id = k.event_id AND w.member = k.member",
+                   ON w.event_id = k.event_id AND w.member = k.member
+                 LEFT JOIN sealpost.leased x ON x.event_id = w.event_id AND x.member = w.member",
                 store::NOW_MS_SQL
             ),
             &[&ids, &members],

@@ -135,7 +135,7 @@ async fn random_fault_sequences_persist_exactly_what_the_core_decides() {
     let mut steps = 0;
     let mut guarded_total = 0;
     for seed in 1..=12u64 {
-        pg.batch_execute("TRUNCATE sealpost.envelope, sealpost.work, sealpost.attempt, sealpost.receipt, sealpost.quarantine, sealpost.audit")
+        pg.batch_execute("TRUNCATE sealpost.envelope, sealpost.work, sealpost.attempt, sealpost.receipt, sealpost.quarantine, sealpost.audit, sealpost.lease")
             .await
             .unwrap();
         let topic = format!("D{seed}");
@@ -177,7 +177,10 @@ async fn random_fault_sequences_persist_exactly_what_the_core_decides() {
                             .await
                             .unwrap()
                     };
-                    // The core's pick over the model, in commit order, up to the batch.
+                    // The core's pick over the model, in commit order, up to the batch, at
+                    // the claim's own clock (a backoff may end between a reading before the
+                    // claim and the claim).
+                    let now = b.db_now_ms;
                     let idx: Vec<usize> = (0..model.len())
                         .filter(|&i| step::picks(&model[i], Served::Every, now))
                         .take(max)

@@ -362,12 +362,21 @@ async fn submit_held_in(
     }
     // Answered: these rows are no longer held (a later receipt for one of them, a copy or a
     // late ACK, takes the locked path).
-    for r in receipts {
-        held.rows.remove(&(r.event_id, r.member));
+    let mut settled = Vec::new();
+    let answered = receipts
+        .iter()
+        .map(|r| (r.event_id, r.member))
+        .chain(submission.reports.iter().map(|r| (r.event_id, r.member)));
+    for key in answered {
+        if let Some(l) = held.rows.remove(&key).and_then(|h| h.lease) {
+            if held.unhold_lease(l) {
+                settled.push(l);
+            }
+        }
     }
-    for r in &submission.reports {
-        held.rows.remove(&(r.event_id, r.member));
-    }
+    // A lease all of whose rows were answered stands for nothing once they were written;
+    // one whose row an answer left unwritten (a rejected receipt) stays until it expires.
+    super::lease::drop_settled(&*client, &settled).await?;
     Ok(Submitted {
         accepted: accepted
             .into_iter()

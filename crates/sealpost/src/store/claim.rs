@@ -188,10 +188,14 @@ pub async fn claim_batch(
 /// acceptance ([`Held`], [`submit_held`]).
 ///
 /// # Transactions and locks
-/// One transaction: `SELECT ... FOR UPDATE SKIP LOCKED` over the partial claim index
-/// `(dest_cluster, committed_seq)` in commit order, so parallel dispatchers take disjoint
-/// rows and no one waits, rows of other clusters are neither read, locked nor counted, and
-/// the scan stops after one batch however many rows wait. Rows of a transaction that
+/// One transaction. It first takes the claim lock of its cluster (an advisory lock: claims
+/// of one cluster run one at a time, see [`lease`](super::lease)), reads the cluster's
+/// batch leases, then `SELECT ... FOR UPDATE SKIP LOCKED` over the partial claim index
+/// `(dest_cluster, committed_seq)` in commit order, skipping the rows a live lease stands
+/// for: rows other writers hold are skipped, rows of other clusters are neither read,
+/// locked nor counted, and the scan stops after one batch however many rows wait. The first
+/// sends of rows of protocol 2 are recorded in one lease row per cluster
+/// (`sealpost_core::lease`); every other change is written to its row. Rows of a transaction that
 /// committed late are still `PENDING` and are found by the next scan from position 0.
 /// `PENDING` rows still waiting out a never-sent backoff (`not_before_ms`, the core's
 /// `decide_dispatch_claim` skips them) are not selected, so they take no place in the batch.
@@ -228,6 +232,9 @@ pub struct Held {
     pub(super) clock: Option<(u64, std::time::Instant)>,
     /// The claim's and the guarded acceptance's statements, prepared on the connection.
     pub(super) statements: Prepared,
+    /// The leases this dispatcher's claims wrote, with how many of their rows it has not
+    /// answered yet: a lease whose rows are all answered is dropped.
+    pub(super) leases: foldhash::HashMap<i64, usize>,
 }
 
 #[derive(Debug)]
@@ -239,6 +246,9 @@ pub(super) struct HeldRow {
     /// Set once a guarded write accepted this receipt, so a submission retried after a later
     /// failure returns the same verdict instead of accepting twice.
     pub(super) accepted: Option<(Accepted, Published)>,
+    /// The lease that stands for the row's claim, if the claim wrote a lease rather than the
+    /// row.
+    pub(super) lease: Option<i64>,
 }
 
 impl Held {
@@ -250,6 +260,22 @@ impl Held {
     /// Whether no row is held.
     pub fn is_empty(&self) -> bool {
         self.rows.is_empty()
+    }
+
+    /// One row of lease `lease` is answered (or no longer held): returns true when that was
+    /// its last one, and the lease may be dropped.
+    pub(super) fn unhold_lease(&mut self, lease: i64) -> bool {
+        match self.leases.get_mut(&lease) {
+            Some(n) if *n > 1 => {
+                *n -= 1;
+                false
+            }
+            Some(_) => {
+                self.leases.remove(&lease);
+                true
+            }
+            None => false,
+        }
     }
 
     /// Drops the prepared statements: call it when the connection is replaced (they belong
@@ -271,15 +297,14 @@ const HELD_AFTER_LEASE_MS: u64 = 60_000;
 
 column_list! {
     /// What the claim selects after the [`RowCol`] columns: the payload, the attempt id it
-    /// draws, the database clock, the commit position, its own transaction id (the guard of
-    /// the held rows), the commit time, the "earlier version unresolved" probe and the
+    /// draws, the database clock, its own transaction id (the guard of the held rows it
+    /// writes), the commit time, the "earlier version unresolved" probe and the
     /// sealed envelope's wire description ([`wire_envelope`] reads it from
     /// [`ClaimCol::Envelope`] on).
     ClaimCol from ROW_COLS_LEN;
     Payload => "e.payload",
     AttemptId => "nextval('sealpost.attempt_id_seq')",
     NowMs => NOW_MS_SQL,
-    Position => "w.committed_seq",
     Xid => "(SELECT pg_current_xact_id()::xid::text::bigint)",
     CreatedAtMs => "w.created_at_ms",
     Protocol => "w.protocol",
@@ -310,6 +335,8 @@ async fn claim_in(
         .isolation_level(tokio_postgres::IsolationLevel::ReadCommitted)
         .start()
         .await?;
+    // No other claim may lease rows between this claim's read of the leases and its commit.
+    lease::lock_claims(&tx, cluster, held.as_deref_mut().map(|h| &mut h.statements)).await?;
     // The claim must walk the claim index in commit order and stop after one batch. With
     // statistics that have not seen the current backlog (a new cluster, positions past the
     // histogram, autovacuum behind) the planner estimates a few hundred rows and prefers a
@@ -319,6 +346,8 @@ async fn claim_in(
     // generic plan could not use the cluster and position as index bounds). These settings
     // end with the transaction.
     let (aliases, horizon) = claim_settings_and_aliases(&tx).await?;
+    let leases =
+        lease::load_leases(&tx, cluster, held.as_deref_mut().map(|h| &mut h.statements)).await?;
     let slices = slices_param(&aliases, implementation);
     // One statement reads the clock, picks and locks the batch, joins the sealed envelope
     // (destination, digests, payload) and draws an attempt id per row.
@@ -332,6 +361,7 @@ async fn claim_in(
                     (SELECT * FROM unnest($4::uuid[], $5::int2[])))
                AND (w.state = 'PENDING' OR w.lease_until_ms IS NULL OR w.lease_until_ms <= {NOW_MS_SQL})
                AND (w.state <> 'PENDING' OR w.not_before_ms <= {NOW_MS_SQL})
+               AND (w.committed_seq <> ALL($9::int8[]) OR NOT ({NEVER_CLAIMED_SQL}))
                {alias_filter}
              ORDER BY w.dest_cluster, w.committed_seq LIMIT $1 FOR UPDATE OF w SKIP LOCKED",
             alias_filter = alias_filter_sql(),
@@ -355,6 +385,7 @@ async fn claim_in(
                 &(implementation.protocol_min as i16),
                 &(implementation.protocol_max as i16),
                 &slices,
+                &leases.live_positions,
             ],
         )
         .await?;
@@ -364,7 +395,7 @@ async fn claim_in(
         let mut order: Vec<(&str, i64, usize)> = found
             .iter()
             .enumerate()
-            .map(|(i, r)| (r.get(4), r.get(ClaimCol::Position.at()), i))
+            .map(|(i, r)| (r.get(4), r.get(RowCol::Position.at()), i))
             .collect();
         order.sort_unstable();
         let order: Vec<usize> = order.into_iter().map(|(_, _, i)| i).collect();
@@ -389,7 +420,7 @@ async fn claim_in(
         .iter()
         .zip(&envelopes)
         .map(|(r, env)| Pick {
-            position: r.get::<_, i64>(ClaimCol::Position.at()) as u64,
+            position: r.get::<_, i64>(RowCol::Position.at()) as u64,
             earlier_unresolved: r.get::<_, bool>(ClaimCol::EarlierUnresolved.at()),
             attempt_id: r.get::<_, i64>(ClaimCol::AttemptId.at()) as u64,
             facts: ClaimFacts {
@@ -399,7 +430,10 @@ async fn claim_in(
             },
         })
         .collect();
-    let before = finish_load(&tx, &found).await?;
+    let protocols: Vec<u16> = picked.iter().map(|p| p.facts.protocol).collect();
+    // Rows of an expired lease are read through it (`SENDING`, expired): the step moves
+    // them to `DISPATCH_UNKNOWN`. Rows of a live lease were not picked.
+    let (before, _) = finish_load_through(&tx, &found, Some(&leases)).await?;
     let mut after = before.clone();
     let input = ClaimInput {
         owner,
@@ -441,42 +475,100 @@ async fn claim_in(
             envelope: std::mem::take(&mut envelopes[i]),
         });
     }
+    // A first send is recorded in the claim's lease, not in its row; every other change is
+    // written to the row.
+    let mut leased = vec![None; after.len()];
+    for (i, _) in step.sends() {
+        leased[i] = sealpost_core::lease::lease_entry_of(&before[i], &after[i], protocols[i]);
+    }
+    let (mut b_rows, mut a_rows) = (Vec::new(), Vec::new());
+    let mut firsts: Vec<(&str, u64, sealpost_core::lease::LeasedSend)> = Vec::new();
+    for (i, l) in leased.iter().enumerate() {
+        match l {
+            Some(send) => firsts.push((
+                found[i].get::<_, &str>(RowCol::WorkCluster.at()),
+                found[i].get::<_, i64>(RowCol::Position.at()) as u64,
+                *send,
+            )),
+            None => {
+                b_rows.push(&before[i]);
+                a_rows.push(after[i].clone());
+            }
+        }
+    }
     persist_guarded(
         &tx,
-        &before,
-        &after,
+        &b_rows,
+        &a_rows,
         None,
         held.as_deref_mut().map(|h| &mut h.statements),
     )
     .await?;
+    let lease_ids =
+        lease::insert_leases(&tx, &firsts, held.as_deref_mut().map(|h| &mut h.statements)).await?;
+    // Expired leases whose rows have all been written since (by this claim's expiries among
+    // them) stand for nothing any more.
+    lease::drop_settled(&tx, &leases.expired).await?;
     tx.commit().await?;
     if let Some(held) = held {
-        // The rows this claim wrote now carry its transaction id as their `xmin`.
+        // The rows this claim wrote now carry its transaction id as their `xmin`; the rows
+        // it leased keep the version it read.
         let xid = found
             .first()
             .map_or(0, |r| r.get::<_, i64>(ClaimCol::Xid.at()));
         held.clock = Some((now_ms, claim_local_start));
+        let mut dropped = Vec::new();
         held.rows.retain(|_, h| {
-            h.row
+            let keep = h
+                .row
                 .claim
                 .as_ref()
-                .is_some_and(|c| c.lease_until_ms + HELD_AFTER_LEASE_MS > now_ms)
+                .is_some_and(|c| c.lease_until_ms + HELD_AFTER_LEASE_MS > now_ms);
+            if !keep {
+                dropped.extend(h.lease);
+            }
+            keep
         });
+        for l in dropped {
+            // Long expired: a claim's expiry or the reconciler settles it.
+            held.leases.remove(&l);
+        }
         let mut sent = vec![false; after.len()];
         for (i, _) in step.sends() {
             sent[i] = true;
         }
-        for ((row, r), sent) in after.into_iter().zip(&found).zip(sent) {
+        let mut lease_of = vec![None; after.len()];
+        for (k, i) in leased
+            .iter()
+            .enumerate()
+            .filter(|(_, l)| l.is_some())
+            .map(|(i, _)| i)
+            .enumerate()
+        {
+            lease_of[i] = Some(lease_ids[k]);
+        }
+        for (i, ((row, r), sent)) in after.into_iter().zip(&found).zip(sent).enumerate() {
             if sent {
-                held.rows.insert(
+                let lease = lease_of[i];
+                if let Some(l) = lease {
+                    *held.leases.entry(l).or_default() += 1;
+                }
+                let replaced = held.rows.insert(
                     (row.event_id, row.member),
                     HeldRow {
                         row,
-                        xmin: xid,
+                        xmin: match lease {
+                            Some(_) => r.get::<_, i64>(RowCol::RowXmin.at()),
+                            None => xid,
+                        },
                         created_at_ms: r.get::<_, i64>(ClaimCol::CreatedAtMs.at()).max(0) as u64,
                         accepted: None,
+                        lease,
                     },
                 );
+                if let Some(l) = replaced.and_then(|h| h.lease) {
+                    held.unhold_lease(l);
+                }
             }
         }
     }

@@ -30,6 +30,7 @@ use uuid::Uuid;
 mod accept;
 mod claim;
 mod enqueue;
+mod lease;
 mod operator;
 mod reconcile;
 mod rollout;
@@ -42,6 +43,7 @@ mod verify;
 pub use accept::*;
 pub use claim::*;
 pub use enqueue::*;
+use lease::NEVER_CLAIMED_SQL;
 pub use operator::*;
 pub use reconcile::*;
 pub use rollout::*;
@@ -68,6 +70,7 @@ pub const MIGRATIONS: &[(i32, &str)] = &[
     (9, include_str!("../../migrations/0009_contracts.sql")),
     (10, include_str!("../../migrations/0010_delivery_sets.sql")),
     (11, include_str!("../../migrations/0011_rollout.sql")),
+    (12, include_str!("../../migrations/0012_lease.sql")),
 ];
 
 /// Statements the store has sent to PostgreSQL in this process (each query, `BEGIN` and

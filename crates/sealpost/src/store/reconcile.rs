@@ -66,6 +66,26 @@ pub async fn claim_unknown(
         )
         .await?,
     );
+    // Rows a lease stands for whose lease ran out (its dispatcher died mid-send, or never
+    // answered): read through the lease they are expired `SENDING` rows, as above.
+    let q = locked_rows_sql(
+        &format!(
+            "FROM sealpost.lease l
+         JOIN sealpost.work w
+           ON w.dest_cluster = l.dest_cluster AND w.committed_seq = ANY (l.positions)
+          AND w.phase = {DISPATCHABLE}
+         WHERE l.lease_until_ms <= $1 AND {}
+         LIMIT $2 FOR UPDATE OF w SKIP LOCKED",
+            super::lease::NEVER_CLAIMED_SQL
+        ),
+        "",
+        "w.committed_seq",
+    );
+    counted(1);
+    found.extend(
+        tx.query(q.as_str(), &[&(now_ms as i64), &(batch_size_max as i64)])
+            .await?,
+    );
     let before = finish_load(&tx, &found).await?;
     let mut after = before.clone();
     let mut out = Vec::new();
@@ -81,6 +101,7 @@ pub async fn claim_unknown(
         }
     }
     persist(&tx, &before, &after).await?;
+    super::lease::drop_settled_expired(&tx, now_ms).await?;
     tx.commit().await?;
     Ok(out)
 }

@@ -79,6 +79,9 @@ column_list! {
     AttemptStartedMs => "w.attempt_started_ms",
     AttemptsArchived => "w.attempts_archived",
     DestOrdering => "e.dest_ordering",
+    WorkCluster => "w.dest_cluster",
+    Position => "w.committed_seq",
+    RowXmin => "w.row_xmin",
 }
 
 /// Number of columns in [`RowCol`]; extra selected columns start here.
@@ -98,7 +101,7 @@ pub(super) fn locked_rows_sql(pick: &str, extra_cols: &str, order: &str) -> Stri
     };
     let row_cols = RowCol::select();
     format!(
-        "WITH w AS (SELECT w.* {pick})
+        "WITH w AS (SELECT w.*, w.xmin::text::bigint AS row_xmin {pick})
          SELECT {row_cols}{extra_cols} FROM w JOIN sealpost.envelope e
            ON e.event_id = w.event_id AND e.member = w.member
           AND e.envelope_generation = w.envelope_generation{order_by}"
@@ -161,6 +164,8 @@ pub const NOW_MS_SQL: &str = "(SELECT (extract(epoch from statement_timestamp())
 pub(super) struct Loaded {
     pub(super) row: EventRow,
     pub(super) archived: i32,
+    /// The work row's cluster and commit position: where a lease would list it.
+    pub(super) listed_as: (String, u64),
 }
 
 pub(super) fn parse_row(r: &tokio_postgres::Row) -> Result<Loaded> {
@@ -301,6 +306,10 @@ pub(super) fn parse_row(r: &tokio_postgres::Row) -> Result<Loaded> {
             },
         },
         archived: r.get(C::AttemptsArchived.at()),
+        listed_as: (
+            r.get(C::WorkCluster.at()),
+            r.get::<_, i64>(C::Position.at()) as u64,
+        ),
     })
 }
 
@@ -329,15 +338,28 @@ pub(super) async fn finish_load(
     tx: &impl GenericClient,
     found: &[tokio_postgres::Row],
 ) -> Result<Vec<EventRow>> {
+    Ok(finish_load_through(tx, found, None).await?.0)
+}
+
+/// [`finish_load`], reading never-claimed rows through the leases in `known` (the claim's,
+/// read under its lock) instead of asking the database; with the lease of each row read so.
+pub(super) async fn finish_load_through(
+    tx: &impl GenericClient,
+    found: &[tokio_postgres::Row],
+    known: Option<&super::lease::Leases>,
+) -> Result<(Vec<EventRow>, Vec<Option<i64>>)> {
     let loaded = found.iter().map(parse_row).collect::<Result<Vec<_>>>()?;
     let ids: Vec<Uuid> = loaded
         .iter()
         .filter(|l| l.archived > 0)
         .map(|l| uuid_of(l.row.event_id))
         .collect();
+    let listed_as: Vec<(String, u64)> = loaded.iter().map(|l| l.listed_as.clone()).collect();
     let mut rows: Vec<EventRow> = loaded.into_iter().map(|l| l.row).collect();
+    // A row with archived attempts is never a never-claimed one: the two reads are apart.
+    let leases = super::lease::read_through_leases(tx, &mut rows, &listed_as, known).await?;
     if ids.is_empty() {
-        return Ok(rows);
+        return Ok((rows, leases));
     }
     counted(1);
     let found = tx
@@ -373,7 +395,7 @@ pub(super) async fn finish_load(
         h.append(&mut rows[i].attempts);
         rows[i].attempts = h;
     }
-    Ok(rows)
+    Ok((rows, leases))
 }
 
 /// Locks and loads the rows for `keys` (in key order, so concurrent batches cannot deadlock).
@@ -833,6 +855,11 @@ pub(super) async fn persist_guarded<B: std::borrow::Borrow<EventRow>>(
                 row_changed = true;
             }
         }
+        if row_changed && sealpost_core::lease::as_leased(b).is_some() {
+            // `b` may be a lease's view of a row still never claimed in its own columns:
+            // the write stores every column, not only those that differ from the view.
+            groups.iter_mut().for_each(|g| *g = true);
+        }
         if row_changed {
             if let Some(g) = guard {
                 u_xmin.push(g[k]);
@@ -986,7 +1013,7 @@ mod tests {
             }
         }
         assert_eq!(RowCol::ALL.len(), read.split(", ").count());
-        assert_eq!(RowCol::DestOrdering.at(), ROW_COLS_LEN - 1);
+        assert_eq!(RowCol::RowXmin.at(), ROW_COLS_LEN - 1);
     }
 
     #[test]

@@ -195,13 +195,15 @@ async fn load_sets(
             &format!(
                 "SELECT s.event_id, s.rule, s.created_at_ms, s.routes,
                         array_agg(w.member ORDER BY w.member) FILTER (WHERE w.member IS NOT NULL),
-                        array_agg(w.state ORDER BY w.member) FILTER (WHERE w.member IS NOT NULL),
+                        array_agg(CASE WHEN x.lease_id IS NULL THEN w.state ELSE 'SENDING' END
+                                  ORDER BY w.member) FILTER (WHERE w.member IS NOT NULL),
                         array_agg(w.dest_cluster || '/' || e.dest_topic ORDER BY w.member)
                             FILTER (WHERE w.member IS NOT NULL)
                  FROM sealpost.delivery_set s
                  LEFT JOIN sealpost.work w ON w.event_id = s.event_id
                  LEFT JOIN sealpost.envelope e ON e.event_id = w.event_id AND e.member = w.member
                       AND e.envelope_generation = w.envelope_generation
+                 LEFT JOIN sealpost.leased x ON x.event_id = w.event_id AND x.member = w.member
                  WHERE {filter}
                  GROUP BY s.event_id, s.rule, s.created_at_ms, s.routes
                  ORDER BY s.created_at_ms, s.event_id"

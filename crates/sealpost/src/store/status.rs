@@ -175,9 +175,23 @@ pub async fn status(client: &impl GenericClient) -> Result<Status> {
     {
         s.states.insert(r.get(0), r.get(1));
     }
+    // A row a lease stands for is `SENDING`, though its own columns still say `PENDING`.
+    let leased: i64 = client
+        .query_one("SELECT count(*) FROM sealpost.leased", &[])
+        .await?
+        .get(0);
+    if leased > 0 {
+        *s.states
+            .entry(State::Pending.as_str().to_string())
+            .or_default() -= leased;
+        *s.states
+            .entry(State::Sending.as_str().to_string())
+            .or_default() += leased;
+    }
     let r = client
         .query_one(
-            &format!("SELECT (SELECT min(created_at_ms) FROM sealpost.work WHERE phase = {DISPATCHABLE} AND state = 'PENDING'),
+            &format!("SELECT (SELECT min(created_at_ms) FROM sealpost.work w WHERE phase = {DISPATCHABLE} AND state = 'PENDING'
+                      AND NOT EXISTS (SELECT 1 FROM sealpost.leased x WHERE x.event_id = w.event_id AND x.member = w.member)),
                     (SELECT min(unknown_since_ms) FROM sealpost.work WHERE phase = {UNKNOWN}),
                     (SELECT count(*) FROM sealpost.work WHERE phase = {UNKNOWN}),
                     (SELECT count(*) FROM sealpost.quarantine)

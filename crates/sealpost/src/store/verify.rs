@@ -34,7 +34,7 @@ pub async fn published_after_cursor(
         .await?
         .map_or((Uuid::nil(), -1), |r| (r.get(0), r.get(1)));
     let q = locked_rows_sql(
-        "FROM (SELECT * FROM sealpost.work x WHERE (x.event_id, x.member) > ($1, $2)
+        "FROM (SELECT x.*, x.xmin FROM sealpost.work x WHERE (x.event_id, x.member) > ($1, $2)
                ORDER BY x.event_id, x.member LIMIT $3) w
          WHERE w.state = 'PUBLISHED' ORDER BY w.event_id, w.member LIMIT $4",
         "",
