@@ -164,7 +164,7 @@ async fn dispatch_until_published<B: Broker>(d: &Drill, broker: &Arc<B>) {
     loop {
         let states: Vec<(String, i64)> = pg
             .query(
-                "SELECT state, count(*) FROM sealpost.work GROUP BY 1 ORDER BY 1",
+                "SELECT state, count(*) FROM sealpost.outbox GROUP BY 1 ORDER BY 1",
                 &[],
             )
             .await
@@ -258,7 +258,7 @@ async fn drill<B, S>(
     assert_eq!(
         count(
             &pg,
-            "SELECT count(*) FROM sealpost.work WHERE state = 'PENDING'"
+            "SELECT count(*) FROM sealpost.outbox WHERE state = 'PENDING'"
         )
         .await,
         (EVENTS - BEFORE_DUMP) as i64,

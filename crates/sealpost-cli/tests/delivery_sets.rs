@@ -33,7 +33,7 @@ fn order(id: &str, payload: &'static [u8]) -> NewEvent<'static> {
 
 async fn state_of(pg: &tokio_postgres::Client, id: EventId, member: i16) -> String {
     pg.query_one(
-        "SELECT state FROM sealpost.work WHERE event_id = $1 AND member = $2",
+        "SELECT state FROM sealpost.outbox WHERE event_id = $1 AND member = $2",
         &[&uuid::Uuid::from_bytes(id.0), &member],
     )
     .await
@@ -294,7 +294,7 @@ async fn a_set_across_nats_and_rabbitmq_completes_by_its_rule_member_by_member()
     // member twice, to its rejection limit).
     let attempts: Vec<(String, i16, i64)> = pg
         .query(
-            "SELECT w.state, w.member, count(a.*) FROM sealpost.work w
+            "SELECT w.state, w.member, count(a.*) FROM sealpost.outbox w
              LEFT JOIN sealpost.attempts a ON a.event_id = w.event_id AND a.member = w.member
              GROUP BY w.event_id, w.member, w.state ORDER BY w.state, w.member",
             &[],

@@ -43,7 +43,7 @@ fn rabbitmqctl(args: &[&str]) -> Result<(), String> {
 
 async fn rows(pg: &tokio_postgres::Client) -> Vec<(String, i32, i32, Option<String>)> {
     pg.query(
-        "SELECT state, rejections, never_sent, last_error FROM sealpost.work ORDER BY event_id",
+        "SELECT state, rejections, never_sent, last_error FROM sealpost.outbox ORDER BY event_id",
         &[],
     )
     .await

@@ -187,7 +187,7 @@ async fn hostile_strings_are_refused_at_enqueue_with_the_field_and_nothing_is_wr
     assert_eq!(
         count(
             &pg,
-            "SELECT count(*) FROM sealpost.work WHERE state = 'PENDING'"
+            "SELECT count(*) FROM sealpost.outbox WHERE state = 'PENDING'"
         )
         .await,
         ordinary
@@ -244,7 +244,7 @@ async fn interleaved(pg: &mut tokio_postgres::Client) -> (Vec<EventId>, Vec<Even
 
 async fn state_of(pg: &tokio_postgres::Client, id: EventId) -> String {
     pg.query_one(
-        "SELECT state FROM sealpost.work WHERE event_id = $1",
+        "SELECT state FROM sealpost.outbox WHERE event_id = $1",
         &[&uuid::Uuid::from_bytes(id.0)],
     )
     .await
@@ -290,7 +290,7 @@ async fn every_neighbour_publishes<B: Broker>(
         if Instant::now() > deadline {
             let states = pg
                 .query(
-                    "SELECT state, count(*)::int8 FROM sealpost.work GROUP BY 1 ORDER BY 1",
+                    "SELECT state, count(*)::int8 FROM sealpost.outbox GROUP BY 1 ORDER BY 1",
                     &[],
                 )
                 .await

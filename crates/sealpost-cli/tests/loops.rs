@@ -765,7 +765,7 @@ async fn prepared_statements_are_dropped_with_their_connection() {
     assert_eq!(first.outgoing.len(), 2);
     let sending = async |pg: &tokio_postgres::Client| -> i64 {
         pg.query_one(
-            "SELECT count(*) FROM sealpost.work WHERE state = 'SENDING'",
+            "SELECT count(*) FROM sealpost.outbox WHERE state = 'SENDING'",
             &[],
         )
         .await

@@ -538,7 +538,7 @@ async fn each_role_does_its_job_and_is_refused_everything_else() {
     );
     let state: String = reader
         .query_one(
-            "SELECT state FROM sealpost.work WHERE event_id = $1",
+            "SELECT state FROM sealpost.outbox WHERE event_id = $1",
             &[&uuid::Uuid::from_bytes(extra.0)],
         )
         .await

@@ -97,14 +97,21 @@ async fn kill_while_sending(
     fleet: Fleet,
     implementation: &str,
 ) -> i64 {
+    // The rows of its claims not yet answered: those its leases list (a claim's first sends;
+    // a lease goes once its rows are answered) and those whose own claim is `SENDING`. Read
+    // from the tables, not the views: the poll must be quick, or the batch it sees is
+    // answered before the kill lands.
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     let mut sending = 0;
     while std::time::Instant::now() < deadline {
         sending = pg
             .query_one(
-                "SELECT count(*) FROM sealpost.work w JOIN sealpost.implementation i
-                   ON i.owner = w.attempt_owner
-                  WHERE w.state = 'SENDING' AND i.implementation = $1",
+                "SELECT (SELECT coalesce(sum(cardinality(l.positions)), 0)::int8
+                           FROM sealpost.lease l JOIN sealpost.implementation i ON i.owner = l.owner
+                          WHERE i.implementation = $1)
+                      + (SELECT count(*) FROM sealpost.work w JOIN sealpost.implementation i
+                           ON i.owner = w.claim_owner
+                          WHERE w.state = 'SENDING' AND i.implementation = $1)",
                 &[&implementation],
             )
             .await
