@@ -186,6 +186,12 @@ fn print_table(s: &TraceStats, elapsed_s: f64) {
             "receipts accepted by the guarded fast path",
             s.guarded_accepts,
         ),
+        (
+            "batch leases taken (one row write per event)",
+            s.leases_taken,
+        ),
+        ("  first sends they stood for", s.leased_sends),
+        ("  dropped once their rows were written", s.leases_dropped),
         ("ordered deliveries held", s.ordering_holds),
         ("ordered gaps a restore left", s.ordering_gaps_parked),
         ("delivery sets run", s.sets),

@@ -128,11 +128,16 @@ pub enum Mutant {
     /// R26: `enqueue` on a route that requires contracts skips `contract::check_payload`:
     /// an event written with a schema nobody registered reaches the consumers.
     EnqueueWithoutContractCheck,
+    /// One row write per event: the dispatcher drops its batch lease once it has answered
+    /// every row of it, without checking that each of them was written since
+    /// (`lease::may_drop`): a row whose answer left it unwritten (a rejected receipt) reads
+    /// as never sent again, and the record of its send is lost.
+    LeaseDroppedWhenAnswered,
 }
 
 impl Mutant {
     /// Every mutant, in `--list-mutants` order.
-    pub const ALL: [Mutant; 32] = [
+    pub const ALL: [Mutant; 33] = [
         Mutant::AcceptWithoutDigestCheck,
         Mutant::RetryToOtherDestination,
         Mutant::AcceptUnregisteredAttempt,
@@ -165,6 +170,7 @@ impl Mutant {
         Mutant::ShadowComparesOwnReceipt,
         Mutant::RegisterWithoutCompatibilityCheck,
         Mutant::EnqueueWithoutContractCheck,
+        Mutant::LeaseDroppedWhenAnswered,
     ];
 
     /// The CLI name.
@@ -202,6 +208,7 @@ impl Mutant {
             Mutant::ShadowComparesOwnReceipt => "shadow-compares-own-receipt",
             Mutant::RegisterWithoutCompatibilityCheck => "register-without-compatibility-check",
             Mutant::EnqueueWithoutContractCheck => "enqueue-without-contract-check",
+            Mutant::LeaseDroppedWhenAnswered => "lease-dropped-when-answered",
         }
     }
 
@@ -359,6 +366,14 @@ impl Protocol {
     /// is as strict: every write changes a generation, a state or an attempt).
     pub fn guard_holds(&self, held: &EventRow, stored: &EventRow) -> bool {
         self.is(Mutant::UnguardedFastPath) || held == stored
+    }
+
+    /// May a batch lease be dropped, with `still_never_claimed` of its rows not written
+    /// since it was taken (`lease::may_drop`)? `answered`: its dispatcher has answered
+    /// every row of it (the mutant drops on that alone).
+    pub fn may_drop_lease(&self, still_never_claimed: usize, answered: bool) -> bool {
+        (answered && self.is(Mutant::LeaseDroppedWhenAnswered))
+            || sealpost_core::lease::may_drop(still_never_claimed)
     }
 
     /// The ordered consumer's gap rule.

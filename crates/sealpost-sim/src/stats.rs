@@ -62,11 +62,15 @@ pub enum Violation {
     /// in the registry (an event enqueued with an unregistered schema), or the payload did
     /// not decode as the version it names.
     UnreadableEvents,
+    /// R8: an attempt the store registered is no longer among its row's attempts: the
+    /// store's layout lost the record of a send (a batch lease dropped while a row it stood
+    /// for had not been written since).
+    LostAttempts,
 }
 
 impl Violation {
     /// Every class, in JSON order.
-    pub const ALL: [Violation; 20] = [
+    pub const ALL: [Violation; 21] = [
         Violation::LostEvents,
         Violation::SecondEventIds,
         Violation::CrossDestinationRetries,
@@ -87,6 +91,7 @@ impl Violation {
         Violation::ShadowFalseDivergence,
         Violation::ShadowMissedDivergence,
         Violation::UnreadableEvents,
+        Violation::LostAttempts,
     ];
 
     /// JSON key.
@@ -112,6 +117,7 @@ impl Violation {
             Violation::ShadowFalseDivergence => "shadow_false_divergence",
             Violation::ShadowMissedDivergence => "shadow_missed_divergence",
             Violation::UnreadableEvents => "unreadable_events",
+            Violation::LostAttempts => "lost_attempts",
         }
     }
 }
@@ -448,6 +454,12 @@ pub struct TraceStats {
     pub ordering_waits: u64,
     /// Receipts accepted by the dispatcher's guarded fast path (the held row unchanged).
     pub guarded_accepts: u64,
+    /// Batch leases the claims took (migration 12), and the first sends they stood for.
+    pub leases_taken: u64,
+    /// First sends recorded in a lease instead of their row.
+    pub leased_sends: u64,
+    /// Leases dropped once every row they stood for was written (answered or expired).
+    pub leases_dropped: u64,
     /// Deliveries an ordered consumer held back for an earlier version (R29).
     pub ordering_holds: u64,
     /// Ordered events a consumer could not apply because a restore lost an earlier version
@@ -661,6 +673,9 @@ impl TraceStats {
         self.conflicts_parked += o.conflicts_parked;
         self.ordering_waits += o.ordering_waits;
         self.guarded_accepts += o.guarded_accepts;
+        self.leases_taken += o.leases_taken;
+        self.leased_sends += o.leased_sends;
+        self.leases_dropped += o.leases_dropped;
         self.ordering_holds += o.ordering_holds;
         self.ordering_gaps_parked += o.ordering_gaps_parked;
         self.deliveries_unsealed += o.deliveries_unsealed;

@@ -32,6 +32,7 @@ use sealpost_core::envelope::{
     Destination, EventId, EventOrdering, PartitionAlgorithm, RoutePolicy, PAYLOAD_DOMAIN,
 };
 use sealpost_core::inbox::{ApplyOrder, Failure, InboxDecision, InboxRecord, RedeliveryPolicy};
+use sealpost_core::lease::{self, LeasedSend};
 use sealpost_core::migration::{apply_migration, decide_migration};
 use sealpost_core::port::{
     Capabilities, NeverSentReason, RefusalKind, SendRequest, SendResult, WireEnvelope,
@@ -607,6 +608,22 @@ struct Db {
     /// R26: the contract registry, per event type: the catalogue entries of its versions in
     /// version order (version `k` is entry `registry[t][k - 1]`). Empty without contracts.
     registry: Vec<Vec<u8>>,
+    /// Migration 12's batch leases (`sealpost_core::lease`): a claim records the first sends
+    /// it authorised in one lease instead of writing their rows. `rows` holds the rows as
+    /// they reads through their lease (the store's loads); each lease keeps the rows as
+    /// stored when it was taken, so that dropping it shows what the store would read then.
+    leases: Vec<SimLease>,
+    /// Every attempt the store registered, as (row, attempt id): the evidence R8 keeps.
+    registered: Vec<(u32, u64)>,
+}
+
+/// One batch lease: the dispatcher whose claim took it, its end, and per row the row as
+/// stored (never claimed) and what the lease records of it.
+#[derive(Clone, Debug)]
+struct SimLease {
+    dispatcher: u8,
+    until_ms: u64,
+    rows: Vec<(u32, EventRow, LeasedSend)>,
 }
 
 /// One committed delivery set: its fact, completion rule and member rows (member `k` is
@@ -2184,6 +2201,7 @@ impl World {
             slots.into_iter().flatten().collect()
         };
         let members: Vec<u16> = rows.iter().map(|r| r.member).collect();
+        let before: Vec<EventRow> = rows.iter().map(|r| (**r).clone()).collect();
         let step = self.proto.step_claim(
             &mut rows,
             &picked,
@@ -2207,6 +2225,30 @@ impl World {
                 return claimed;
             }
         };
+        // The store registers every authorised attempt in the claim's transaction: a first
+        // send in the claim's lease, any other in its row.
+        let mut leased = Vec::new();
+        for (k, outcome) in step.outcomes.iter().enumerate() {
+            if let PickOutcome::Send(sent) = outcome {
+                let i = idx[k];
+                self.db.registered.push((i as u32, sent.attempt_id));
+                let protocol = self.claim_facts(i).protocol;
+                if let Some(send) = lease::lease_entry_of(&before[k], &self.db.rows[i], protocol) {
+                    leased.push((i as u32, before[k].clone(), send));
+                }
+            }
+        }
+        if let Some(until_ms) = leased.first().map(|l| l.2.lease_until_ms) {
+            self.stats.leases_taken += 1;
+            self.stats.leased_sends += leased.len() as u64;
+            self.db.leases.push(SimLease {
+                dispatcher: d,
+                until_ms,
+                rows: leased,
+            });
+        }
+        // Expired leases that stand for no row any more (this claim's expiries among them).
+        self.drop_leases(|l| (l.until_ms <= now).then_some(false));
         let mut meta = Vec::new();
         for (k, outcome) in step.outcomes.iter().enumerate() {
             let i = idx[k];
@@ -3041,8 +3083,55 @@ impl World {
             !sub.receipts.iter().any(|x| answered(x.event_id, x.member))
                 && !sub.reports.iter().any(|x| answered(x.event_id, x.member))
         });
+        // A lease all of whose rows this dispatcher answered is dropped, if the rule allows.
+        self.drop_leases(|l| {
+            (l.dispatcher == d
+                && l.rows
+                    .iter()
+                    .all(|(r, ..)| !held.iter().any(|(h, _)| h == r)))
+            .then_some(true)
+        });
         self.dispatchers[d as usize].held = held;
         true
+    }
+
+    /// How many of a lease's rows it still stands for: rows not written since it was taken.
+    fn lease_open(&self, l: &SimLease) -> usize {
+        l.rows
+            .iter()
+            .filter(|(r, stored, send)| self.leased(*r, stored, send))
+            .count()
+    }
+
+    /// Whether row `r` still reads through its lease entry (not written since).
+    fn leased(&self, r: u32, stored: &EventRow, send: &LeasedSend) -> bool {
+        lease::leased_view(stored, send).as_ref() == Some(&self.db.rows[r as usize])
+    }
+
+    /// Drops the leases `which` names (`Some(answered)`: its dispatcher answered every row
+    /// of it) where the protocol allows it. A row a dropped lease still stood for reads as
+    /// stored again: `PENDING`, never claimed, its attempt gone.
+    fn drop_leases(&mut self, which: impl Fn(&SimLease) -> Option<bool>) {
+        let leases = std::mem::take(&mut self.db.leases);
+        let mut keep = Vec::with_capacity(leases.len());
+        for l in leases {
+            let Some(answered) = which(&l) else {
+                keep.push(l);
+                continue;
+            };
+            if !self.proto.may_drop_lease(self.lease_open(&l), answered) {
+                keep.push(l);
+                continue;
+            }
+            self.stats.leases_dropped += 1;
+            for (r, stored, send) in &l.rows {
+                if self.leased(*r, stored, send) {
+                    self.note(|| format!("row {r} reads as never sent: its lease was dropped"));
+                    self.db.rows[*r as usize] = stored.clone();
+                }
+            }
+        }
+        self.db.leases = keep;
     }
 
     fn row_of(&self, event_id: EventId, member: u16) -> Option<u32> {
@@ -3696,6 +3785,22 @@ impl World {
                 })
                 .take(max),
         );
+        // The rows of expired leases that they still stand for, wherever they are in the
+        // claim order (the store's third pick), up to the batch.
+        let mut from_leases = Vec::new();
+        for l in self.db.leases.iter().filter(|l| l.until_ms <= now) {
+            for (r, stored, send) in &l.rows {
+                let i = *r as usize;
+                if from_leases.len() < max
+                    && self.leased(*r, stored, send)
+                    && !picked.contains(&i)
+                    && step::picks_for_reconcile(&self.db.rows[i], now)
+                {
+                    from_leases.push(i);
+                }
+            }
+        }
+        picked.extend(from_leases);
         let mut batch: Vec<EventRow> = picked.iter().map(|&i| self.db.rows[i].clone()).collect();
         let outcomes = match step::step_claim_unknown(&mut batch, owner, now, RECONCILE_LEASE_MS) {
             Ok(o) => o,
@@ -3723,6 +3828,7 @@ impl World {
                 }
             }
         }
+        self.drop_leases(|l| (l.until_ms <= now).then_some(false));
         items
     }
 
@@ -5259,6 +5365,15 @@ impl World {
     // ---------------------------------------------------------------- checkers
 
     fn check_rows(&mut self) {
+        // R8: every registered attempt stays on record with its row.
+        for k in 0..self.db.registered.len() {
+            let (r, id) = self.db.registered[k];
+            if !self.db.rows[r as usize].attempts.iter().any(|a| a.id == id) {
+                self.violation_of(Violation::LostAttempts, r, || {
+                    format!("row {r} no longer records its attempt {id}")
+                });
+            }
+        }
         // Unknown episodes (G3) and traceability of every UNKNOWN.
         for i in 0..self.db.rows.len() {
             let row = &self.db.rows[i];

@@ -27,6 +27,10 @@ fn gate_100k_traces_zero_violations() {
         assert_eq!(s.violations.get(class), 0, "{} must be zero", class.key());
     }
     assert!(s.late_acks > 0, "the run must exercise late ACKs");
+    assert!(
+        s.leased_sends > 0 && s.leases_dropped > 0,
+        "the claims must record first sends in batch leases, and drop them"
+    );
     assert_eq!(
         s.late_acks_converged, s.late_acks,
         "G2: every late valid ACK converges"
@@ -148,6 +152,7 @@ fn expected_class(m: Mutant) -> Option<Violation> {
         Mutant::ShadowComparesOwnReceipt => Some(Violation::ShadowMissedDivergence),
         Mutant::RegisterWithoutCompatibilityCheck => Some(Violation::UnreadableEvents),
         Mutant::EnqueueWithoutContractCheck => Some(Violation::UnreadableEvents),
+        Mutant::LeaseDroppedWhenAnswered => Some(Violation::LostAttempts),
     }
 }
 
