@@ -67,25 +67,46 @@ pub async fn claim_unknown(
         .await?,
     );
     // Rows a lease stands for whose lease ran out (its dispatcher died mid-send, or never
-    // answered): read through the lease they are expired `SENDING` rows, as above.
-    let q = locked_rows_sql(
-        &format!(
-            "FROM sealpost.lease l
-         JOIN sealpost.work w
-           ON w.dest_cluster = l.dest_cluster AND w.committed_seq = ANY (l.positions)
-          AND w.phase = {DISPATCHABLE}
-         WHERE l.lease_until_ms <= $1 AND {}
-         LIMIT $2 FOR UPDATE OF w SKIP LOCKED",
-            super::lease::NEVER_CLAIMED_SQL
-        ),
-        "",
-        "w.committed_seq",
-    );
+    // answered): read through the lease they are expired `SENDING` rows, as above. The
+    // expired leases are read first (usually there are none, and then no work row is read);
+    // their rows are then probed by position in the claim index, per cluster.
     counted(1);
-    found.extend(
-        tx.query(q.as_str(), &[&(now_ms as i64), &(batch_size_max as i64)])
-            .await?,
-    );
+    let expired = tx
+        .query(
+            "SELECT dest_cluster, positions FROM sealpost.lease WHERE lease_until_ms <= $1
+             ORDER BY lease_id LIMIT $2",
+            &[&(now_ms as i64), &(batch_size_max as i64)],
+        )
+        .await?;
+    let mut by_cluster: Vec<(String, Vec<i64>)> = Vec::new();
+    for r in &expired {
+        let cluster: String = r.get(0);
+        let positions: Vec<i64> = r.get(1);
+        match by_cluster.iter_mut().find(|(c, _)| *c == cluster) {
+            Some((_, p)) => p.extend(positions),
+            None => by_cluster.push((cluster, positions)),
+        }
+    }
+    if !by_cluster.is_empty() {
+        let q = locked_rows_sql(
+            &format!(
+                "FROM sealpost.work w
+             WHERE w.dest_cluster = $1 AND w.committed_seq = ANY ($2::int8[])
+               AND w.phase = {DISPATCHABLE} AND {}
+             LIMIT $3 FOR UPDATE OF w SKIP LOCKED",
+                super::lease::NEVER_CLAIMED_SQL
+            ),
+            "",
+            "w.committed_seq",
+        );
+        for (cluster, positions) in &by_cluster {
+            counted(1);
+            found.extend(
+                tx.query(q.as_str(), &[cluster, positions, &(batch_size_max as i64)])
+                    .await?,
+            );
+        }
+    }
     let before = finish_load(&tx, &found).await?;
     let mut after = before.clone();
     let mut out = Vec::new();
@@ -101,7 +122,9 @@ pub async fn claim_unknown(
         }
     }
     persist(&tx, &before, &after).await?;
-    super::lease::drop_settled_expired(&tx, now_ms).await?;
+    if !expired.is_empty() {
+        super::lease::drop_settled_expired(&tx, now_ms).await?;
+    }
     tx.commit().await?;
     Ok(out)
 }
