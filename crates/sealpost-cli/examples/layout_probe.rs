@@ -20,6 +20,9 @@
 //! cargo run --release -p sealpost-cli --example layout_probe -- 100000 3
 //! ```
 //!
+//! A third argument puts that many `PUBLISHED` rows in each database first
+//! (`sealpost bench --retained`'s fill).
+//!
 //! `DATABASE_ADMIN_URL` (default `host=127.0.0.1 user=postgres dbname=test`) names a
 //! database to create `sealpost_layout` from.
 
@@ -84,6 +87,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             .map_err(|e| format!("rounds must be a number ({s:?}: {e})"))?,
         None => 3,
     };
+    let retained: u64 = match args.next() {
+        Some(s) => s
+            .parse()
+            .map_err(|e| format!("retained rows must be a number ({s:?}: {e})"))?,
+        None => 0,
+    };
     if n == 0 || rounds == 0 {
         return Err("events and rounds must each be at least 1".into());
     }
@@ -91,7 +100,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .unwrap_or_else(|_| "host=127.0.0.1 user=postgres dbname=test".to_string());
     let admin = runtime::pg_connect(&admin_url).await?;
     let url = format!("{admin_url} dbname={DB}");
-    println!("{n} events per variant, batches of {BATCH}, {rounds} rounds");
+    println!(
+        "{n} events per variant, batches of {BATCH}, {rounds} rounds, {retained} retained rows"
+    );
     println!(
         "{:<14} {:>6} {:>9} {:>9} {:>9} {:>8} {:>7} {:>7} {:>7} {:>7} {:>7}",
         "variant",
@@ -127,6 +138,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             let mut pg = runtime::pg_connect(&url).await?;
             store::migrate(&pg).await?;
             store::set_route(&pg, "orders", "layout", "LAYOUT").await?;
+            // Published rows already in the outbox, as a system that ran for a while has
+            // them (`sealpost bench --retained`'s fill).
+            sealpost_cli::bench::fill_retained(&mut pg, "orders", retained, b"{}", &|_| {}).await?;
             cycle::fill(&mut pg, n).await?;
             if variant == Variant::V2 {
                 // Rows as a database upgraded from migration 11 holds them.

@@ -384,7 +384,7 @@ async fn count_left(
 /// with fresh UUIDv7-shaped event ids dated before now (ascending, as a system that ran for
 /// a while has them), then the template is deleted. Ends with `VACUUM ANALYZE` so the drain
 /// sees the steady state of old rows rather than a vacuum of the fill.
-async fn fill_retained(
+pub async fn fill_retained(
     pg: &mut tokio_postgres::Client,
     route: &str,
     n: u64,
