@@ -14,33 +14,23 @@ use crate::common;
 use sealpost::runtime;
 use sealpost::store;
 use sealpost_core::dispatcher::Submission;
-use sealpost_core::envelope::{EventId, NewEvent};
+use sealpost_core::envelope::EventId;
 use sealpost_core::receipt::{Receipt, ReceiptSource};
 use sealpost_core::row::AttemptStatus;
 use sealpost_core::state::State;
 
 async fn enqueue(pg: &mut tokio_postgres::Client, n: usize, tag: &str) -> Vec<(EventId, u16)> {
+    let orders: Vec<String> = (0..n).map(|i| format!("o-{tag}-{i}")).collect();
     let tx = pg.transaction().await.unwrap();
-    let mut ids = Vec::new();
-    for i in 0..n {
-        let id = EventId(*uuid::Uuid::now_v7().as_bytes());
-        let agg = format!("o-{tag}-{i}");
-        let ev = NewEvent {
-            aggregate_type: "order",
-            aggregate_id: &agg,
-            aggregate_version: 1,
-            event_type: "order.created.v1",
-            payload_schema: "order.created.v1",
-            payload: b"{}",
-            tenant: "t",
-            occurred_at_ms: 1,
-            creating_txid: 0,
-        };
-        store::enqueue(&tx, "orders", id, &ev, &agg).await.unwrap();
-        ids.push((id, 0));
-    }
+    let envs = store::enqueue_many(
+        &tx,
+        "orders",
+        &sealpost_cli::demo::order_batch(&orders, b"{}"),
+    )
+    .await
+    .unwrap();
     tx.commit().await.unwrap();
-    ids
+    envs.iter().map(|e| (e.event_id, 0)).collect()
 }
 
 fn ack(o: &store::Outgoing, sequence: u64) -> Receipt {

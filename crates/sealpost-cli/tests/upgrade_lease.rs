@@ -18,31 +18,12 @@ use std::time::{Duration, Instant};
 use sealpost::runtime::CancellationToken;
 use sealpost::runtime::{self, Counters};
 use sealpost::store;
-use sealpost_core::envelope::{EventId, NewEvent, SealedEnvelope};
+use sealpost_core::envelope::{EventId, SealedEnvelope};
 use sealpost_core::port::{Broker, SendRequest, SendResult};
 use sealpost_core::row::AttemptStatus;
 use sealpost_core::state::State;
 use sealpost_nats::Nats;
 use uuid::Uuid;
-
-fn events<'a>(keys: &'a [String], payload: &'a [u8]) -> Vec<(EventId, NewEvent<'a>, String)> {
-    keys.iter()
-        .map(|k| {
-            let event = NewEvent {
-                aggregate_type: "order",
-                aggregate_id: k,
-                aggregate_version: 1,
-                event_type: "order.created.v1",
-                payload_schema: "order.created.v1",
-                payload,
-                tenant: "tenant-1",
-                occurred_at_ms: 0,
-                creating_txid: 0,
-            };
-            (EventId(*Uuid::now_v7().as_bytes()), event, k.clone())
-        })
-        .collect()
-}
 
 fn request(env: &SealedEnvelope, attempt_id: u64, payload: &[u8]) -> SendRequest {
     SendRequest {
@@ -153,9 +134,13 @@ async fn a_v2_database_with_rows_in_every_state_upgrades_in_place_and_the_leases
     let payload = br#"{"order":"upgrade"}"#.to_vec();
     let keys: Vec<String> = (0..14).map(|i| format!("v2-{tag}-{i}")).collect();
     let tx = pg.transaction().await.unwrap();
-    let envs = store::enqueue_many(&tx, "orders", &events(&keys, &payload))
-        .await
-        .unwrap();
+    let envs = store::enqueue_many(
+        &tx,
+        "orders",
+        &sealpost_cli::demo::order_batch(&keys, &payload),
+    )
+    .await
+    .unwrap();
     tx.commit().await.unwrap();
     let now: i64 = store::db_now_ms(&pg).await.unwrap() as i64;
     let publish = |env: &SealedEnvelope, attempt: u64| {
@@ -342,9 +327,13 @@ async fn a_v2_database_with_rows_in_every_state_upgrades_in_place_and_the_leases
     // New events after the upgrade; then this build's dispatchers and reconciler.
     let new_keys: Vec<String> = (0..6).map(|i| format!("v3-{tag}-{i}")).collect();
     let tx = pg.transaction().await.unwrap();
-    store::enqueue_many(&tx, "orders", &events(&new_keys, &payload))
-        .await
-        .unwrap();
+    store::enqueue_many(
+        &tx,
+        "orders",
+        &sealpost_cli::demo::order_batch(&new_keys, &payload),
+    )
+    .await
+    .unwrap();
     tx.commit().await.unwrap();
     let count = |sql: &'static str| {
         let pg = &pg;

@@ -537,16 +537,10 @@ async fn claim_in(
         for (i, _) in step.sends() {
             sent[i] = true;
         }
-        let mut lease_of = vec![None; after.len()];
-        for (k, i) in leased
-            .iter()
-            .enumerate()
-            .filter(|(_, l)| l.is_some())
-            .map(|(i, _)| i)
-            .enumerate()
-        {
-            lease_of[i] = Some(lease_ids[k]);
-        }
+        // `insert_leases` returned one id per first send, in claim order.
+        let mut ids = lease_ids.into_iter();
+        let lease_of: Vec<Option<i64>> =
+            leased.iter().map(|l| l.and_then(|_| ids.next())).collect();
         for (i, ((row, r), sent)) in after.into_iter().zip(&found).zip(sent).enumerate() {
             if sent {
                 let lease = lease_of[i];
