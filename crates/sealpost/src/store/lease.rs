@@ -268,7 +268,11 @@ fn stands_for_nothing_sql() -> String {
 
 /// Drops those of `lease_ids` that no longer stand for any row (every row they list was
 /// written since, or is gone): [`lease::may_drop`], decided in the statement that deletes.
-/// Returns how many it dropped.
+/// A lease another transaction is dropping at the same time is skipped, not waited for: a
+/// claim (under its claim lock), a dispatcher's acceptance and the reconciler (under neither)
+/// may drop the same expired leases in different orders, and waiting could deadlock; the
+/// lease is gone when that one commits, or a later drop takes it. Returns how many it
+/// dropped.
 pub(super) async fn drop_settled(client: &impl GenericClient, lease_ids: &[i64]) -> Result<u64> {
     if lease_ids.is_empty() {
         return Ok(0);
@@ -277,7 +281,9 @@ pub(super) async fn drop_settled(client: &impl GenericClient, lease_ids: &[i64])
     Ok(client
         .execute(
             &format!(
-                "DELETE FROM sealpost.lease l WHERE l.lease_id = ANY($1) AND {}",
+                "DELETE FROM sealpost.lease WHERE lease_id IN (
+                   SELECT l.lease_id FROM sealpost.lease l WHERE l.lease_id = ANY($1) AND {}
+                   ORDER BY l.lease_id FOR UPDATE SKIP LOCKED)",
                 stands_for_nothing_sql()
             ),
             &[&lease_ids],
@@ -286,13 +292,16 @@ pub(super) async fn drop_settled(client: &impl GenericClient, lease_ids: &[i64])
 }
 
 /// Drops every expired lease that no longer stands for any row (the reconciler's sweep, after
-/// it moved the rows of expired leases to `DISPATCH_UNKNOWN`). Returns how many it dropped.
+/// it moved the rows of expired leases to `DISPATCH_UNKNOWN`), skipping those another
+/// transaction is dropping ([`drop_settled`]). Returns how many it dropped.
 pub(super) async fn drop_settled_expired(client: &impl GenericClient, now_ms: u64) -> Result<u64> {
     counted(1);
     Ok(client
         .execute(
             &format!(
-                "DELETE FROM sealpost.lease l WHERE l.lease_until_ms <= $1 AND {}",
+                "DELETE FROM sealpost.lease WHERE lease_id IN (
+                   SELECT l.lease_id FROM sealpost.lease l WHERE l.lease_until_ms <= $1 AND {}
+                   ORDER BY l.lease_id FOR UPDATE SKIP LOCKED)",
                 stands_for_nothing_sql()
             ),
             &[&(now_ms as i64)],
