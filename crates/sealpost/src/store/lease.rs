@@ -254,57 +254,54 @@ pub(super) async fn insert_leases(
     Ok(out)
 }
 
-/// "The lease `l` stands for no row": none of the rows it lists is still never claimed
-/// ([`lease::may_drop`] in SQL). The rows are found by the lease's positions, one probe of
-/// the claim index each (a plan that walks the cluster's claimable rows instead, as the
-/// planner chose for a join to the unnested positions, took seconds per lease).
-fn stands_for_nothing_sql() -> String {
+/// The work rows `w` a lease of cluster `cluster` listing `positions` stands for (SQL
+/// expressions for both): its rows that are still never claimed, found by position, one
+/// probe of the claim index each (a plan that walks the cluster's claimable rows instead, as
+/// the planner chose for a join to the unnested positions, took seconds per lease).
+pub(super) fn stood_for_sql(cluster: &str, positions: &str) -> String {
     format!(
-        "NOT EXISTS (SELECT 1 FROM sealpost.work w
-            WHERE w.dest_cluster = l.dest_cluster AND w.committed_seq = ANY (l.positions)
-              AND w.phase = {DISPATCHABLE} AND {NEVER_CLAIMED_SQL})"
+        "w.dest_cluster = {cluster} AND w.committed_seq = ANY ({positions})
+         AND w.phase = {DISPATCHABLE} AND {NEVER_CLAIMED_SQL}"
     )
 }
 
-/// Drops those of `lease_ids` that no longer stand for any row (every row they list was
-/// written since, or is gone): [`lease::may_drop`], decided in the statement that deletes.
-/// A lease another transaction is dropping at the same time is skipped, not waited for: a
-/// claim (under its claim lock), a dispatcher's acceptance and the reconciler (under neither)
-/// may drop the same expired leases in different orders, and waiting could deadlock; the
-/// lease is gone when that one commits, or a later drop takes it. Returns how many it
-/// dropped.
+/// Drops the leases `l` that `filter` selects and that no longer stand for any row (every
+/// row they list was written since, or is gone): [`lease::may_drop`], decided in the
+/// statement that deletes. A lease another transaction is dropping at the same time is
+/// skipped, not waited for: a claim (under its claim lock), a dispatcher's acceptance and
+/// the reconciler (under neither) may drop the same expired leases in different orders, and
+/// waiting could deadlock; the lease is gone when that one commits, or a later drop takes
+/// it. Returns how many it dropped.
+async fn drop_where(
+    client: &impl GenericClient,
+    filter: &str,
+    params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+) -> Result<u64> {
+    counted(1);
+    Ok(client
+        .execute(
+            &format!(
+                "DELETE FROM sealpost.lease WHERE lease_id IN (
+                   SELECT l.lease_id FROM sealpost.lease l
+                   WHERE {filter} AND NOT EXISTS (SELECT 1 FROM sealpost.work w WHERE {})
+                   ORDER BY l.lease_id FOR UPDATE SKIP LOCKED)",
+                stood_for_sql("l.dest_cluster", "l.positions")
+            ),
+            params,
+        )
+        .await?)
+}
+
+/// Drops those of `lease_ids` that no longer stand for any row ([`drop_where`]).
 pub(super) async fn drop_settled(client: &impl GenericClient, lease_ids: &[i64]) -> Result<u64> {
     if lease_ids.is_empty() {
         return Ok(0);
     }
-    counted(1);
-    Ok(client
-        .execute(
-            &format!(
-                "DELETE FROM sealpost.lease WHERE lease_id IN (
-                   SELECT l.lease_id FROM sealpost.lease l WHERE l.lease_id = ANY($1) AND {}
-                   ORDER BY l.lease_id FOR UPDATE SKIP LOCKED)",
-                stands_for_nothing_sql()
-            ),
-            &[&lease_ids],
-        )
-        .await?)
+    drop_where(client, "l.lease_id = ANY($1)", &[&lease_ids]).await
 }
 
 /// Drops every expired lease that no longer stands for any row (the reconciler's sweep, after
-/// it moved the rows of expired leases to `DISPATCH_UNKNOWN`), skipping those another
-/// transaction is dropping ([`drop_settled`]). Returns how many it dropped.
+/// it moved the rows of expired leases to `DISPATCH_UNKNOWN`; [`drop_where`]).
 pub(super) async fn drop_settled_expired(client: &impl GenericClient, now_ms: u64) -> Result<u64> {
-    counted(1);
-    Ok(client
-        .execute(
-            &format!(
-                "DELETE FROM sealpost.lease WHERE lease_id IN (
-                   SELECT l.lease_id FROM sealpost.lease l WHERE l.lease_until_ms <= $1 AND {}
-                   ORDER BY l.lease_id FOR UPDATE SKIP LOCKED)",
-                stands_for_nothing_sql()
-            ),
-            &[&(now_ms as i64)],
-        )
-        .await?)
+    drop_where(client, "l.lease_until_ms <= $1", &[&(now_ms as i64)]).await
 }

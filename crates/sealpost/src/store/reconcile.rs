@@ -90,11 +90,9 @@ pub async fn claim_unknown(
     if !by_cluster.is_empty() {
         let q = locked_rows_sql(
             &format!(
-                "FROM sealpost.work w
-             WHERE w.dest_cluster = $1 AND w.committed_seq = ANY ($2::int8[])
-               AND w.phase = {DISPATCHABLE} AND {}
+                "FROM sealpost.work w WHERE {}
              LIMIT $3 FOR UPDATE OF w SKIP LOCKED",
-                super::lease::NEVER_CLAIMED_SQL
+                super::lease::stood_for_sql("$1", "$2::int8[]")
             ),
             "",
             "w.committed_seq",
