@@ -323,6 +323,11 @@ async fn a_v2_database_with_rows_in_every_state_upgrades_in_place_and_the_leases
         let got: Vec<AttemptStatus> = row.attempts.iter().map(|a| a.status).collect();
         assert_eq!(&got, statuses, "{what}: attempts");
     }
+    assert_eq!(
+        store::check_lease_rule(&pg).await.unwrap(),
+        vec![],
+        "the lease rule reads the old rows the same in the core, the SQL and the view"
+    );
 
     // New events after the upgrade; then this build's dispatchers and reconciler.
     let new_keys: Vec<String> = (0..6).map(|i| format!("v3-{tag}-{i}")).collect();
@@ -403,5 +408,6 @@ async fn a_v2_database_with_rows_in_every_state_upgrades_in_place_and_the_leases
         .await,
         6
     );
+    assert_eq!(store::check_lease_rule(&pg).await.unwrap(), vec![]);
     let _ = nats.js.delete_stream(&topic).await;
 }

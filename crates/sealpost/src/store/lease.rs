@@ -305,3 +305,68 @@ pub(super) async fn drop_settled(client: &impl GenericClient, lease_ids: &[i64])
 pub(super) async fn drop_settled_expired(client: &impl GenericClient, now_ms: u64) -> Result<u64> {
     drop_where(client, "l.lease_until_ms <= $1", &[&(now_ms as i64)]).await
 }
+
+/// A work row on which the statements of the lease rule disagree ([`check_lease_rule`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LeaseRuleDisagreement {
+    pub event_id: EventId,
+    pub member: u16,
+    /// [`lease::never_claimed`] of the row as stored.
+    pub core: bool,
+    /// The store's SQL of the same rule (the claim's and the lease drop's).
+    pub sql: bool,
+    /// A lease lists the row's commit position.
+    pub listed: bool,
+    /// The row is in the view `sealpost.leased` (migration 12).
+    pub in_view: bool,
+    /// A lease stands for the row as the lease drop reads it ([`stood_for_sql`]).
+    pub stood_for: bool,
+}
+
+/// Reads every work row and checks, row by row, that the lease rule says the same in each
+/// place it is stated: the core's [`lease::never_claimed`] of the row as loaded, the store's
+/// SQL predicate (the claim's pick and the lease drop), the view `sealpost.leased` of
+/// migration 12 (a row is in it exactly when a lease lists it and the core calls it never
+/// claimed) and the lease drop's "the lease stands for this row". The view lives in a
+/// migration and cannot be generated from the core; this is what keeps the three from
+/// drifting. Returns the rows on which they disagree (none, on a sound store).
+///
+/// # Transactions and locks
+/// One statement that reads the whole `work` table with its envelopes, no row locks: a check
+/// for tests and operators, not for the hot path.
+pub async fn check_lease_rule(client: &impl GenericClient) -> Result<Vec<LeaseRuleDisagreement>> {
+    let base = ROW_COLS_LEN;
+    let q = locked_rows_sql(
+        "FROM sealpost.work w",
+        &format!(
+            ", ({NEVER_CLAIMED_SQL}),
+             EXISTS (SELECT 1 FROM sealpost.lease l
+                     WHERE l.dest_cluster = w.dest_cluster AND w.committed_seq = ANY (l.positions)),
+             EXISTS (SELECT 1 FROM sealpost.leased x
+                     WHERE x.event_id = w.event_id AND x.member = w.member),
+             EXISTS (SELECT 1 FROM sealpost.lease l WHERE {})",
+            stood_for_sql("l.dest_cluster", "l.positions")
+        ),
+        "w.event_id, w.member",
+    );
+    counted(1);
+    let mut out = Vec::new();
+    for r in client.query(q.as_str(), &[]).await? {
+        let row = parse_row(&r)?.row;
+        let core = lease::never_claimed(&row);
+        let (sql, listed, in_view, stood_for): (bool, bool, bool, bool) =
+            (r.get(base), r.get(base + 1), r.get(base + 2), r.get(base + 3));
+        if sql != core || in_view != (listed && core) || stood_for != in_view {
+            out.push(LeaseRuleDisagreement {
+                event_id: row.event_id,
+                member: row.member,
+                core,
+                sql,
+                listed,
+                in_view,
+                stood_for,
+            });
+        }
+    }
+    Ok(out)
+}

@@ -43,6 +43,7 @@ mod verify;
 pub use accept::*;
 pub use claim::*;
 pub use enqueue::*;
+pub use lease::{check_lease_rule, LeaseRuleDisagreement};
 use lease::NEVER_CLAIMED_SQL;
 pub use operator::*;
 pub use reconcile::*;
