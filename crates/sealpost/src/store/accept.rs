@@ -325,6 +325,7 @@ async fn submit_held_in(
                 guarded += 1;
                 let a = Accepted::Verdict(ReceiptVerdict::Primary);
                 accepted[k] = Some(a);
+                let mut proven = None;
                 if let Some(h) = held.rows.get_mut(&key) {
                     let p = Published {
                         topic: h.row.destination.topic.clone(),
@@ -332,6 +333,10 @@ async fn submit_held_in(
                     };
                     published.push(p.clone());
                     h.accepted = Some((a, p));
+                    proven = h.lease;
+                }
+                if let Some(l) = proven {
+                    held.proven_written(l);
                 }
             }
         }
@@ -363,20 +368,28 @@ async fn submit_held_in(
     // Answered: these rows are no longer held (a later receipt for one of them, a copy or a
     // late ACK, takes the locked path).
     let mut settled = Vec::new();
+    let mut proven = Vec::new();
     let answered = receipts
         .iter()
         .map(|r| (r.event_id, r.member))
         .chain(submission.reports.iter().map(|r| (r.event_id, r.member)));
     for key in answered {
         if let Some(l) = held.rows.remove(&key).and_then(|h| h.lease) {
-            if held.unhold_lease(l) {
-                settled.push(l);
+            if let Some(h) = held.unhold_lease(l) {
+                if sealpost_core::lease::may_drop(h.unproven) {
+                    proven.push(l);
+                } else {
+                    settled.push(l);
+                }
             }
         }
     }
     // A lease all of whose rows were answered stands for nothing once they were written;
     // one whose row an answer left unwritten (a rejected receipt) stays until it expires.
+    // Where this dispatcher's guarded writes proved every row written, the rows are not
+    // read again.
     super::lease::drop_settled(&*client, &settled).await?;
+    super::lease::drop_proven(&*client, &proven).await?;
     Ok(Submitted {
         accepted: accepted
             .into_iter()

@@ -232,9 +232,20 @@ pub struct Held {
     pub(super) clock: Option<(u64, std::time::Instant)>,
     /// The claim's and the guarded acceptance's statements, prepared on the connection.
     pub(super) statements: Prepared,
-    /// The leases this dispatcher's claims wrote, with how many of their rows it has not
-    /// answered yet: a lease whose rows are all answered is dropped.
-    pub(super) leases: foldhash::HashMap<i64, usize>,
+    /// The leases this dispatcher's claims wrote, with what it knows of their rows: a lease
+    /// whose rows are all answered is dropped.
+    pub(super) leases: foldhash::HashMap<i64, HeldLease>,
+}
+
+/// What a dispatcher knows of the rows of a lease its claim wrote.
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct HeldLease {
+    /// Rows it has not answered yet.
+    pub(super) unanswered: usize,
+    /// Rows no guarded write of its own has proven written (the `RETURNING` of the
+    /// compare-and-set): each may still be never claimed, so the lease stands for it. With
+    /// none left, [`lease::may_drop`] holds without reading the rows again.
+    pub(super) unproven: usize,
 }
 
 #[derive(Debug)]
@@ -262,19 +273,24 @@ impl Held {
         self.rows.is_empty()
     }
 
-    /// One row of lease `lease` is answered (or no longer held): returns true when that was
-    /// its last one, and the lease may be dropped.
-    pub(super) fn unhold_lease(&mut self, lease: i64) -> bool {
+    /// One row of lease `lease` is answered (or no longer held): returns the lease when that
+    /// was its last one, and the lease may be dropped once it stands for nothing.
+    pub(super) fn unhold_lease(&mut self, lease: i64) -> Option<HeldLease> {
         match self.leases.get_mut(&lease) {
-            Some(n) if *n > 1 => {
-                *n -= 1;
-                false
+            Some(h) if h.unanswered > 1 => {
+                h.unanswered -= 1;
+                None
             }
-            Some(_) => {
-                self.leases.remove(&lease);
-                true
-            }
-            None => false,
+            Some(_) => self.leases.remove(&lease),
+            None => None,
+        }
+    }
+
+    /// A guarded write of this dispatcher wrote one row of lease `lease`: the row is no
+    /// longer never claimed, and never will be again (a claim generation only grows).
+    pub(super) fn proven_written(&mut self, lease: i64) {
+        if let Some(h) = self.leases.get_mut(&lease) {
+            h.unproven = h.unproven.saturating_sub(1);
         }
     }
 
@@ -545,7 +561,9 @@ async fn claim_in(
             if sent {
                 let lease = lease_of[i];
                 if let Some(l) = lease {
-                    *held.leases.entry(l).or_default() += 1;
+                    let h = held.leases.entry(l).or_default();
+                    h.unanswered += 1;
+                    h.unproven += 1;
                 }
                 let replaced = held.rows.insert(
                     (row.event_id, row.member),

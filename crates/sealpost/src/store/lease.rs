@@ -300,6 +300,24 @@ pub(super) async fn drop_settled(client: &impl GenericClient, lease_ids: &[i64])
     drop_where(client, "l.lease_id = ANY($1)", &[&lease_ids]).await
 }
 
+/// Drops `lease_ids`, whose every row the caller's own guarded writes proved written (a
+/// row written is never again never claimed: [`lease::may_drop`] of none), without reading
+/// the rows again. Skips, as [`drop_where`] does, a lease another transaction is dropping.
+pub(super) async fn drop_proven(client: &impl GenericClient, lease_ids: &[i64]) -> Result<u64> {
+    if lease_ids.is_empty() {
+        return Ok(0);
+    }
+    counted(1);
+    Ok(client
+        .execute(
+            "DELETE FROM sealpost.lease WHERE lease_id IN (
+               SELECT l.lease_id FROM sealpost.lease l WHERE l.lease_id = ANY($1)
+               ORDER BY l.lease_id FOR UPDATE SKIP LOCKED)",
+            &[&lease_ids],
+        )
+        .await?)
+}
+
 /// Drops every expired lease that no longer stands for any row (the reconciler's sweep, after
 /// it moved the rows of expired leases to `DISPATCH_UNKNOWN`; [`drop_where`]).
 pub(super) async fn drop_settled_expired(client: &impl GenericClient, now_ms: u64) -> Result<u64> {
@@ -354,8 +372,12 @@ pub async fn check_lease_rule(client: &impl GenericClient) -> Result<Vec<LeaseRu
     for r in client.query(q.as_str(), &[]).await? {
         let row = parse_row(&r)?.row;
         let core = lease::never_claimed(&row);
-        let (sql, listed, in_view, stood_for): (bool, bool, bool, bool) =
-            (r.get(base), r.get(base + 1), r.get(base + 2), r.get(base + 3));
+        let (sql, listed, in_view, stood_for): (bool, bool, bool, bool) = (
+            r.get(base),
+            r.get(base + 1),
+            r.get(base + 2),
+            r.get(base + 3),
+        );
         if sql != core || in_view != (listed && core) || stood_for != in_view {
             out.push(LeaseRuleDisagreement {
                 event_id: row.event_id,
