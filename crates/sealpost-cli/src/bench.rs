@@ -149,6 +149,17 @@ pub struct BenchReport {
     pub latency_events_during_backlog: u64,
     /// 99th percentile latency of those events.
     pub latency_ms_p99_during_backlog: f64,
+    /// The producers' transactions (one per 10 ms tick) once the backlog was gone.
+    pub producer_commits: u64,
+    /// How long their `COMMIT` took, 99th percentile (ms): the server's WAL flush. Each
+    /// event's latency counts from its insert, so a slow flush adds to it twice: in the
+    /// producer's commit and in the acceptance's. A commit of a few events taking tens of
+    /// milliseconds is the machine's storage, not the outbox.
+    pub producer_commit_ms_p99: f64,
+    /// The slowest of them (ms).
+    pub producer_commit_ms_max: f64,
+    /// Of them, those that took more than 25 ms.
+    pub producer_commits_over_25_ms: u64,
     /// PostgreSQL checkpoints started during the load phase (`pg_stat_bgwriter`): a
     /// checkpoint's writes and the full-page images after it are the usual cause of a
     /// latency tail there.
@@ -650,7 +661,7 @@ async fn produce(
     rate_per_s: u64,
     min_s: u64,
     backlog_gone: Arc<AtomicBool>,
-) -> Result<(u64, f64), RunError> {
+) -> Result<Produced, RunError> {
     let mut pg = runtime::pg_connect(&cfg.database_url).await?;
     let tick_ms = 10u64;
     let per_tick = (rate_per_s * tick_ms / 1000).max(1);
@@ -658,6 +669,7 @@ async fn produce(
     let t0 = Instant::now();
     let mut gone_at: Option<Instant> = None;
     let mut produced = 0u64;
+    let mut commit_us = Vec::new();
     let mut t = 0u64;
     // Until the backlog is gone, then `min_s` seconds more: the steady state under load.
     while gone_at.is_none_or(|g| g.elapsed() < steady) {
@@ -669,11 +681,29 @@ async fn produce(
         let events = crate::demo::order_batch(&keys, &payload);
         let tx = pg.transaction().await.map_err(db)?;
         store::enqueue_many(&tx, &route, &events).await?;
+        let committing = Instant::now();
         tx.commit().await.map_err(db)?;
+        if gone_at.is_some() {
+            commit_us.push(committing.elapsed().as_micros() as i64);
+        }
         produced += per_tick;
         t += 1;
     }
-    Ok((produced, t0.elapsed().as_secs_f64()))
+    commit_us.sort_unstable();
+    Ok(Produced {
+        events: produced,
+        secs: t0.elapsed().as_secs_f64(),
+        commit_us,
+    })
+}
+
+/// What the producers did in a load phase.
+struct Produced {
+    events: u64,
+    secs: f64,
+    /// How long each of their `COMMIT`s took once the backlog was gone (sorted, µs): the
+    /// server's WAL flush, which every commit waits for, the acceptance's included.
+    commit_us: Vec<i64>,
 }
 
 /// Counters shared by the naive relays.
@@ -1174,6 +1204,14 @@ async fn phases(
     ));
     let b_from_ms = store::db_now_ms(&*pg).await? as i64;
     prefill(pg, &names.route, "b", args.load_backlog, &payload).await?;
+    // Vacuumed as before the drain: the drain left `--events` dead row versions and as many
+    // dead entries at the head of the claim index, which migration 3's per-table autovacuum
+    // settings would have removed on a server that runs autovacuum (this machine's does not).
+    // Left there, every full scan (`rescan_every_ms`) walks them: about 15 ms each at the
+    // defaults, once a second per dispatcher, a tail of its own in the latency below.
+    pg.batch_execute("VACUUM (ANALYZE) sealpost.work, sealpost.envelope")
+        .await
+        .map_err(db)?;
     let b_start_ms = store::db_now_ms(&*pg).await? as i64;
     let checkpoints0 = checkpoints(pg).await;
     // Every producer row is created after `b_start_ms`, every backlog row at or before it.
@@ -1194,7 +1232,16 @@ async fn phases(
     }
     backlog_gone.store(true, Ordering::Relaxed);
     say("load phase: backlog gone; producers continue".to_string());
-    let (produced, load_s) = producers.await.expect("producers panicked")?;
+    let Produced {
+        events: produced,
+        secs: load_s,
+        commit_us,
+    } = producers.await.expect("producers panicked")?;
+    let (commit_ms_p99, commit_ms_max) = (
+        quantile(&commit_us, 0.99) / 1000.0,
+        commit_us.last().map_or(f64::NAN, |&m| m as f64 / 1000.0),
+    );
+    let slow_commits = commit_us.iter().filter(|&&us| us > 25_000).count();
     if !wait_drained(pg, &cfg.nats.cluster, i64::MAX, &fleet).await? {
         return Err(fleet_error(fleet).await);
     }
@@ -1243,11 +1290,14 @@ async fn phases(
     say(format!(
         "latency at {} events/s offered, producers running: p50 {p50} ms, p99 {p99} ms ({} events); \
          events committed while the backlog drained: p99 {p99_during} ms ({} events); \
-         {} PostgreSQL checkpoint(s) started meanwhile",
+         {} PostgreSQL checkpoint(s) started meanwhile; the producers' own commits once the \
+         backlog was gone: p99 {commit_ms_p99:.1} ms, slowest {commit_ms_max:.1} ms, {slow_commits} \
+         of {} over 25 ms",
         args.rate_per_s,
         after.len(),
         during.len(),
-        checkpoints_during_load.map_or("?".to_string(), |n| n.to_string())
+        checkpoints_during_load.map_or("?".to_string(), |n| n.to_string()),
+        commit_us.len()
     ));
 
     // One consumer applies everything the topic holds (phase A, the load phase's backlog and
@@ -1326,6 +1376,10 @@ async fn phases(
         latency_ms_p99: p99,
         latency_events_during_backlog: during.len() as u64,
         latency_ms_p99_during_backlog: p99_during,
+        producer_commits: commit_us.len() as u64,
+        producer_commit_ms_p99: round(commit_ms_p99, 2),
+        producer_commit_ms_max: round(commit_ms_max, 2),
+        producer_commits_over_25_ms: slow_commits as u64,
         checkpoints_during_load,
         consume_events_per_s: round(consume_rate, 1),
         cpu_per_event: cpu,
@@ -1474,7 +1528,11 @@ async fn cdc_phase(
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let (produced, load_s) = producers.await.expect("producers panicked")?;
+    let Produced {
+        events: produced,
+        secs: load_s,
+        ..
+    } = producers.await.expect("producers panicked")?;
     if !wait_drained(pg, cluster, i64::MAX, &fleet).await? {
         return Err(fleet_error(fleet).await);
     }

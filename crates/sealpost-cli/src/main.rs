@@ -899,6 +899,11 @@ async fn run(cmd: Cmd, cfg: Settings) -> Result<i32, String> {
                     r.latency_ms_p50, r.latency_ms_p99, r.latency_events, r.latency_ms_p99_during_backlog,
                     r.latency_events_during_backlog
                 );
+                println!(
+                    "producers' commits once the backlog was gone ({}): p99 {} ms, slowest {} ms, {} over 25 ms",
+                    r.producer_commits, r.producer_commit_ms_p99, r.producer_commit_ms_max,
+                    r.producer_commits_over_25_ms
+                );
                 println!("consumer: {:.0} events/s applied", r.consume_events_per_s);
                 println!(
                     "naive relay with Sealpost's message {:.0}/s  sealpost/that {:.3}  (the message alone: {:.3} of the careful relay)",
