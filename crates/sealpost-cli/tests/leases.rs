@@ -50,6 +50,35 @@ fn ack(o: &store::Outgoing, sequence: u64) -> Receipt {
     }
 }
 
+/// Submits genuine ACKs for the first two of `outgoing` and, for the third, one naming an
+/// attempt nobody registered (rejected, audited), through the dispatcher's guarded path.
+async fn two_acks_and_a_forged_one(
+    pg: &mut tokio_postgres::Client,
+    outgoing: &[store::Outgoing],
+    held: &mut store::Held,
+) -> store::Submitted {
+    let mut receipts: Vec<Receipt> = outgoing[..2]
+        .iter()
+        .enumerate()
+        .map(|(k, o)| ack(o, k as u64 + 1))
+        .collect();
+    receipts.push(Receipt {
+        attempt_id: 999_999,
+        ..ack(&outgoing[2], 3)
+    });
+    store::submit_held(
+        pg,
+        &Submission {
+            receipts,
+            reports: vec![],
+        },
+        5,
+        held,
+    )
+    .await
+    .unwrap()
+}
+
 async fn setup(name: &str) -> (common::TestDb, tokio_postgres::Client) {
     let tag = runtime::owner_id() % 1_000_000;
     let db = common::fresh_database(&format!("sealpost_leases_{name}_{tag}")).await;
@@ -164,26 +193,7 @@ async fn a_rejected_receipt_leaves_its_row_leased_and_the_rest_drop_the_lease() 
     .unwrap();
     assert_eq!(b.outgoing.len(), 3);
     // Two genuine ACKs, and one for an attempt nobody registered (rejected, audited).
-    let mut receipts: Vec<Receipt> = b.outgoing[..2]
-        .iter()
-        .enumerate()
-        .map(|(k, o)| ack(o, k as u64 + 1))
-        .collect();
-    receipts.push(Receipt {
-        attempt_id: 999_999,
-        ..ack(&b.outgoing[2], 3)
-    });
-    let done = store::submit_held(
-        &mut pg,
-        &Submission {
-            receipts,
-            reports: vec![],
-        },
-        5,
-        &mut held,
-    )
-    .await
-    .unwrap();
+    let done = two_acks_and_a_forged_one(&mut pg, &b.outgoing, &mut held).await;
     assert_eq!(done.guarded, 2, "the ordinary ACKs took the guarded write");
     let rows = store::snapshot(&mut pg, &keys).await.unwrap();
     assert_eq!(
@@ -303,26 +313,7 @@ async fn the_lease_rule_reads_the_same_in_the_core_the_sql_and_the_view() {
         "the second claim expired the first lease's rows and leased eight more (its limit counts both)"
     );
     // Rows 4 and 5 published through the guarded write, row 6's receipt rejected.
-    let mut receipts: Vec<Receipt> = b.outgoing[..2]
-        .iter()
-        .enumerate()
-        .map(|(k, o)| ack(o, k as u64 + 1))
-        .collect();
-    receipts.push(Receipt {
-        attempt_id: 999_999,
-        ..ack(&b.outgoing[2], 3)
-    });
-    let done = store::submit_held(
-        &mut pg,
-        &Submission {
-            receipts,
-            reports: vec![],
-        },
-        5,
-        &mut held,
-    )
-    .await
-    .unwrap();
+    let done = two_acks_and_a_forged_one(&mut pg, &b.outgoing, &mut held).await;
     assert_eq!(done.guarded, 2);
     assert_eq!(store::check_lease_rule(&pg).await.unwrap(), vec![]);
 

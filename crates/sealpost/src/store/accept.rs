@@ -388,8 +388,8 @@ async fn submit_held_in(
     // one whose row an answer left unwritten (a rejected receipt) stays until it expires.
     // Where this dispatcher's guarded writes proved every row written, the rows are not
     // read again.
-    super::lease::drop_settled(&*client, &settled).await?;
-    super::lease::drop_proven(&*client, &proven).await?;
+    super::lease::drop_listed(&*client, &settled, false).await?;
+    super::lease::drop_listed(&*client, &proven, true).await?;
     Ok(Submitted {
         accepted: accepted
             .into_iter()

@@ -524,7 +524,7 @@ async fn claim_in(
         lease::insert_leases(&tx, &firsts, held.as_deref_mut().map(|h| &mut h.statements)).await?;
     // Expired leases whose rows have all been written since (by this claim's expiries among
     // them) stand for nothing any more.
-    lease::drop_settled(&tx, &leases.expired).await?;
+    lease::drop_listed(&tx, &leases.expired, false).await?;
     tx.commit().await?;
     if let Some(held) = held {
         // The rows this claim wrote now carry its transaction id as their `xmin`; the rows

@@ -267,61 +267,58 @@ pub(super) fn stood_for_sql(cluster: &str, positions: &str) -> String {
 
 /// Drops the leases `l` that `filter` selects and that no longer stand for any row (every
 /// row they list was written since, or is gone): [`lease::may_drop`], decided in the
-/// statement that deletes. A lease another transaction is dropping at the same time is
-/// skipped, not waited for: a claim (under its claim lock), a dispatcher's acceptance and
-/// the reconciler (under neither) may drop the same expired leases in different orders, and
-/// waiting could deadlock; the lease is gone when that one commits, or a later drop takes
-/// it. Returns how many it dropped.
+/// statement that deletes unless `rows_proven` (the caller's own writes proved every row of
+/// them written: a written row is never again never claimed, so the rows are not read). A
+/// lease another transaction is dropping at the same time is skipped, not waited for: a
+/// claim (under its claim lock), a dispatcher's acceptance and the reconciler (under
+/// neither) may drop the same expired leases in different orders, and waiting could
+/// deadlock; the lease is gone when that one commits, or a later drop takes it. Returns how
+/// many it dropped.
 async fn drop_where(
     client: &impl GenericClient,
     filter: &str,
+    rows_proven: bool,
     params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
 ) -> Result<u64> {
+    let stands_for_nothing = if rows_proven {
+        String::new()
+    } else {
+        format!(
+            "AND NOT EXISTS (SELECT 1 FROM sealpost.work w WHERE {})",
+            stood_for_sql("l.dest_cluster", "l.positions")
+        )
+    };
     counted(1);
     Ok(client
         .execute(
             &format!(
                 "DELETE FROM sealpost.lease WHERE lease_id IN (
                    SELECT l.lease_id FROM sealpost.lease l
-                   WHERE {filter} AND NOT EXISTS (SELECT 1 FROM sealpost.work w WHERE {})
-                   ORDER BY l.lease_id FOR UPDATE SKIP LOCKED)",
-                stood_for_sql("l.dest_cluster", "l.positions")
+                   WHERE {filter} {stands_for_nothing}
+                   ORDER BY l.lease_id FOR UPDATE SKIP LOCKED)"
             ),
             params,
         )
         .await?)
 }
 
-/// Drops those of `lease_ids` that no longer stand for any row ([`drop_where`]).
-pub(super) async fn drop_settled(client: &impl GenericClient, lease_ids: &[i64]) -> Result<u64> {
+/// Drops those of `lease_ids` that no longer stand for any row ([`drop_where`]); with
+/// `rows_proven`, the caller's own guarded writes returned every row of them.
+pub(super) async fn drop_listed(
+    client: &impl GenericClient,
+    lease_ids: &[i64],
+    rows_proven: bool,
+) -> Result<u64> {
     if lease_ids.is_empty() {
         return Ok(0);
     }
-    drop_where(client, "l.lease_id = ANY($1)", &[&lease_ids]).await
-}
-
-/// Drops `lease_ids`, whose every row the caller's own guarded writes proved written (a
-/// row written is never again never claimed: [`lease::may_drop`] of none), without reading
-/// the rows again. Skips, as [`drop_where`] does, a lease another transaction is dropping.
-pub(super) async fn drop_proven(client: &impl GenericClient, lease_ids: &[i64]) -> Result<u64> {
-    if lease_ids.is_empty() {
-        return Ok(0);
-    }
-    counted(1);
-    Ok(client
-        .execute(
-            "DELETE FROM sealpost.lease WHERE lease_id IN (
-               SELECT l.lease_id FROM sealpost.lease l WHERE l.lease_id = ANY($1)
-               ORDER BY l.lease_id FOR UPDATE SKIP LOCKED)",
-            &[&lease_ids],
-        )
-        .await?)
+    drop_where(client, "l.lease_id = ANY($1)", rows_proven, &[&lease_ids]).await
 }
 
 /// Drops every expired lease that no longer stands for any row (the reconciler's sweep, after
 /// it moved the rows of expired leases to `DISPATCH_UNKNOWN`; [`drop_where`]).
 pub(super) async fn drop_settled_expired(client: &impl GenericClient, now_ms: u64) -> Result<u64> {
-    drop_where(client, "l.lease_until_ms <= $1", &[&(now_ms as i64)]).await
+    drop_where(client, "l.lease_until_ms <= $1", false, &[&(now_ms as i64)]).await
 }
 
 /// A work row on which the statements of the lease rule disagree ([`check_lease_rule`]).
