@@ -338,26 +338,42 @@ fn cli_status(cfg: &Config) -> Value {
     serde_json::from_slice(&out.stdout).expect("status --json prints JSON")
 }
 
+/// The text of `css` as shown, read in one script: the page re-renders itself every 2 s, and
+/// a found element can be replaced before a second WebDriver call reads it.
 async fn text(c: &Client, css: &str) -> String {
-    c.find(Locator::Css(css))
+    let shown = c
+        .execute(
+            "const e = document.querySelector(arguments[0]); return e ? e.innerText : null",
+            vec![Value::from(css)],
+        )
         .await
-        .unwrap_or_else(|e| panic!("the page has no `{css}`: {e}"))
-        .text()
+        .unwrap_or_else(|e| panic!("the page cannot read `{css}`: {e}"));
+    shown
+        .as_str()
+        .unwrap_or_else(|| panic!("the page has no `{css}`"))
+        .trim()
+        .to_string()
+}
+
+/// The cells of the table row `css`, as shown, read in one script (see [`text`]).
+async fn row_cells(c: &Client, css: &str) -> Vec<String> {
+    let shown = c
+        .execute(
+            "const tr = document.querySelector(arguments[0]); \
+             return tr ? Array.from(tr.querySelectorAll('td'), td => td.innerText) : null",
+            vec![Value::from(css)],
+        )
         .await
-        .unwrap()
+        .unwrap_or_else(|e| panic!("the page cannot read `{css}`: {e}"));
+    shown
+        .as_array()
+        .unwrap_or_else(|| panic!("the page has no `{css}`"))
+        .iter()
+        .map(|cell| cell.as_str().unwrap_or_default().trim().to_string())
+        .collect()
 }
 
 /// Polls `css`'s text until `ok` holds (the page updates itself every 2 s).
-/// The cells of the table row `css`, as shown.
-async fn row_cells(c: &Client, css: &str) -> Vec<String> {
-    let tr = c.find(Locator::Css(css)).await.unwrap();
-    let mut cells = Vec::new();
-    for td in tr.find_all(Locator::Css("td")).await.unwrap() {
-        cells.push(td.text().await.unwrap());
-    }
-    cells
-}
-
 async fn wait_text(c: &Client, css: &str, ok: impl Fn(&str) -> bool) -> String {
     let start = Instant::now();
     loop {
