@@ -286,10 +286,10 @@ async fn two_dispatchers_claiming_at_once_never_lease_a_row_twice() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_lease_rule_reads_the_same_in_the_core_the_sql_and_the_view() {
     let (_db, mut pg) = setup("rule").await;
-    let keys = enqueue(&mut pg, 14, "rule").await;
+    let keys = enqueue(&mut pg, 16, "rule").await;
     let cluster = Some(common::NATS_CLUSTER);
     assert_eq!(store::check_lease_rule(&pg).await.unwrap(), vec![]);
-    // Rows 0..4 under a lease that expires; rows 4..12 under a live one; 12 and 13 never listed.
+    // Rows 0..4 under a lease that expires; rows 4..14 under a live one; 14 and 15 never listed.
     let mut held = store::Held::default();
     let short = store::claim(
         &mut pg,
@@ -302,24 +302,25 @@ async fn the_lease_rule_reads_the_same_in_the_core_the_sql_and_the_view() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     let b = store::claim(
         &mut pg,
-        &store::ClaimRequest::new(2, 12, 60_000).cluster(cluster),
+        &store::ClaimRequest::new(2, 14, 60_000).cluster(cluster),
         Some(&mut held),
     )
     .await
     .unwrap();
     assert_eq!(
         (b.outgoing.len(), b.expired_to_unknown),
-        (8, 4),
-        "the second claim expired the first lease's rows and leased eight more (its limit counts both)"
+        (10, 4),
+        "the second claim expired the first lease's rows and leased ten more (its limit counts both)"
     );
     // Rows 4 and 5 published through the guarded write, row 6's receipt rejected.
     let done = two_acks_and_a_forged_one(&mut pg, &b.outgoing, &mut held).await;
     assert_eq!(done.guarded, 2);
     assert_eq!(store::check_lease_rule(&pg).await.unwrap(), vec![]);
 
-    // Rows 7..12 are listed and never claimed in storage; each now differs from that in one
+    // Rows 7..14 are listed and never claimed in storage; each now differs from that in one
     // column of the rule (as no store transaction would leave it, so that each column is
-    // tested on its own).
+    // tested on its own): an owner without a lease is a claim (one that ran out), a lease
+    // without an owner is none, in all three.
     let listed: Vec<uuid::Uuid> = b.outgoing[3..]
         .iter()
         .map(|o| uuid::Uuid::from_bytes(o.event_id.0))
@@ -329,6 +330,8 @@ async fn the_lease_rule_reads_the_same_in_the_core_the_sql_and_the_view() {
         "attempt_generation = 1",
         "primary_sequence = 77",
         "claim_owner = 9, lease_until_ms = 1",
+        "claim_owner = 9",
+        "lease_until_ms = 1",
         "attempt_id = 424242, attempt_agen = 1, attempt_claim_generation = 1, attempt_owner = 9,
          attempt_envelope_generation = envelope_generation, attempt_status = 'SENDING',
          attempt_started_ms = 1",
@@ -350,8 +353,8 @@ async fn the_lease_rule_reads_the_same_in_the_core_the_sql_and_the_view() {
     );
     let in_view = common::count(&pg, "SELECT count(*) FROM sealpost.leased").await;
     assert_eq!(
-        in_view, 1,
-        "of the live lease's rows only the rejected one is still stood for"
+        in_view, 2,
+        "of the live lease's rows only the rejected one and the one with a lease but no owner are still stood for"
     );
     let _ = keys;
 }

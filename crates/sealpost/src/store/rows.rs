@@ -195,17 +195,17 @@ pub(super) fn parse_row(r: &tokio_postgres::Row) -> Result<Loaded> {
     let payload_digest = digest_of(r.get(C::PayloadDigest.at()))?;
     let destination_digest = digest_of(r.get(C::DestinationDigest.at()))?;
     let envelope_generation = r.get::<_, i32>(C::EnvelopeGeneration.at()) as u32;
-    let claim = match (
-        r.get::<_, Option<i64>>(C::ClaimOwner.at()),
-        r.get::<_, Option<i64>>(C::LeaseUntilMs.at()),
-    ) {
-        (Some(owner), Some(lease)) => Some(Claim {
+    // A row is claimed exactly when it has an owner, as the SQL reads it (`claim_owner IS
+    // NULL` in the lease rule and the view of migration 12). An owner without a lease (no
+    // Sealpost writes one) reads as a claim whose lease ran out at 0, which the next claim
+    // takes over; a lease without an owner is no claim.
+    let claim = r
+        .get::<_, Option<i64>>(C::ClaimOwner.at())
+        .map(|owner| Claim {
             owner: owner as u64,
             generation: r.get::<_, i64>(C::ClaimGeneration.at()) as u64,
-            lease_until_ms: lease as u64,
-        }),
-        _ => None,
-    };
+            lease_until_ms: r.get::<_, Option<i64>>(C::LeaseUntilMs.at()).unwrap_or(0) as u64,
+        });
     let primary = r
         .get::<_, Option<i64>>(C::PrimarySequence.at())
         .map(|seq| Receipt {
