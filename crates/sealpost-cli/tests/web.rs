@@ -788,22 +788,13 @@ async fn the_status_page_needs_a_token_shows_the_status_and_releases_only_for_an
     let shown_unknown: i64 = text(&c, "#unknown").await.parse().unwrap();
     let shown_quarantined: i64 = text(&c, "#quarantined").await.parse().unwrap();
     let shown_missing: i64 = text(&c, "#missing-at-broker").await.parse().unwrap();
-    let mut shown_rows = Vec::new();
-    for tr in c
-        .find_all(Locator::Css("#quarantined-rows tr[data-event-id]"))
-        .await
-        .unwrap()
-    {
-        let id = tr.attr("data-event-id").await.unwrap().unwrap();
-        let why = tr
-            .find(Locator::Css("td.reason"))
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
-        shown_rows.push(serde_json::json!([id, why]));
-    }
+    // Read in one script, as `text` reads (the page may re-render between two calls).
+    let shown_rows = in_page(
+        &c,
+        "return Array.from(document.querySelectorAll('#quarantined-rows tr[data-event-id]'), \
+         tr => [tr.dataset.eventId, tr.querySelector('td.reason').innerText.trim()])",
+    )
+    .await;
     let after = cli_status(&cfg);
     assert_eq!(
         before["states"], after["states"],
@@ -813,7 +804,7 @@ async fn the_status_page_needs_a_token_shows_the_status_and_releases_only_for_an
     assert_eq!(shown_unknown, after["unknown"].as_i64().unwrap());
     assert_eq!(shown_quarantined, after["quarantined"].as_i64().unwrap());
     assert_eq!(shown_missing, after["missing_at_broker"].as_i64().unwrap());
-    assert_eq!(Value::Array(shown_rows), after["quarantined_rows"]);
+    assert_eq!(shown_rows, after["quarantined_rows"]);
     for (shown, key) in [
         (shown_pending_age, "oldest_pending_s"),
         (shown_unknown_age, "oldest_unknown_s"),
@@ -841,14 +832,7 @@ async fn the_status_page_needs_a_token_shows_the_status_and_releases_only_for_an
         "delivery sets: 1 (0 complete, 1 in progress, 0 blocked)"
     );
     let set_row = format!("#sets tr[data-event-id='{set_id}']");
-    let cells: Vec<String> = {
-        let tr = c.find(Locator::Css(&set_row)).await.unwrap();
-        let mut cells = Vec::new();
-        for td in tr.find_all(Locator::Css("td")).await.unwrap() {
-            cells.push(td.text().await.unwrap());
-        }
-        cells
-    };
+    let cells = row_cells(&c, &set_row).await;
     assert_eq!(
         cells,
         vec![
