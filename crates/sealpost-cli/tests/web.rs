@@ -17,6 +17,7 @@ use crate::common;
 use crate::teardown_nats;
 
 use std::net::TcpListener;
+use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
@@ -52,6 +53,21 @@ struct Killed(Child);
 impl Drop for Killed {
     fn drop(&mut self) {
         let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// chromedriver in a process group of its own, and the Chromium it starts: the whole group
+/// is killed when the test ends. Killing chromedriver alone leaves its browser running when a
+/// test fails before closing the session.
+struct Browser(Child);
+
+impl Drop for Browser {
+    fn drop(&mut self) {
+        let _ = Command::new("kill")
+            .args(["-KILL", "--", &format!("-{}", self.0.id())])
+            .stderr(Stdio::null())
+            .status();
         let _ = self.0.wait();
     }
 }
@@ -102,16 +118,17 @@ fn chromedriver() -> PathBuf {
 }
 
 /// Starts chromedriver on a free port and opens a headless Chromium session.
-async fn browser() -> (Client, Killed) {
+async fn browser() -> (Client, Browser) {
     let port = free_port();
     let mut child = Command::new(chromedriver())
         .arg(format!("--port={port}"))
+        .process_group(0)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
         .expect("start chromedriver");
     wait_listening("chromedriver", port, &mut child).await;
-    let driver = Killed(child);
+    let driver = Browser(child);
     let mut caps = serde_json::Map::new();
     let mut chrome = serde_json::json!({
         "args": ["--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1280,1500"]
