@@ -355,37 +355,39 @@ fn cli_status(cfg: &Config) -> Value {
     serde_json::from_slice(&out.stdout).expect("status --json prints JSON")
 }
 
-/// The text of `css` as shown, read in one script: the page re-renders itself every 2 s, and
-/// a found element can be replaced before a second WebDriver call reads it.
-async fn text(c: &Client, css: &str) -> String {
-    let shown = c
+/// `of_it` (an expression of `e`, the element `css` selects) as the page shows it, read in
+/// one script: the page re-renders itself every 2 s, and a found element can be replaced
+/// before a second WebDriver call reads it.
+async fn shown(c: &Client, css: &str, of_it: &str) -> Value {
+    let value = c
         .execute(
-            "const e = document.querySelector(arguments[0]); return e ? e.innerText : null",
+            &format!("const e = document.querySelector(arguments[0]); return e ? {of_it} : null"),
             vec![Value::from(css)],
         )
         .await
         .unwrap_or_else(|e| panic!("the page cannot read `{css}`: {e}"));
-    shown
-        .as_str()
-        .unwrap_or_else(|| panic!("the page has no `{css}`"))
-        .trim()
-        .to_string()
+    assert!(!value.is_null(), "the page has no `{css}`");
+    value
 }
 
-/// The cells of the table row `css`, as shown, read in one script (see [`text`]).
+/// The text of `css` as shown.
+async fn text(c: &Client, css: &str) -> String {
+    let value = shown(c, css, "e.innerText").await;
+    value.as_str().unwrap_or_default().trim().to_string()
+}
+
+/// The cells of the table row `css`, as shown.
 async fn row_cells(c: &Client, css: &str) -> Vec<String> {
-    let shown = c
-        .execute(
-            "const tr = document.querySelector(arguments[0]); \
-             return tr ? Array.from(tr.querySelectorAll('td'), td => td.innerText) : null",
-            vec![Value::from(css)],
-        )
-        .await
-        .unwrap_or_else(|e| panic!("the page cannot read `{css}`: {e}"));
-    shown
+    let value = shown(
+        c,
+        css,
+        "Array.from(e.querySelectorAll('td'), td => td.innerText)",
+    )
+    .await;
+    value
         .as_array()
-        .unwrap_or_else(|| panic!("the page has no `{css}`"))
-        .iter()
+        .into_iter()
+        .flatten()
         .map(|cell| cell.as_str().unwrap_or_default().trim().to_string())
         .collect()
 }
